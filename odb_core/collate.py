@@ -1,0 +1,93 @@
+"""Collation: the default padding collator and the checks applied to any user collator's output."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import default_collate
+
+from odb_core.sample import IGNORE_INDEX
+
+CollateFn = Callable[[list[Any]], Any]
+SEQUENCE_PAD = {"input_ids": None, "labels": IGNORE_INDEX, "attention_mask": 0, "position_ids": 0,
+                "token_type_ids": 0, "mm_token_type_ids": 0}
+CONCATENATED = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
+
+
+class CollateError(RuntimeError):
+    """The collate function failed or returned something that is not a model-ready mapping."""
+
+
+def _as_long(value: Any) -> torch.Tensor:
+    if isinstance(value, torch.Tensor):
+        return value
+    return torch.as_tensor(np.asarray(value))
+
+
+class PadCollator:
+    """Right-pads 1-D sequence fields to the group's longest sample and concatenates vision fields.
+
+    `input_ids` is padded with `pad_token_id`, `labels` with -100, masks and position ids with 0; a missing
+    `attention_mask` is created. `pixel_values`/`image_grid_thw` are concatenated along dim 0 (Qwen2-VL layout).
+    Other fields go through `torch.utils.data.default_collate`.
+    """
+
+    def __init__(self, pad_token_id: int = 0) -> None:
+        self.pad_token_id = pad_token_id
+
+    def __call__(self, samples: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+        keys = list(samples[0])
+        batch: dict[str, Any] = {}
+        longest = max(len(s["input_ids"]) for s in samples)
+        for key in keys:
+            values = [s[key] for s in samples]
+            if key in SEQUENCE_PAD:
+                pad = self.pad_token_id if key == "input_ids" else SEQUENCE_PAD[key]
+                batch[key] = self._pad([_as_long(v) for v in values], longest, pad)
+            elif key in CONCATENATED:
+                batch[key] = torch.cat([torch.as_tensor(v) for v in values], dim=0)
+            else:
+                batch[key] = default_collate(values)
+        if "attention_mask" not in batch:
+            mask = [torch.ones(len(s["input_ids"]), dtype=torch.long) for s in samples]
+            batch["attention_mask"] = self._pad(mask, longest, 0)
+        return batch
+
+    @staticmethod
+    def _pad(rows: list[torch.Tensor], length: int, value: int) -> torch.Tensor:
+        out = torch.full((len(rows), length), value, dtype=rows[0].dtype)
+        for i, row in enumerate(rows):
+            out[i, : row.shape[0]] = row
+        return out
+
+
+def run_collate(collate_fn: CollateFn, samples: list[Any], indices: Sequence[int]) -> Mapping[str, Any]:
+    """Call the collator and check that it returned a mapping; errors name the samples' dataset indices."""
+    try:
+        batch = collate_fn(samples)
+    except Exception as exc:
+        raise CollateError(f"collate_fn raised {type(exc).__name__} on samples {list(indices)}: {exc}") from exc
+    if not isinstance(batch, Mapping):
+        raise CollateError(f"collate_fn returned {type(batch).__name__} for samples {list(indices)}; ODB needs a "
+                           "mapping of model inputs (model(**batch)), e.g. a dict or BatchEncoding")
+    return batch
+
+
+def supervised_tokens(batch: Mapping[str, Any], samples: Sequence[Mapping[str, Any]]) -> int:
+    """Supervised tokens the model will see: `labels[..., 1:] != -100` on the collated batch.
+
+    Without `labels` in the batch, each sample counts `len(input_ids) - 1` (the collator-free causal LM case).
+    """
+    labels = batch.get("labels")
+    if isinstance(labels, torch.Tensor):
+        return int((labels[..., 1:] != IGNORE_INDEX).sum())
+    return sum(max(len(s["input_ids"]) - 1, 0) for s in samples)
+
+
+def padded_tokens(batch: Mapping[str, Any], real_tokens: int) -> int:
+    """Token slots the batch occupies (numel of `input_ids`), or the real tokens if it is not a tensor."""
+    input_ids = batch.get("input_ids")
+    return int(input_ids.numel()) if isinstance(input_ids, torch.Tensor) else real_tokens

@@ -1,0 +1,93 @@
+"""The one configuration object of the engine.
+
+`ODBConfig` is frozen and checked at construction: a bad value raises `ValueError` naming the field, the value
+and the allowed range. There are no aliases and no environment-variable knobs; every behaviour is a field here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+CostName = Literal["padded", "tokens", "attention"]
+OversizePolicy = Literal["alone", "error"]
+COST_NAMES: tuple[str, ...] = ("padded", "tokens", "attention")
+OVERSIZE_POLICIES: tuple[str, ...] = ("alone", "error")
+
+
+def _require(ok: bool, field: str, value: object, allowed: str) -> None:
+    if not ok:
+        raise ValueError(f"ODBConfig.{field}={value!r} is invalid: {allowed}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ODBConfig:
+    """Everything that decides which samples share a step.
+
+    Batches are a function of (seed, epoch, data, world size, this config) only.
+
+    Fields:
+        token_budget: `L_max`, the cost ceiling of one micro-batch on one rank (see `cost`).
+        cost: how a group's cost is measured. `padded`: B x max_len (padded collators, the paper's model);
+            `tokens`: sum of lengths (padding-free / flattening collators); `attention`:
+            B x max_len + attention_alpha x B x max_len^2 (quadratic attention term).
+        attention_alpha: weight of the quadratic term for `cost="attention"`, in budget units per token^2.
+        max_patches: optional cap on vision patches (rows of `pixel_values`) per group.
+        max_batch_size: optional cap on samples per group (for collators or kernels with a hard batch limit).
+        window: samples buffered per rank before grouping. Bounds memory; larger comes closer to the oracle.
+        join: True drains every rank (each sample exactly once per epoch); False stops at the shortest rank.
+        oversize: a single sample whose cost exceeds the budget either runs `alone` in its own group (counted in
+            metrics) or raises an `error` naming its index.
+        accumulation_steps: gradient-accumulation micro-batches per optimizer step. Epochs end on a multiple of
+            it, and `StepInfo.window_tokens` sums the supervised tokens of each aligned window.
+        seed: seed of the sampler shuffle and of the in-round step order.
+        shuffle_steps: shuffle the order of a round's steps (identically on every rank, so pairing is kept).
+        prefetch_steps: depth of the bounded queue filled by a background thread; 0 runs everything inline.
+        fetch_chunk: samples per worker fetch (cuts inter-process overhead; does not change the batches).
+        sync_timeout_s: timeout of every Gloo collective; a dead peer raises within this time.
+        worker_timeout_s: timeout of one worker fetch (0 = no timeout). A dead worker is reported by the
+            DataLoader's own watchdog regardless.
+    """
+
+    token_budget: int
+    cost: CostName = "padded"
+    attention_alpha: float = 0.0
+    max_patches: int | None = None
+    max_batch_size: int | None = None
+    window: int = 4096
+    join: bool = True
+    oversize: OversizePolicy = "alone"
+    accumulation_steps: int = 1
+    seed: int = 0
+    shuffle_steps: bool = True
+    prefetch_steps: int = 2
+    fetch_chunk: int = 8
+    sync_timeout_s: float = 300.0
+    worker_timeout_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.token_budget, int) and self.token_budget > 0, "token_budget", self.token_budget,
+                 "it must be a positive int (tokens per micro-batch per rank), e.g. 16384")
+        _require(self.cost in COST_NAMES, "cost", self.cost, f"choose one of {COST_NAMES}")
+        _require(self.attention_alpha >= 0, "attention_alpha", self.attention_alpha, "it must be >= 0")
+        _require(self.cost == "attention" or self.attention_alpha == 0, "attention_alpha", self.attention_alpha,
+                 "it only applies to cost='attention'; leave it at 0 or set cost='attention'")
+        _require(self.max_patches is None or (isinstance(self.max_patches, int) and self.max_patches > 0),
+                 "max_patches", self.max_patches, "it must be None or a positive int")
+        _require(self.max_batch_size is None or (isinstance(self.max_batch_size, int) and self.max_batch_size > 0),
+                 "max_batch_size", self.max_batch_size, "it must be None or a positive int")
+        _require(isinstance(self.window, int) and self.window >= 1, "window", self.window,
+                 "it must be an int >= 1 (samples buffered per rank); the default 4096 is near the oracle")
+        _require(isinstance(self.join, bool), "join", self.join, "it must be True (drain all) or False (quota)")
+        _require(self.oversize in OVERSIZE_POLICIES, "oversize", self.oversize,
+                 f"choose one of {OVERSIZE_POLICIES}")
+        _require(isinstance(self.accumulation_steps, int) and self.accumulation_steps >= 1, "accumulation_steps",
+                 self.accumulation_steps, "it must be an int >= 1")
+        _require(isinstance(self.seed, int), "seed", self.seed, "it must be an int")
+        _require(isinstance(self.prefetch_steps, int) and self.prefetch_steps >= 0, "prefetch_steps",
+                 self.prefetch_steps, "it must be an int >= 0 (0 = no background thread)")
+        _require(isinstance(self.fetch_chunk, int) and self.fetch_chunk >= 1, "fetch_chunk", self.fetch_chunk,
+                 "it must be an int >= 1")
+        _require(self.sync_timeout_s > 0, "sync_timeout_s", self.sync_timeout_s, "it must be > 0 seconds")
+        _require(self.worker_timeout_s >= 0, "worker_timeout_s", self.worker_timeout_s,
+                 "it must be >= 0 seconds (0 = no timeout)")

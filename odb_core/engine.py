@@ -1,0 +1,90 @@
+"""One rank's buffer and round logic, with no I/O.
+
+`RankEngine` is shared by the real loader (which feeds it processed samples and exchanges `RankState`s over
+Gloo) and by the virtual cluster in `simulate.py` (which feeds it lengths and exchanges states in a list).
+Because both run this code, the simulator's plans are the loader's plans.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from odb_core.alignment import Adjustment, RoundKey, adjust, order_slots
+from odb_core.budget import Item, build_budget
+from odb_core.config import ODBConfig
+from odb_core.grouping import WindowPlan, plan_window
+from odb_core.sample import SampleError
+from odb_core.termination import Decision, RankState, align_to_accumulation, build_termination
+
+
+@dataclass(frozen=True, slots=True)
+class LocalRound:
+    """This rank's half of a round before the exchange: its plan and the state it reports."""
+
+    plan: WindowPlan
+    state: RankState
+
+
+class DesyncError(RuntimeError):
+    """Ranks disagree on the epoch's progress; continuing would hang or mis-weight the loss."""
+
+
+class RankEngine:
+    """Buffer of planned-but-unemitted samples on one rank, and the per-round plan/adjust steps.
+
+    Call order per round: `space()` and `admit()` until the window is full or the stream ends, then
+    `start_round()`, exchange `LocalRound.state` with every rank, then `finish_round()` with all states.
+    """
+
+    def __init__(self, config: ODBConfig, epoch: int) -> None:
+        self.config = config
+        self.budget = build_budget(config)
+        self.termination = build_termination(config.join)
+        self.epoch = epoch
+        self.items: list[Item] = []
+        self.round = 0
+        self.steps_done = 0
+        self.oversize = 0
+        self.finished = False
+
+    def space(self) -> int:
+        """How many more samples the window takes before this round's plan."""
+        return max(self.config.window - len(self.items), 0)
+
+    def admit(self, item: Item) -> None:
+        """Add one observed sample to the buffer, applying the oversize policy."""
+        if not self.budget.alone_fits(item):
+            if self.config.oversize == "error":
+                raise SampleError(item.index, f"cost of length {item.length} (patches {item.patches}) exceeds "
+                                              f"token_budget={self.config.token_budget} on its own; raise the "
+                                              "budget, truncate the sample, or set oversize='alone'")
+            self.oversize += 1
+        self.items.append(item)
+
+    def start_round(self, active: bool) -> LocalRound:
+        """Plan the window. `active` is False once this rank's stream has ended (the rank is closing)."""
+        plan = plan_window(self.items, self.budget, closing=not active)
+        state = RankState(active=active, n_ready=plan.n_ready, n_groups=len(plan.groups),
+                          n_samples=len(self.items), steps_done=self.steps_done)
+        return LocalRound(plan=plan, state=state)
+
+    def decide(self, states: Sequence[RankState]) -> Decision:
+        """The round's decision from every rank's state (identical on every rank)."""
+        if len({s.steps_done for s in states}) != 1:
+            raise DesyncError(f"ranks report different step counts {[s.steps_done for s in states]} in round "
+                              f"{self.round} of epoch {self.epoch}; were they given different configs or epochs?")
+        decision = self.termination.decide(states)
+        return align_to_accumulation(decision, self.steps_done, self.config.accumulation_steps)
+
+    def finish_round(self, local: LocalRound, decision: Decision) -> Adjustment:
+        """Apply the decision: exactly `decision.target` ordered slots; unchosen samples stay buffered."""
+        adjustment = adjust(local.plan, decision.target, self.budget)
+        key = RoundKey(seed=self.config.seed, epoch=self.epoch, round=self.round)
+        ordered = order_slots(adjustment.slots, key, self.config.shuffle_steps)
+        self.items = list(adjustment.kept)
+        self.steps_done += decision.target
+        self.round += 1
+        self.finished = decision.final
+        return Adjustment(slots=ordered, kept=adjustment.kept, n_split=adjustment.n_split,
+                          n_pushed_back=adjustment.n_pushed_back)

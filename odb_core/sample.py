@@ -1,0 +1,95 @@
+"""What the engine reads off one processed sample: its cost facts, checked with errors that name the index.
+
+NOTE [ Observed cost ]
+A sample's cost is known only after the user's pipeline ran (tokenization, templates, truncation, image-token
+expansion). The default cost length is `len(input_ids)`; vision patches are the rows of `pixel_values`, or the
+sum of t*h*w over `image_grid_thw`, and are capped per group by `max_patches`. A user `length_fn(sample) -> int`
+replaces the default length. Supervised tokens are counted later, on the collated batch, as
+`labels[..., 1:] != -100` (the causal shift), so that whatever the collator does to labels is what is counted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from odb_core.budget import Item
+
+IGNORE_INDEX = -100
+LengthFn = Callable[[Mapping[str, Any]], int]
+
+
+class SampleError(ValueError):
+    """A processed sample that the engine cannot batch. The message names the dataset index and the cause."""
+
+    def __init__(self, index: int, cause: str) -> None:
+        super().__init__(f"sample {index}: {cause}")
+        self.index = index
+        self.cause = cause
+
+
+def sequence_length(value: Any) -> int | None:
+    """Length of a 1-D token sequence given as a tensor, ndarray, list or tuple; None if it is not 1-D."""
+    if isinstance(value, torch.Tensor | np.ndarray):
+        return int(value.shape[0]) if value.ndim == 1 else None
+    if isinstance(value, list | tuple):
+        return len(value)
+    return None
+
+
+def count_patches(sample: Mapping[str, Any]) -> int:
+    """Vision patches of a sample: `image_grid_thw` products if present, else rows of `pixel_values`."""
+    grid = sample.get("image_grid_thw")
+    if grid is not None:
+        grid = torch.as_tensor(grid).reshape(-1, 3)
+        return int(grid.prod(dim=1).sum())
+    pixels = sample.get("pixel_values")
+    if pixels is not None and hasattr(pixels, "shape") and len(pixels.shape) >= 1:
+        return int(pixels.shape[0])
+    return 0
+
+
+def inspect_sample(index: int, sample: Any, length_fn: LengthFn | None) -> Item:
+    """Check one sample and return its planning facts. Raises `SampleError` naming `index` and the cause."""
+    if not isinstance(sample, Mapping):
+        raise SampleError(index, f"expected a mapping with 'input_ids', got {type(sample).__name__}")
+    if "input_ids" not in sample:
+        raise SampleError(index, f"has no 'input_ids' (keys: {sorted(sample)})")
+    n_input = sequence_length(sample["input_ids"])
+    if n_input is None:
+        raise SampleError(index, "'input_ids' must be a 1-D tensor, ndarray or list of token ids, got "
+                                 f"{type(sample['input_ids']).__name__} of shape {getattr(sample['input_ids'], 'shape', '?')}")
+    if n_input == 0:
+        raise SampleError(index, "'input_ids' is empty")
+    if "labels" in sample and sequence_length(sample["labels"]) is None:
+        raise SampleError(index, "'labels' must be a 1-D sequence like 'input_ids'")
+    length = n_input
+    if length_fn is not None:
+        try:
+            length = length_fn(sample)
+        except Exception as exc:
+            raise SampleError(index, f"length_fn raised {type(exc).__name__}: {exc}") from exc
+        if not isinstance(length, int | np.integer) or isinstance(length, bool) or length <= 0:
+            raise SampleError(index, f"length_fn returned {length!r}; it must return a positive int")
+    return Item(index=index, length=int(length), patches=count_patches(sample))
+
+
+def as_dummy(sample: Mapping[str, Any]) -> dict[str, Any]:
+    """A zero-weight copy of a real sample: every label is -100, so it contributes no loss and no gradient."""
+    dummy = dict(sample)
+    reference = sample.get("labels", sample["input_ids"])
+    if isinstance(reference, torch.Tensor):
+        dummy["labels"] = torch.full_like(reference, IGNORE_INDEX, dtype=torch.long)
+    elif isinstance(reference, np.ndarray):
+        dummy["labels"] = np.full(reference.shape, IGNORE_INDEX, dtype=np.int64)
+    else:
+        dummy["labels"] = [IGNORE_INDEX] * len(reference)
+    return dummy
+
+
+def input_tokens(sample: Mapping[str, Any]) -> int:
+    """Real (unpadded) input tokens of one sample."""
+    return int(sequence_length(sample["input_ids"]) or 0)

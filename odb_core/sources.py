@@ -1,0 +1,122 @@
+"""Where samples come from: rank sharding, index tagging and chunked fetches over a plain DataLoader.
+
+NOTE [ Workers emit tagged samples ]
+Workers are an ordinary `torch.utils.data.DataLoader`. Every fetch returns a list of `(index, sample)` pairs
+(a *chunk* of `fetch_chunk` samples, to cut inter-process overhead), produced by module-level, picklable
+wrappers, so fork, spawn and forkserver all work and `num_workers=0` runs the same code in-process.
+The DataLoader returns chunks in sampler order whatever the number of workers, so the windows, and therefore
+the batches, do not depend on `num_workers` or on worker timing.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Iterator, Sized
+from typing import Any
+
+import torch
+from torch.utils.data import Dataset, IterableDataset, Sampler, get_worker_info
+
+
+class ShardedSampler(Sampler[int]):
+    """ODB's own rank sharding: rank r takes positions r, r+W, r+2W, ... of the (optionally shuffled) order.
+
+    Unlike `DistributedSampler` it neither pads nor drops: ranks may get counts that differ by one, or a rank may
+    get none. ODB's alignment makes the step counts equal anyway. The shuffle is a function of (seed, epoch).
+    """
+
+    def __init__(self, size: int, *, rank: int, world_size: int, shuffle: bool, seed: int) -> None:
+        self.size, self.rank, self.world_size = size, rank, world_size
+        self.shuffle, self.seed, self.epoch = shuffle, seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[int]:
+        if self.shuffle:
+            generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+            order = torch.randperm(self.size, generator=generator).tolist()
+        else:
+            order = list(range(self.size))
+        return iter(order[self.rank :: self.world_size])
+
+    def __len__(self) -> int:
+        return len(range(self.rank, self.size, self.world_size))
+
+
+class ChunkSampler(Sampler[list[int]]):
+    """Cuts a sampler's indices into chunks of `chunk`, after skipping the first `start` indices (resume)."""
+
+    def __init__(self, sampler: Sampler[int], chunk: int) -> None:
+        self.sampler, self.chunk, self.start = sampler, chunk, 0
+
+    def __iter__(self) -> Iterator[list[int]]:
+        indices = itertools.islice(iter(self.sampler), self.start, None)
+        while batch := list(itertools.islice(indices, self.chunk)):
+            yield batch
+
+    def __len__(self) -> int:
+        return math.ceil(max(len(self.sampler) - self.start, 0) / self.chunk)  # type: ignore[arg-type]
+
+
+class IndexedDataset(Dataset):
+    """Map-style wrapper: `wrapped[i]` is `(i, dataset[i])`; the DataLoader fetches a chunk of them at once."""
+
+    def __init__(self, dataset: Dataset) -> None:
+        self.dataset = dataset
+
+    def __getitem__(self, index: int) -> tuple[int, Any]:
+        return int(index), self.dataset[index]
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+
+class IndexedIterable(IterableDataset):
+    """Iterable wrapper: tags each sample with its stream position and deals chunks to workers in turn.
+
+    With `shard=True` rank r keeps stream positions p with p % W == r; the tag is the global position p. With
+    `shard=False` (the dataset is already split by node, e.g. `datasets.distributed.split_dataset_by_node`) the
+    k-th sample of this rank is tagged k * W + r, which is unique across ranks. Chunk c of this rank's samples
+    goes to worker c % num_workers, so the DataLoader's round-robin returns chunks in stream order.
+    """
+
+    def __init__(self, dataset: IterableDataset, *, rank: int, world_size: int, shard: bool, chunk: int) -> None:
+        self.dataset, self.rank, self.world_size = dataset, rank, world_size
+        self.shard, self.chunk, self.start = shard, chunk, 0
+
+    def _tagged(self) -> Iterator[tuple[int, Any]]:
+        if self.shard:
+            for position, sample in enumerate(self.dataset):
+                if position % self.world_size == self.rank:
+                    yield position, sample
+        else:
+            for k, sample in enumerate(self.dataset):
+                yield k * self.world_size + self.rank, sample
+
+    def __iter__(self) -> Iterator[list[tuple[int, Any]]]:
+        info = get_worker_info()
+        worker, n_workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        stream = itertools.islice(self._tagged(), self.start, None)
+        for c in itertools.count():
+            chunk = list(itertools.islice(stream, self.chunk))
+            if not chunk:
+                return
+            if c % n_workers == worker:
+                yield chunk
+
+
+def keep_chunk(chunk: list[tuple[int, Any]]) -> list[tuple[int, Any]]:
+    """The workers' collate function: pass the tagged chunk through untouched (module level, so picklable)."""
+    return chunk
+
+
+def map_style_size(dataset: Any) -> int | None:
+    """Length of a map-style dataset, or None for an iterable one."""
+    if isinstance(dataset, IterableDataset):
+        return None
+    if not isinstance(dataset, Sized):
+        raise TypeError(f"dataset of type {type(dataset).__name__} is neither an IterableDataset nor sized; "
+                        "map-style datasets need __len__ and __getitem__")
+    return len(dataset)

@@ -1,0 +1,50 @@
+"""Step metadata that travels beside the batch, never inside its tensors."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StepInfo:
+    """Facts about one yielded step on this rank.
+
+    `*_tokens` are supervised tokens (labels != -100 after the causal shift); `*_input_tokens` are real,
+    unpadded input tokens. `global_*` sum over every rank for this step. `window_tokens` is the supervised-token
+    count of the whole optimizer step (every rank, every accumulation micro-batch): the exact normaliser of a
+    per-token mean loss. IDLE steps have no indices and zero counts and carry a zero-weight dummy batch.
+    """
+
+    epoch: int
+    step: int
+    round: int
+    indices: tuple[int, ...]
+    is_idle: bool
+    local_samples: int
+    global_samples: int
+    local_tokens: int
+    global_tokens: int
+    local_input_tokens: int
+    global_input_tokens: int
+    padded_tokens: int
+    cost: float
+    window_tokens: int
+
+
+class ODBBatch(dict):
+    """The user's collated, model-ready mapping (`model(**batch)` works) with a frozen `StepInfo` as `.info`.
+
+    Frameworks that rebuild mappings with `type(batch)(...)` (accelerate's `send_to_device`, the HF Trainer's
+    `_prepare_inputs`) get a plain copy without `.info`; adapters read `.info` before moving the batch.
+    """
+
+    __slots__ = ("info",)
+
+    def __init__(self, data: Mapping[str, Any] = (), info: StepInfo | None = None) -> None:
+        super().__init__(data)
+        self.info = info
+
+    def __reduce__(self):  # picklable with its info
+        return (type(self), (dict(self), self.info))

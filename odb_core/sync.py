@@ -1,0 +1,171 @@
+"""Transports: the only module that touches `torch.distributed`.
+
+A `Transport` moves small int64 vectors between ranks with two collectives, always called in the same order on
+every rank (see NOTE [ Rounds and termination ]):
+  * `all_gather(values)` once per round: each rank's `RankState` (5 ints), O(W) ints per rank;
+  * `all_reduce_sum(values)` once per round: 5 ints per step of the round, O(T) ints.
+Three implementations: `LocalTransport` (one process), `GlooTransport` (a dedicated Gloo group, created
+collectively on the main thread with a timeout, isolated from the model's process group) and `VirtualTransport`
+(W ranks as threads of one process, for tests and simulation of the full loader).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+INT64_BYTES = 8
+
+
+class PeerError(RuntimeError):
+    """A metadata collective failed or timed out: a peer rank died, hung, or left the epoch early."""
+
+
+@dataclass(slots=True)
+class TransportStats:
+    """Cumulative traffic and latency of the metadata collectives (bytes this rank sent)."""
+
+    calls: int = 0
+    bytes_sent: int = 0
+    seconds: float = 0.0
+
+
+class Transport(ABC):
+    """Small int64 collectives among `world_size` ranks. Every rank must call them in the same order."""
+
+    rank: int
+    world_size: int
+
+    def __init__(self) -> None:
+        self.stats = TransportStats()
+
+    def all_gather(self, values: list[int]) -> list[list[int]]:
+        """Every rank's `values` (same length on every rank), in rank order."""
+        start = time.perf_counter()
+        gathered = self._all_gather(values)
+        self._account(len(values), start)
+        return gathered
+
+    def all_reduce_sum(self, values: list[int]) -> list[int]:
+        """Element-wise sum of `values` over ranks (same length on every rank)."""
+        start = time.perf_counter()
+        reduced = self._all_reduce_sum(values) if values else []
+        self._account(len(values), start)
+        return reduced
+
+    def _account(self, n_ints: int, start: float) -> None:
+        self.stats.calls += 1
+        self.stats.bytes_sent += n_ints * INT64_BYTES
+        self.stats.seconds += time.perf_counter() - start
+
+    @abstractmethod
+    def _all_gather(self, values: list[int]) -> list[list[int]]: ...
+
+    @abstractmethod
+    def _all_reduce_sum(self, values: list[int]) -> list[int]: ...
+
+    def close(self) -> None:
+        """Release resources; the transport must not be used afterwards."""
+
+
+class LocalTransport(Transport):
+    """A single rank: collectives are identities."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rank, self.world_size = 0, 1
+
+    def _all_gather(self, values: list[int]) -> list[list[int]]:
+        return [list(values)]
+
+    def _all_reduce_sum(self, values: list[int]) -> list[int]:
+        return list(values)
+
+
+class GlooTransport(Transport):
+    """A dedicated Gloo group over the initialized default group; every op is bounded by `timeout_s`.
+
+    Construction is a collective (`dist.new_group`): every rank must build its loader in the same order, on the
+    main thread. A dead or stuck peer makes the next collective raise `PeerError` within `timeout_s`.
+    """
+
+    def __init__(self, timeout_s: float) -> None:
+        super().__init__()
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("GlooTransport needs torch.distributed to be initialized (init_process_group)")
+        self.timeout_s = timeout_s
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+
+    def _fail(self, what: str, exc: Exception) -> PeerError:
+        return PeerError(f"rank {self.rank}: ODB metadata {what} failed (timeout {self.timeout_s:g}s): a peer rank "
+                         f"probably died, hung, or stopped iterating early ({type(exc).__name__}: {exc})")
+
+    def _all_gather(self, values: list[int]) -> list[list[int]]:
+        local = torch.tensor(values, dtype=torch.int64)
+        out = [torch.empty_like(local) for _ in range(self.world_size)]
+        try:
+            dist.all_gather(out, local, group=self.group)
+        except Exception as exc:  # gloo raises RuntimeError subclasses with transport-specific types
+            raise self._fail("all_gather", exc) from exc
+        return [t.tolist() for t in out]
+
+    def _all_reduce_sum(self, values: list[int]) -> list[int]:
+        tensor = torch.tensor(values, dtype=torch.int64)
+        try:
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group)
+        except Exception as exc:
+            raise self._fail("all_reduce", exc) from exc
+        return tensor.tolist()
+
+    def close(self) -> None:
+        # Destroying a subgroup is itself collective in some backends; leave it to destroy_process_group().
+        self.group = None
+
+
+class VirtualHub:
+    """Rendezvous of W in-process ranks (threads). `timeout_s` bounds every exchange."""
+
+    def __init__(self, world_size: int, timeout_s: float = 60.0) -> None:
+        self.world_size = world_size
+        self.timeout_s = timeout_s
+        self._barrier = threading.Barrier(world_size)
+        self._slots: list[list[int] | None] = [None] * world_size
+
+    def exchange(self, rank: int, values: list[int]) -> list[list[int]]:
+        try:
+            self._barrier.wait(self.timeout_s)
+            self._slots[rank] = list(values)
+            self._barrier.wait(self.timeout_s)
+            gathered = [list(v) for v in self._slots]  # type: ignore[arg-type]
+            self._barrier.wait(self.timeout_s)
+        except threading.BrokenBarrierError as exc:
+            raise PeerError(f"virtual rank {rank}: a peer did not reach the exchange within {self.timeout_s}s") from exc
+        return gathered
+
+
+class VirtualTransport(Transport):
+    """Rank `rank` of a `VirtualHub`: lets W loaders run as threads of one process."""
+
+    def __init__(self, hub: VirtualHub, rank: int) -> None:
+        super().__init__()
+        self.hub, self.rank, self.world_size = hub, rank, hub.world_size
+
+    def _all_gather(self, values: list[int]) -> list[list[int]]:
+        return self.hub.exchange(self.rank, values)
+
+    def _all_reduce_sum(self, values: list[int]) -> list[int]:
+        return [sum(column) for column in zip(*self.hub.exchange(self.rank, values), strict=True)]
+
+
+def default_transport(timeout_s: float) -> Transport:
+    """Gloo when torch.distributed is initialized with more than one rank, else a local transport."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return GlooTransport(timeout_s)
+    return LocalTransport()

@@ -1,0 +1,41 @@
+"""Shared fixtures: small synthetic token datasets (real text fixtures live beside the tests that use them)."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(1)
+
+
+class LengthDataset(torch.utils.data.Dataset):
+    """Map-style dataset of processed samples with given token lengths; labels mask the first half."""
+
+    def __init__(self, lengths) -> None:
+        self.lengths = [int(x) for x in lengths]
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def __getitem__(self, index: int) -> dict:
+        n = self.lengths[index]
+        ids = (torch.arange(n) * 7 + index) % 97 + 3
+        labels = ids.clone()
+        labels[: n // 2] = -100
+        return {"input_ids": ids, "labels": labels}
+
+
+def lognormal_lengths(n: int, cv: float, mean: float = 512.0, seed: int = 0, lo: int = 1, hi: int = 8192):
+    rng = np.random.default_rng(seed)
+    sigma2 = np.log(1 + cv * cv)
+    mu = np.log(mean) - sigma2 / 2
+    return np.clip(rng.lognormal(mu, np.sqrt(sigma2), n).astype(int), lo, hi).tolist()
+
+
+@pytest.fixture
+def small_dataset() -> LengthDataset:
+    return LengthDataset(lognormal_lengths(300, cv=1.0, mean=128, seed=1, hi=1024))
