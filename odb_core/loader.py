@@ -14,7 +14,7 @@ is how Python and the HF Trainer recognise a loader without a length.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import fields
+from dataclasses import asdict, fields
 from typing import Any
 
 from torch.utils.data import DataLoader, DistributedSampler, Sampler
@@ -23,14 +23,17 @@ from odb_core.collate import CollateFn, PadCollator
 from odb_core.config import ODBConfig
 from odb_core.engine import RankEngine
 from odb_core.metrics import LoaderMetrics
-from odb_core.pipeline import EpochReport, EpochRun, RunContext
+from odb_core.pipeline import EpochReport, EpochRun, ResumePoint, RoundStart, RunContext
 from odb_core.prefetch import BackgroundIterator
-from odb_core.sample import LengthFn
+from odb_core.budget import Item
+from odb_core.sample import LengthFn, inspect_sample
+from odb_core.simulate import simulate_epoch
 from odb_core.sources import (ChunkSampler, IndexedDataset, IndexedIterable, ShardedSampler, keep_chunk,
                               map_style_size)
 from odb_core.step_info import ODBBatch, StepInfo
 from odb_core.sync import Transport, default_transport
 
+STATE_VERSION = 1
 CONFIG_FIELDS = frozenset(f.name for f in fields(ODBConfig))
 WORKER_OPTIONS = frozenset({"persistent_workers", "multiprocessing_context", "pin_memory", "prefetch_factor",
                             "worker_init_fn", "generator"})
@@ -106,11 +109,13 @@ class ODBDataLoader:
         self._ctx = RunContext(engine_factory=lambda epoch: RankEngine(config, epoch), transport=self.transport,
                                collate_fn=collate_fn if collate_fn is not None else PadCollator(),
                                length_fn=length_fn, metrics=self.metrics, fallback_dummy=self._fallback_dummy,
-                               observer=observer)
+                               fetch=self._fetch, observer=observer)
         self._epoch = 0
         self._current: Iterator[ODBBatch] | None = None
         self.last_report: EpochReport | None = None
         self._length: int | None = None
+        self._resume: ResumePoint | None = None
+        self._replayed: dict[int, Any] = {}
 
     # -- construction -------------------------------------------------------------------------------------
     def _build_sampler(self, sampler: Sampler[int] | None, shuffle: bool, seed: int) -> Sampler[int] | None:
@@ -140,6 +145,23 @@ class ODBDataLoader:
         return DataLoader(_CheckedDataset(self.dataset), batch_sampler=self._chunks, num_workers=num_workers,
                           collate_fn=keep_chunk, timeout=timeout, **options)
 
+    def _fetch(self, index: int) -> Mapping[str, Any]:
+        """A sample by its tag, in the calling thread: by index for map-style data, from the replay cache of
+        an iterable stream (filled by `_replay_iterable` before a resumed epoch starts)."""
+        if self._size is not None:
+            return self.dataset[index]
+        return self._replayed.pop(index)
+
+    def _replay_iterable(self, start: RoundStart) -> None:
+        """Re-read this rank's stream up to the resume position, keeping the buffered samples and the dummy."""
+        needed = set(start.buffer) | ({start.dummy_index} if start.dummy_index is not None else set())
+        self._replayed = {}
+        for ordinal, (index, sample) in enumerate(self._iterable.tagged()):
+            if ordinal >= start.consumed:
+                break
+            if index in needed:
+                self._replayed[index] = sample
+
     def _fallback_dummy(self) -> Mapping[str, Any]:
         """A sample for IDLE dummies on a rank that has received no sample this epoch."""
         if self._idle_sample is not None:
@@ -164,16 +186,99 @@ class ODBDataLoader:
         epoch = self._epoch
         if self.sampler is not None and hasattr(self.sampler, "set_epoch"):
             self.sampler.set_epoch(epoch)
-        run = EpochRun(self._ctx, epoch, iter(self._workers))  # workers start here, on the caller's thread
+        resume, self._resume = self._resume, None
+        self._set_stream_start(resume.start.consumed if resume is not None else 0)
+        if resume is not None and self._size is None:
+            self._replay_iterable(resume.start)
+        run = EpochRun(self._ctx, epoch, iter(self._workers), resume)  # workers start here, on this thread
         self._epoch = epoch + 1
-        self._current = _EpochIterator(self, run)
+        self._current = _EpochIterator(self, run, epoch)
         return self._current
+
+    def _set_stream_start(self, consumed: int) -> None:
+        if self._size is None:
+            self._iterable.start = consumed
+        else:
+            self._chunks.start = consumed
+
+    # -- state ----------------------------------------------------------------------------------------------
+    def _fingerprint(self) -> dict[str, Any]:
+        keep = ("token_budget", "cost", "attention_alpha", "max_patches", "max_batch_size", "window", "join",
+                "accumulation_steps", "seed", "shuffle_steps")
+        return {name: getattr(self.config, name) for name in keep}
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's position, as plain JSON-serialisable data (save one per rank).
+
+        Taken after any consumed step, it makes a fresh loader's next `iter()` yield exactly the batches the
+        uninterrupted run would have yielded next (same indices, order and `StepInfo`). Between epochs it
+        points at the start of the next epoch.
+        """
+        state: dict[str, Any] = {"version": STATE_VERSION, "world_size": self.transport.world_size,
+                                 "rank": self.transport.rank, "config": self._fingerprint(),
+                                 "epoch": self._epoch, "position": None, "metrics": self.metrics.snapshot()}
+        current = self._current
+        if isinstance(current, _EpochIterator) and not current.finished:
+            state["epoch"] = current.epoch
+            if current.position is not None:
+                start, consumed = current.position
+                state["position"] = {"start": asdict(start), "steps_consumed": consumed}
+        elif self._resume is not None:
+            state["position"] = {"start": asdict(self._resume.start), "steps_consumed": self._resume.steps_consumed}
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a `state_dict()`; the next `iter()` continues from it. Refuses a different world size, rank
+        or batching config, because the saved position only replays exactly under the same plan."""
+        state = dict(state)
+        version = state.pop("version", None)
+        if version != STATE_VERSION:
+            raise ValueError(f"loader state version {version!r} is not supported (expected {STATE_VERSION})")
+        for key, mine in (("world_size", self.transport.world_size), ("rank", self.transport.rank),
+                          ("config", self._fingerprint())):
+            saved = state.pop(key)
+            if saved != mine:
+                raise ValueError(f"loader state was saved with {key}={saved!r} but this loader has {mine!r}; "
+                                 "exact resume needs the same world size, rank and batching config")
+        self.close()
+        self._epoch = int(state.pop("epoch"))
+        self.metrics.restore(state.pop("metrics"))
+        position = state.pop("position")
+        if state:
+            raise ValueError(f"unexpected keys in loader state: {sorted(state)}")
+        self._resume = None
+        if position is not None:
+            start = RoundStart(**{**position["start"], "buffer": tuple(position["start"]["buffer"])})
+            self._resume = ResumePoint(start=start, steps_consumed=int(position["steps_consumed"]))
 
     def _finish(self, report: EpochReport) -> None:
         self.last_report = report
         self._length = report.steps
         self.metrics.sync_bytes = self.transport.stats.bytes_sent
         self.metrics.sync_seconds = self.transport.stats.seconds
+
+    def estimate_steps(self, sample_size: int = 512) -> int:
+        """Estimate the next epoch's step count, the same on every rank, and make `len()` return it.
+
+        Reads up to `sample_size` of this rank's samples for the next epoch (evenly spaced in sampler order) in
+        the calling process, stretches their lengths over this rank's sample count, and runs the epoch on the
+        virtual cluster at W=1. Ranks then agree on the max (join) or min (non-join) with one all_gather of one
+        int, so every rank must call this at the same point. Exact at W=1 when `sample_size` covers the epoch.
+        """
+        if self._size is None:
+            raise TypeError("estimate_steps() needs a map-style dataset: an IterableDataset has no known size")
+        if self.sampler is not None and hasattr(self.sampler, "set_epoch"):
+            self.sampler.set_epoch(self._epoch)
+        indices = list(iter(self.sampler))  # type: ignore[arg-type]
+        picked = indices if len(indices) <= sample_size else [
+            indices[(k * len(indices)) // sample_size] for k in range(sample_size)]
+        observed = [inspect_sample(i, self.dataset[i], self._ctx.length_fn) for i in picked]
+        stream = [Item(index=k, length=observed[k * len(observed) // len(indices)].length,
+                       patches=observed[k * len(observed) // len(indices)].patches) for k in range(len(indices))]
+        local = simulate_epoch([stream], self.config, epoch=self._epoch).n_steps if stream else 0
+        agreed = [v[0] for v in self.transport.all_gather([local])]
+        self._length = max(agreed) if self.config.join else min(agreed)
+        return self._length
 
     def __len__(self) -> int:
         if self._length is None:
@@ -192,20 +297,31 @@ class ODBDataLoader:
 
 
 class _EpochIterator(Iterator[ODBBatch]):
-    """The iterator `ODBDataLoader.__iter__` returns: inline or through a background producer."""
+    """The iterator `ODBDataLoader.__iter__` returns: inline or through a background producer. It records the
+    position of the last batch handed to the caller, which is what `state_dict()` saves."""
 
-    def __init__(self, loader: ODBDataLoader, run: EpochRun) -> None:
-        self.loader, self.run = loader, run
+    def __init__(self, loader: ODBDataLoader, run: EpochRun, epoch: int) -> None:
+        self.loader, self.run, self.epoch = loader, run, epoch
         depth = loader.config.prefetch_steps
         self.source: Iterator[ODBBatch] = BackgroundIterator(run, depth) if depth > 0 else run
+        self.position: tuple[RoundStart, int] | None = None
+        self.finished = False
 
     def __next__(self) -> ODBBatch:
         try:
-            return next(self.source)
+            batch = next(self.source)
         except StopIteration:
+            self.finished = True
             if self.run.report is not None:
                 self.loader._finish(self.run.report)
             raise
+        info = batch.info
+        assert info is not None
+        start = self.run.round_starts[info.round]
+        for stale in [r for r in list(self.run.round_starts) if r < info.round]:
+            self.run.round_starts.pop(stale, None)
+        self.position = (start, info.step + 1)
+        return batch
 
     def close(self) -> None:
         close = getattr(self.source, "close", None)

@@ -37,6 +37,16 @@ class LoaderMetrics:
     sync_bytes: int = 0
     sync_seconds: float = 0.0
 
+    def snapshot(self) -> dict[str, float | int]:
+        """Raw counters, for a loader state dict."""
+        return asdict(self)
+
+    def restore(self, counters: dict[str, float | int]) -> None:
+        for name, value in counters.items():
+            if name not in self.__slots__:  # type: ignore[attr-defined]
+                raise ValueError(f"unknown metrics counter {name!r} in loader state")
+            setattr(self, name, value)
+
     def record_step(self, info: StepInfo, imbalance: float) -> None:
         self.steps += 1
         self.idle_steps += int(info.is_idle)

@@ -51,6 +51,7 @@ class RunContext:
     length_fn: LengthFn | None
     metrics: LoaderMetrics
     fallback_dummy: Callable[[], Mapping[str, Any]]
+    fetch: Callable[[int], Mapping[str, Any]]
     observer: Callable[[StepInfo], None] | None = None
 
 
@@ -87,20 +88,68 @@ class _Payloads:
         return sample
 
 
-class EpochRun(Iterator[ODBBatch]):
-    """Yields this rank's steps of one epoch. Every rank's `EpochRun` yields the same number of steps."""
+@dataclass(frozen=True, slots=True)
+class RoundStart:
+    """Where a round began: enough to replay it exactly in a new process (see NOTE [ Exact resume ])."""
 
-    def __init__(self, ctx: RunContext, epoch: int, chunks: Iterator[Chunk]) -> None:
+    round: int
+    steps_done: int
+    consumed: int
+    buffer: tuple[int, ...]
+    carry_count: int
+    carry_tokens: int
+    dummy_index: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class ResumePoint:
+    """Replay from `start`, dropping the steps numbered below `steps_consumed` (already trained on)."""
+
+    start: RoundStart
+    steps_consumed: int
+
+
+class EpochRun(Iterator[ODBBatch]):
+    """Yields this rank's steps of one epoch. Every rank's `EpochRun` yields the same number of steps.
+
+    NOTE [ Exact resume ]
+    At the start of every round the run records a `RoundStart`: the stream position (samples admitted so far),
+    the dataset indices still buffered, the step count, the open accumulation window carried in from earlier
+    rounds (its step count and supervised tokens) and the index of the sample used for IDLE dummies. A new
+    process that re-fetches those indices, skips the stream to the same position and replays the round runs the
+    same pure plan and the same collectives, so it yields the same batches; steps already consumed are dropped.
+    """
+
+    def __init__(self, ctx: RunContext, epoch: int, chunks: Iterator[Chunk],
+                 resume: ResumePoint | None = None) -> None:
         self.ctx, self.epoch, self.chunks = ctx, epoch, chunks
         self.engine = ctx.engine_factory(epoch)
         self.pending: deque[tuple[int, Any]] = deque()
         self.payloads = _Payloads()
         self.stream_ended = False
+        self.consumed = 0
+        self.dummy_index: int | None = None
         self.dummy: Mapping[str, Any] | None = None
         self.ready: deque[ODBBatch] = deque()
         self.window: list[tuple[_Built, StepInfo]] = []
-        self.steps_staged = 0
+        self.carry_count = self.carry_tokens = 0
+        self.skip_below = 0
+        self.round_starts: dict[int, RoundStart] = {}
         self.report: EpochReport | None = None
+        if resume is not None:
+            self._restore(resume)
+
+    def _restore(self, resume: ResumePoint) -> None:
+        start = resume.start
+        self.engine.round, self.engine.steps_done = start.round, start.steps_done
+        self.consumed, self.skip_below = start.consumed, resume.steps_consumed
+        self.carry_count, self.carry_tokens = start.carry_count, start.carry_tokens
+        for index in start.buffer:
+            sample = self.ctx.fetch(index)
+            self.engine.admit(inspect_sample(index, sample, self.ctx.length_fn))
+            self.payloads.put(index, sample)
+        if start.dummy_index is not None:
+            self.dummy_index, self.dummy = start.dummy_index, self.ctx.fetch(start.dummy_index)
 
     def __next__(self) -> ODBBatch:
         while not self.ready:
@@ -122,11 +171,20 @@ class EpochRun(Iterator[ODBBatch]):
             index, sample = self.pending.popleft()
             self.engine.admit(inspect_sample(index, sample, self.ctx.length_fn))
             self.payloads.put(index, sample)
+            self.consumed += 1
             if self.dummy is None:
-                self.dummy = sample
+                self.dummy_index, self.dummy = index, sample
         return not (self.stream_ended and not self.pending)
 
+    def _snapshot(self) -> RoundStart:
+        carried = self.carry_tokens + sum(info.global_tokens for _, info in self.window)
+        return RoundStart(round=self.engine.round, steps_done=self.engine.steps_done, consumed=self.consumed,
+                          buffer=tuple(item.index for item in self.engine.items),
+                          carry_count=self.carry_count + len(self.window), carry_tokens=carried,
+                          dummy_index=self.dummy_index)
+
     def _run_round(self) -> None:
+        self.round_starts[self.engine.round] = self._snapshot()
         active = self._fill()
         local = self.engine.start_round(active)
         gathered = self.ctx.transport.all_gather(local.state.to_ints())
@@ -138,9 +196,10 @@ class EpochRun(Iterator[ODBBatch]):
         self.ctx.metrics.rounds += 1
         self.ctx.metrics.splits += adjustment.n_split
         self.ctx.metrics.pushed_back_groups += adjustment.n_pushed_back
+        first_step = self.engine.steps_done - len(built)
         for k, b in enumerate(built):
             totals = reduced[k * REDUCED_FIELDS : (k + 1) * REDUCED_FIELDS]
-            self._stage(b, totals, round_index)
+            self._stage(b, totals, round_index, first_step + k)
 
     def _build(self, slot: Slot) -> _Built:
         if slot is None:
@@ -157,32 +216,35 @@ class EpochRun(Iterator[ODBBatch]):
             self.dummy = self.ctx.fallback_dummy()
         return self.dummy
 
-    def _stage(self, built: _Built, totals: list[int], round_index: int) -> None:
+    def _stage(self, built: _Built, totals: list[int], round_index: int, step: int) -> None:
         g_samples, g_tokens, g_input, g_cost, g_cost_sq = totals
-        info = StepInfo(epoch=self.epoch, step=self.steps_staged, round=round_index, indices=built.indices,
+        info = StepInfo(epoch=self.epoch, step=step, round=round_index, indices=built.indices,
                         is_idle=not built.indices, local_samples=built.samples, global_samples=g_samples,
                         local_tokens=built.tokens, global_tokens=g_tokens, local_input_tokens=built.input_tokens,
                         global_input_tokens=g_input, padded_tokens=built.padded, cost=float(built.cost),
                         window_tokens=-1)
-        self.steps_staged += 1
         self.window.append((built, info))
-        self.ctx.metrics.record_step(info, cost_cv(g_cost, g_cost_sq, self.ctx.transport.world_size))
-        if len(self.window) == self.engine.config.accumulation_steps:
+        if step >= self.skip_below:
+            self.ctx.metrics.record_step(info, cost_cv(g_cost, g_cost_sq, self.ctx.transport.world_size))
+        if self.carry_count + len(self.window) == self.engine.config.accumulation_steps:
             self._release_window()
 
     def _release_window(self) -> None:
-        window_tokens = sum(info.global_tokens for _, info in self.window)
+        window_tokens = self.carry_tokens + sum(info.global_tokens for _, info in self.window)
         for built, info in self.window:
+            if info.step < self.skip_below:
+                continue
             final = StepInfo(**{**_fields(info), "window_tokens": window_tokens})
             if self.ctx.observer is not None:
                 self.ctx.observer(final)
             self.ready.append(ODBBatch(built.batch, final))
         self.window = []
+        self.carry_count = self.carry_tokens = 0
 
     def _close_epoch(self) -> None:
         if self.report is not None:
             return
-        assert not self.window, "an epoch must end on an accumulation-window boundary"
+        assert not self.window and not self.carry_count, "an epoch must end on an accumulation-window boundary"
         self.ctx.metrics.oversize_samples += self.engine.oversize
         leftover = [item.index for item in self.engine.items] + [index for index, _ in self.pending]
         self.report = EpochReport(epoch=self.epoch, steps=self.engine.steps_done, rounds=self.engine.round,

@@ -86,7 +86,8 @@ class IndexedIterable(IterableDataset):
         self.dataset, self.rank, self.world_size = dataset, rank, world_size
         self.shard, self.chunk, self.start = shard, chunk, 0
 
-    def _tagged(self) -> Iterator[tuple[int, Any]]:
+    def tagged(self) -> Iterator[tuple[int, Any]]:
+        """This rank's samples with their tags, in stream order, in the calling process."""
         if self.shard:
             for position, sample in enumerate(self.dataset):
                 if position % self.world_size == self.rank:
@@ -98,7 +99,7 @@ class IndexedIterable(IterableDataset):
     def __iter__(self) -> Iterator[list[tuple[int, Any]]]:
         info = get_worker_info()
         worker, n_workers = (info.id, info.num_workers) if info is not None else (0, 1)
-        stream = itertools.islice(self._tagged(), self.start, None)
+        stream = itertools.islice(self.tagged(), self.start, None)
         for c in itertools.count():
             chunk = list(itertools.islice(stream, self.chunk))
             if not chunk:
