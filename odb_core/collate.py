@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.nn.utils.rnn import pad_sequence
 from torch.utils.data import default_collate
 
 from odb_core.sample import IGNORE_INDEX
@@ -52,16 +53,16 @@ class PadCollator:
             else:
                 batch[key] = default_collate(values)
         if "attention_mask" not in batch:
-            mask = [torch.ones(len(s["input_ids"]), dtype=torch.long) for s in samples]
-            batch["attention_mask"] = self._pad(mask, longest, 0)
+            lengths = torch.tensor([len(s["input_ids"]) for s in samples])
+            batch["attention_mask"] = (torch.arange(longest) < lengths[:, None]).long()
         return batch
 
     @staticmethod
     def _pad(rows: list[torch.Tensor], length: int, value: int) -> torch.Tensor:
-        out = torch.full((len(rows), length), value, dtype=rows[0].dtype)
-        for i, row in enumerate(rows):
-            out[i, : row.shape[0]] = row
-        return out
+        padded = pad_sequence(rows, batch_first=True, padding_value=value)
+        if padded.shape[1] < length:  # a field shorter than input_ids in every row
+            padded = torch.nn.functional.pad(padded, (0, length - padded.shape[1]), value=value)
+        return padded
 
 
 def run_collate(collate_fn: CollateFn, samples: list[Any], indices: Sequence[int]) -> Mapping[str, Any]:

@@ -22,6 +22,7 @@ from odb_core.collate import CollateFn, padded_tokens, run_collate, supervised_t
 from odb_core.engine import RankEngine
 from odb_core.metrics import LoaderMetrics, cost_cv
 from odb_core.sample import LengthFn, as_dummy, input_tokens, inspect_sample
+from odb_core.sources import unpack_sample
 from odb_core.step_info import ODBBatch, StepInfo
 from odb_core.sync import Transport
 from odb_core.termination import RankState
@@ -169,6 +170,7 @@ class EpochRun(Iterator[ODBBatch]):
                     return False
                 self.pending.extend(chunk)
             index, sample = self.pending.popleft()
+            sample = unpack_sample(sample)
             self.engine.admit(inspect_sample(index, sample, self.ctx.length_fn))
             self.payloads.put(index, sample)
             self.consumed += 1

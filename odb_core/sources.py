@@ -13,10 +13,50 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Iterator, Sized
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch.utils.data import Dataset, IterableDataset, Sampler, get_worker_info
+
+
+PACK_LIMIT_BYTES = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class PackedTensor:
+    """A small tensor sent from a worker as a numpy array (pickled into the pipe) instead of through a shared-
+    memory file descriptor, which costs far more per tensor than a small copy. Unpacked in the main process."""
+
+    array: np.ndarray
+
+
+def pack_sample(sample: Any) -> Any:
+    """Worker side: replace small numpy-compatible tensors at the top level of a mapping by `PackedTensor`."""
+    if not isinstance(sample, dict):
+        return sample
+    packed = dict(sample)
+    for key, value in sample.items():
+        if (isinstance(value, torch.Tensor) and value.dtype in PACKABLE and not value.requires_grad
+                and value.numel() * value.element_size() <= PACK_LIMIT_BYTES):
+            packed[key] = PackedTensor(value.numpy())
+    return packed
+
+
+def unpack_sample(sample: Any) -> Any:
+    """Main-process side of `pack_sample`: the same mapping type and tensors the dataset returned."""
+    if not isinstance(sample, dict) or not any(isinstance(v, PackedTensor) for v in sample.values()):
+        return sample
+    return {k: torch.from_numpy(v.array) if isinstance(v, PackedTensor) else v for k, v in sample.items()}
+
+
+PACKABLE = frozenset({torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool, torch.float32,
+                      torch.float64, torch.float16})
+
+
+def _in_worker() -> bool:
+    return get_worker_info() is not None
 
 
 class ShardedSampler(Sampler[int]):
@@ -67,7 +107,8 @@ class IndexedDataset(Dataset):
         self.dataset = dataset
 
     def __getitem__(self, index: int) -> tuple[int, Any]:
-        return int(index), self.dataset[index]
+        sample = self.dataset[index]
+        return int(index), pack_sample(sample) if _in_worker() else sample
 
     def __len__(self) -> int:
         return len(self.dataset)  # type: ignore[arg-type]
@@ -105,7 +146,7 @@ class IndexedIterable(IterableDataset):
             if not chunk:
                 return
             if c % n_workers == worker:
-                yield chunk
+                yield [(index, pack_sample(sample)) for index, sample in chunk] if info is not None else chunk
 
 
 def keep_chunk(chunk: list[tuple[int, Any]]) -> list[tuple[int, Any]]:

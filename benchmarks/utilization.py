@@ -1,0 +1,97 @@
+"""Budget utilization of ODB's real loader against the offline oracle (issue: odb_core benchmark).
+
+Utilization = real tokens / (steps x W x L_max). The oracle is a global sort of all lengths, then a greedy fill
+(W=1). Under skewed shards no per-rank method can beat the rank-constrained bound:
+real tokens / (W x max_r oracle_steps(rank r's lengths) x L_max).
+
+The W>1 runs use the real `ODBDataLoader` on W threads of one process with a `VirtualTransport` (the same round
+logic and collectives as Gloo) and a `DistributedSampler` for the even case.
+
+    python benchmarks/utilization.py [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import threading
+from pathlib import Path
+
+from torch.utils.data import DistributedSampler
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from workloads import LengthsDataset, lognormal  # noqa: E402
+
+from odb_core import ODBConfig, ODBDataLoader, VirtualHub, VirtualTransport  # noqa: E402
+from odb_core.budget import Item, build_budget  # noqa: E402
+from odb_core.grouping import oracle_groups  # noqa: E402
+
+L_MAX = 16384
+
+
+def oracle_steps(lengths: list[int]) -> int:
+    budget = build_budget(ODBConfig(token_budget=L_MAX))
+    return len(oracle_groups([Item(i, n) for i, n in enumerate(lengths)], budget))
+
+
+def run_loaders(dataset: LengthsDataset, world: int, samplers: list | None) -> int:
+    """Steps per rank of one epoch of W real loaders (threads over a VirtualHub); asserts equal counts."""
+    hub = VirtualHub(world, timeout_s=600)
+    steps = [0] * world
+
+    def rank_main(rank: int) -> None:
+        loader = ODBDataLoader(dataset, token_budget=L_MAX, transport=VirtualTransport(hub, rank),
+                               sampler=samplers[rank] if samplers else None, prefetch_steps=0,
+                               collate_fn=lambda samples: {"input_ids": [s["input_ids"] for s in samples]})
+        steps[rank] = sum(1 for _ in loader)
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(set(steps)) == 1, f"unequal step counts {steps}"
+    return steps[0]
+
+
+def measure(name: str, lengths: list[int], world: int, skewed: bool) -> dict:
+    total = sum(lengths)
+    if skewed:
+        order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+        shards = [order[r * len(order) // world : (r + 1) * len(order) // world] for r in range(world)]
+        samplers = [shard for shard in shards]  # a list of indices is a valid sampler
+        bound_steps = max(oracle_steps([lengths[i] for i in shard]) for shard in shards)
+    else:
+        samplers = [DistributedSampler(range(len(lengths)), num_replicas=world, rank=r, shuffle=True, seed=0)
+                    for r in range(world)] if world > 1 else None
+        bound_steps = oracle_steps(lengths) / world
+    steps = run_loaders(LengthsDataset(lengths), world, samplers)
+    odb = total / (steps * world * L_MAX)
+    bound = total / (bound_steps * world * L_MAX)
+    return {"workload": name, "world_size": world, "shards": "skewed" if skewed else "even", "odb_steps": steps,
+            "odb_utilization": round(odb, 4), "reference_bound": round(bound, 4), "ratio": round(odb / bound, 4)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--samples", type=int, default=20_000)
+    args = parser.parse_args()
+    rows = []
+    for cv in (0.5, 1.0):
+        lengths = lognormal(args.samples, cv, seed=0)
+        for world, skewed in ((1, False), (4, False), (2, True), (4, True)):
+            rows.append(measure(f"lognormal CV {cv}", lengths, world, skewed))
+            print(json.dumps(rows[-1]), flush=True)
+    print("\n| workload | W | shards | ODB utilization | bound (oracle or rank-constrained) | ratio |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['workload']} | {r['world_size']} | {r['shards']} | {r['odb_utilization']:.3f} | "
+              f"{r['reference_bound']:.3f} | {r['ratio']:.3f} |")
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,28 @@
+"""Length workloads shared by the benchmarks (synthetic, reproducible from a seed)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+def lognormal(n: int, cv: float, mean: float = 1024.0, lo: int = 16, hi: int = 8192, seed: int = 0) -> list[int]:
+    """Lognormal token lengths with the given coefficient of variation, clipped to [lo, hi]."""
+    rng = np.random.default_rng(seed)
+    sigma2 = np.log(1.0 + cv * cv)
+    mu = np.log(mean) - sigma2 / 2.0
+    return np.clip(rng.lognormal(mu, np.sqrt(sigma2), n), lo, hi).astype(int).tolist()
+
+
+class LengthsDataset(torch.utils.data.Dataset):
+    """Processed samples of the given lengths: what a tokenizing pipeline would hand the loader."""
+
+    def __init__(self, lengths: list[int]) -> None:
+        self.lengths = lengths
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def __getitem__(self, index: int) -> dict:
+        ids = torch.full((self.lengths[index],), 7, dtype=torch.long)
+        return {"input_ids": ids, "labels": ids}
