@@ -254,8 +254,6 @@ class ODBDataLoader:
     def _finish(self, report: EpochReport) -> None:
         self.last_report = report
         self._length = report.steps
-        self.metrics.sync_bytes = self.transport.stats.bytes_sent
-        self.metrics.sync_seconds = self.transport.stats.seconds
 
     def estimate_steps(self, sample_size: int = 512) -> int:
         """Estimate the next epoch's step count, the same on every rank, and make `len()` return it.

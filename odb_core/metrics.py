@@ -47,14 +47,14 @@ class LoaderMetrics:
                 raise ValueError(f"unknown metrics counter {name!r} in loader state")
             setattr(self, name, value)
 
-    def record_step(self, info: StepInfo, imbalance: float) -> None:
+    def record_step(self, info: StepInfo) -> None:
         self.steps += 1
         self.idle_steps += int(info.is_idle)
         self.local_samples += info.local_samples
         self.global_samples += info.global_samples
         self.global_input_tokens += info.global_input_tokens
         self.global_supervised_tokens += info.global_tokens
-        self.imbalance_sum += imbalance
+        self.imbalance_sum += info.rank_imbalance
         if not info.is_idle:
             self.local_input_tokens += info.local_input_tokens
             self.padded_tokens += info.padded_tokens

@@ -187,6 +187,8 @@ class EpochRun(Iterator[ODBBatch]):
 
     def _run_round(self) -> None:
         self.round_starts[self.engine.round] = self._snapshot()
+        stats = self.ctx.transport.stats
+        bytes_before, seconds_before = stats.bytes_sent, stats.seconds
         active = self._fill()
         local = self.engine.start_round(active)
         gathered = self.ctx.transport.all_gather(local.state.to_ints())
@@ -198,6 +200,8 @@ class EpochRun(Iterator[ODBBatch]):
         self.ctx.metrics.rounds += 1
         self.ctx.metrics.splits += adjustment.n_split
         self.ctx.metrics.pushed_back_groups += adjustment.n_pushed_back
+        self.ctx.metrics.sync_bytes += stats.bytes_sent - bytes_before
+        self.ctx.metrics.sync_seconds += stats.seconds - seconds_before
         first_step = self.engine.steps_done - len(built)
         for k, b in enumerate(built):
             totals = reduced[k * REDUCED_FIELDS : (k + 1) * REDUCED_FIELDS]
@@ -220,14 +224,15 @@ class EpochRun(Iterator[ODBBatch]):
 
     def _stage(self, built: _Built, totals: list[int], round_index: int, step: int) -> None:
         g_samples, g_tokens, g_input, g_cost, g_cost_sq = totals
+        imbalance = cost_cv(g_cost, g_cost_sq, self.ctx.transport.world_size)
         info = StepInfo(epoch=self.epoch, step=step, round=round_index, indices=built.indices,
                         is_idle=not built.indices, local_samples=built.samples, global_samples=g_samples,
                         local_tokens=built.tokens, global_tokens=g_tokens, local_input_tokens=built.input_tokens,
                         global_input_tokens=g_input, padded_tokens=built.padded, cost=float(built.cost),
-                        window_tokens=-1)
+                        rank_imbalance=imbalance, window_tokens=-1)
         self.window.append((built, info))
         if step >= self.skip_below:
-            self.ctx.metrics.record_step(info, cost_cv(g_cost, g_cost_sq, self.ctx.transport.world_size))
+            self.ctx.metrics.record_step(info)
         if self.carry_count + len(self.window) == self.engine.config.accumulation_steps:
             self._release_window()
 

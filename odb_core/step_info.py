@@ -14,7 +14,8 @@ class StepInfo:
     `*_tokens` are supervised tokens (labels != -100 after the causal shift); `*_input_tokens` are real,
     unpadded input tokens. `global_*` sum over every rank for this step. `window_tokens` is the supervised-token
     count of the whole optimizer step (every rank, every accumulation micro-batch): the exact normaliser of a
-    per-token mean loss. IDLE steps have no indices and zero counts and carry a zero-weight dummy batch.
+    per-token mean loss. `cost` is this rank's group cost under the cost model and `rank_imbalance` the
+    coefficient of variation of the step's group costs across ranks (0 = perfectly balanced). IDLE steps have no indices and zero counts and carry a zero-weight dummy batch.
     """
 
     epoch: int
@@ -30,6 +31,7 @@ class StepInfo:
     global_input_tokens: int
     padded_tokens: int
     cost: float
+    rank_imbalance: float
     window_tokens: int
 
 
