@@ -73,6 +73,14 @@ class ShardedSampler(Sampler[int]):
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
+    def with_epoch(self, epoch: int) -> list[int]:
+        """This rank's indices for `epoch` (without changing the sampler's own epoch)."""
+        saved, self.epoch = self.epoch, epoch
+        try:
+            return list(iter(self))
+        finally:
+            self.epoch = saved
+
     def __iter__(self) -> Iterator[int]:
         if self.shuffle:
             generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
