@@ -143,6 +143,8 @@ class GroupBudget:
     def __init__(self, constraints: list[Constraint], token_budget: int) -> None:
         self.constraints = constraints
         self.token_budget = token_budget
+        if len(constraints) == 1:  # the common case, on the per-sample hot path
+            self.fits = constraints[0].fits  # type: ignore[method-assign]
 
     def fits(self, item: Item) -> bool:
         return all(c.fits(item) for c in self.constraints)

@@ -142,7 +142,7 @@ class ODBDataLoader:
             return DataLoader(self._iterable, batch_size=None, num_workers=num_workers, collate_fn=keep_chunk,
                               timeout=timeout, **options)
         self._chunks = ChunkSampler(self.sampler, self.config.fetch_chunk)  # type: ignore[arg-type]
-        return DataLoader(_CheckedDataset(self.dataset), batch_sampler=self._chunks, num_workers=num_workers,
+        return DataLoader(_CheckedDataset(self.dataset, pack=num_workers > 0), batch_sampler=self._chunks, num_workers=num_workers,
                           collate_fn=keep_chunk, timeout=timeout, **options)
 
     def _fetch(self, index: int) -> Mapping[str, Any]:

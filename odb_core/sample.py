@@ -34,7 +34,8 @@ class SampleError(ValueError):
 def sequence_length(value: Any) -> int | None:
     """Length of a 1-D token sequence given as a tensor, ndarray, list or tuple; None if it is not 1-D."""
     if isinstance(value, torch.Tensor | np.ndarray):
-        return int(value.shape[0]) if value.ndim == 1 else None
+        shape = value.shape
+        return int(shape[0]) if len(shape) == 1 else None
     if isinstance(value, list | tuple):
         return len(value)
     return None

@@ -55,10 +55,6 @@ PACKABLE = frozenset({torch.int64, torch.int32, torch.int16, torch.int8, torch.u
                       torch.float64, torch.float16})
 
 
-def _in_worker() -> bool:
-    return get_worker_info() is not None
-
-
 class ShardedSampler(Sampler[int]):
     """ODB's own rank sharding: rank r takes positions r, r+W, r+2W, ... of the (optionally shuffled) order.
 
@@ -109,14 +105,15 @@ class ChunkSampler(Sampler[list[int]]):
 
 
 class IndexedDataset(Dataset):
-    """Map-style wrapper: `wrapped[i]` is `(i, dataset[i])`; the DataLoader fetches a chunk of them at once."""
+    """Map-style wrapper: `wrapped[i]` is `(i, dataset[i])`; the DataLoader fetches a chunk of them at once.
+    With `pack=True` (worker processes) small tensors are packed for the pipe (see `PackedTensor`)."""
 
-    def __init__(self, dataset: Dataset) -> None:
-        self.dataset = dataset
+    def __init__(self, dataset: Dataset, pack: bool) -> None:
+        self.dataset, self.pack = dataset, pack
 
     def __getitem__(self, index: int) -> tuple[int, Any]:
         sample = self.dataset[index]
-        return int(index), pack_sample(sample) if _in_worker() else sample
+        return int(index), pack_sample(sample) if self.pack else sample
 
     def __len__(self) -> int:
         return len(self.dataset)  # type: ignore[arg-type]
