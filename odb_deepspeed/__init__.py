@@ -1,0 +1,21 @@
+"""odb_deepspeed: DeepSpeed adapter for ODB, switched on by an `odb` section in the DeepSpeed config.
+
+    engine, optimizer, loader, _ = odb_deepspeed.initialize(model=model, optimizer=optimizer,
+                                                            training_data=dataset, config="zero2_odb.json")
+    for batch in loader:                      # ODBBatch: model-ready, with .info (StepInfo)
+        output = engine(**batch)
+        engine.backward(odb_deepspeed.token_weighted_loss(output, batch, engine))
+        engine.step()
+
+See docs/guides/deepspeed.md. Importing this package does not import deepspeed (only `initialize()` does).
+"""
+
+from odb_deepspeed.accounting import ConsumedCounts, DeepSpeedODBLoader
+from odb_core.ds_section import ODBSection, load_ds_config, parse_odb_section, without_odb_section
+from odb_deepspeed.initialize import initialize
+from odb_deepspeed.loss import loss_scale, token_weighted_loss
+
+__all__ = [
+    "ConsumedCounts", "DeepSpeedODBLoader", "ODBSection", "initialize", "load_ds_config", "loss_scale",
+    "parse_odb_section", "token_weighted_loss", "without_odb_section",
+]

@@ -1,0 +1,120 @@
+"""`odb_deepspeed.initialize`: `deepspeed.initialize` with an ODB training dataloader, switched on by the config.
+
+Without an enabled `odb` section every argument goes to `deepspeed.initialize` untouched and its result comes
+back as is. With `"odb": {"enabled": true, ...}`:
+  1. the section is validated before DeepSpeed starts (`odb_core.ds_section.parse_odb_section`);
+  2. DeepSpeed gets a copy of the config *without* the section (DeepSpeed ignores unknown keys today; removing
+     it keeps `engine.config` DeepSpeed's own and survives a stricter DeepSpeed), and no `training_data`;
+  3. the ODB loader is built from `training_data` (a dataset, with `collate_fn`) or checked if it already is an
+     `ODBDataLoader`, with `accumulation_steps` = the engine's `gradient_accumulation_steps()`;
+  4. it returns `(engine, optimizer, DeepSpeedODBLoader, lr_scheduler)`.
+Cost: one Gloo group for ODB's metadata (created collectively, so call this on every rank in the same order).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+from torch.utils.data import DataLoader
+
+from odb_core import ODBDataLoader
+from odb_deepspeed.accounting import DeepSpeedODBLoader
+from odb_core.ds_section import ODBSection, load_ds_config, parse_odb_section, without_odb_section
+
+DEFAULT_PORT = 29500  # deepspeed.constants.TORCH_DISTRIBUTED_DEFAULT_PORT
+
+
+def _resolve_config(args: Any, config: Any, config_params: Any) -> Any:
+    """The config `deepspeed.initialize` would use (same precedence), or None when there is none."""
+    if config is None and config_params is not None:
+        config = config_params
+    if config is None:
+        config = getattr(args, "deepspeed_config", None)
+    return config
+
+
+def _load_or_none(config: Any) -> dict[str, Any] | None:
+    """The config as a dict; None when there is none or it is unreadable (DeepSpeed then reports it itself)."""
+    if config is None:
+        return None
+    try:
+        return load_ds_config(config)
+    except (TypeError, ValueError):
+        return None
+
+
+def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model_parameters: Any = None,
+               training_data: Any = None, lr_scheduler: Any = None, distributed_port: int = DEFAULT_PORT,
+               mpu: Any = None, dist_init_required: bool | None = None, collate_fn: Callable | None = None,
+               config: Any = None, mesh_param: Any = None, config_params: Any = None) -> tuple:
+    """Drop-in for `deepspeed.initialize` (same arguments and return values); see the module docstring.
+
+    Every ODB check (the `odb` section, `training_data`) runs before DeepSpeed is imported or started.
+    """
+    passthrough = dict(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
+                       lr_scheduler=lr_scheduler, distributed_port=distributed_port, mpu=mpu,
+                       dist_init_required=dist_init_required, mesh_param=mesh_param)
+    loaded = _load_or_none(_resolve_config(args, config, config_params))
+    section = parse_odb_section(loaded) if loaded is not None else None
+    if section is not None and section.enabled:
+        _check_data(training_data, collate_fn)
+    import deepspeed  # here, not at module level: the config parsing stays importable without deepspeed
+
+    if section is None or not section.enabled:
+        return deepspeed.initialize(**passthrough, training_data=training_data, collate_fn=collate_fn,
+                                    config=config, config_params=config_params)
+    if isinstance(model, deepspeed.PipelineModule):
+        raise NotImplementedError("odb with pipeline parallelism is not supported: PipelineEngine.train_batch "
+                                  "draws fixed-size micro-batches itself")
+    if config is None and config_params is None and getattr(args, "deepspeed_config", None) is not None:
+        passthrough["args"] = copy.copy(args)  # the config came from args; DeepSpeed refuses it next to config=
+        passthrough["args"].deepspeed_config = None
+    engine, optimizer, _, scheduler = deepspeed.initialize(**passthrough,
+                                                           config=without_odb_section(loaded))
+    loader = _build_loader(training_data, section, engine, collate_fn)
+    return engine, optimizer, DeepSpeedODBLoader(loader, engine), scheduler
+
+
+def _check_data(training_data: Any, collate_fn: Callable | None) -> None:
+    if training_data is None:
+        raise ValueError("odb.enabled is true but training_data is None: pass your dataset (or an "
+                         "ODBDataLoader) as training_data, or set odb.enabled to false")
+    if isinstance(training_data, DataLoader):
+        raise TypeError("training_data is a torch DataLoader; odb replaces its fixed batch_size with the token "
+                        "budget, so pass its dataset (training_data=loader.dataset, collate_fn=loader.collate_fn) "
+                        "or your own ODBDataLoader")
+    if isinstance(training_data, ODBDataLoader) and collate_fn is not None:
+        raise ValueError("collate_fn= was given with a ready ODBDataLoader; pass it to ODBDataLoader instead")
+
+
+def _build_loader(training_data: Any, section: ODBSection, engine: Any, collate_fn: Callable | None) -> ODBDataLoader:
+    accumulation = engine.gradient_accumulation_steps()
+    if engine.sequence_parallel_size != 1:
+        raise NotImplementedError("odb with sequence parallelism is not supported (ranks of one sequence-parallel "
+                                  "group must see the same batch)")
+    if isinstance(training_data, ODBDataLoader):
+        _check_user_loader(training_data, section, accumulation)
+        loader = training_data
+    else:
+        loader = ODBDataLoader(training_data, collate_fn=collate_fn, **section.loader_kwargs(accumulation))
+    if loader.transport.world_size != engine.dp_world_size:
+        raise ValueError(f"the ODB loader spans {loader.transport.world_size} ranks but DeepSpeed's data-parallel "
+                         f"group has {engine.dp_world_size}; with model parallelism pass an ODBDataLoader whose "
+                         "transport spans the data-parallel group")
+    return loader
+
+
+def _check_user_loader(loader: ODBDataLoader, section: ODBSection, accumulation: int) -> None:
+    """A ready loader must agree with the config: never silently prefer one over the other."""
+    if loader.config.accumulation_steps != accumulation:
+        raise ValueError(f"your ODBDataLoader has accumulation_steps={loader.config.accumulation_steps} but the "
+                         f"engine's gradient_accumulation_steps is {accumulation}; they must be equal")
+    for key, value in section.config.items():
+        if getattr(loader.config, key) != value:
+            raise ValueError(f"odb.{key}={value!r} in the DeepSpeed config but your ODBDataLoader has "
+                             f"{key}={getattr(loader.config, key)!r}; keep one of them")
+    if section.shuffle is not None or section.num_workers is not None:
+        raise ValueError("odb.shuffle / odb.num_workers only apply when odb_deepspeed builds the loader; set them "
+                         "on your ODBDataLoader")

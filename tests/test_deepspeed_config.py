@@ -1,0 +1,100 @@
+"""The DeepSpeed config's `odb` section: validation, loading, and the checks `initialize` makes before DeepSpeed.
+
+None of these tests starts DeepSpeed: every ODB check runs before `import deepspeed`.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import odb_deepspeed
+from odb_core import ODBConfig
+from odb_core.ds_section import ALLOWED_KEYS, parse_odb_section, without_odb_section
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "configs/deepspeed/zero2_odb.json"
+
+
+def _config(**odb) -> dict:
+    return {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 4,
+            "odb": {"enabled": True, "token_budget": 4096, **odb}}
+
+
+def test_example_config_parses_to_a_valid_odb_config():
+    section = parse_odb_section(str(EXAMPLE))
+    assert section is not None and section.enabled
+    config = section.odb_config(accumulation_steps=2)
+    assert isinstance(config, ODBConfig) and config.token_budget == 16384 and config.accumulation_steps == 2
+    assert section.loader_kwargs(2)["shuffle"] is True
+
+
+def test_misspelled_key_is_rejected_naming_the_key_and_the_allowed_keys():
+    with pytest.raises(ValueError) as error:
+        parse_odb_section(_config(token_budgt=10))
+    message = str(error.value)
+    assert "'token_budgt'" in message and "did you mean 'token_budget'" in message
+    assert all(key in message for key in ALLOWED_KEYS)
+
+
+def test_typo_in_a_disabled_section_is_still_rejected():
+    with pytest.raises(ValueError, match="'shufle'"):
+        parse_odb_section({"odb": {"enabled": False, "token_budget": 8, "shufle": True}})
+
+
+def test_accumulation_steps_comes_only_from_deepspeed():
+    with pytest.raises(ValueError, match="gradient_accumulation_steps"):
+        parse_odb_section(_config(accumulation_steps=4))
+
+
+@pytest.mark.parametrize(("odb", "needle"), [
+    ({"enabled": "yes", "token_budget": 8}, "odb.enabled='yes'"),
+    ({"token_budget": 8}, "odb.enabled=None"),
+    ({"enabled": True}, "odb.token_budget is required"),
+    ({"enabled": True, "token_budget": -1}, "odb.token_budget=-1"),
+    ({"enabled": True, "token_budget": 8, "cost": "flops"}, "odb.cost='flops'"),
+    ({"enabled": True, "token_budget": 8, "num_workers": -2}, "odb.num_workers=-2"),
+    ({"enabled": True, "token_budget": 8, "shuffle": 1}, "odb.shuffle=1"),
+])
+def test_bad_values_name_the_field_and_the_fix(odb, needle):
+    with pytest.raises(ValueError) as error:
+        parse_odb_section({"odb": odb})
+    assert needle in str(error.value)
+
+
+def test_absent_section_parses_to_none_and_disabled_is_reported():
+    assert parse_odb_section({"train_batch_size": 8}) is None
+    assert parse_odb_section({"odb": {"enabled": False, "token_budget": 8}}).enabled is False
+
+
+def test_config_loads_from_a_file_path_and_base64_like_deepspeed(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(_config(cost="tokens")))
+    encoded = base64.urlsafe_b64encode(json.dumps(_config(cost="tokens")).encode()).decode()
+    for source in (path, str(path), encoded):
+        assert parse_odb_section(source).config == {"token_budget": 4096, "cost": "tokens"}
+
+
+def test_odb_section_is_removed_from_a_copy_only():
+    user = _config()
+    stripped = without_odb_section(user)
+    assert "odb" not in stripped and "odb" in user and stripped["gradient_accumulation_steps"] == 4
+
+
+def test_initialize_validates_the_section_before_starting_deepspeed():
+    with pytest.raises(ValueError, match="'token_budgt'"):
+        odb_deepspeed.initialize(model=torch.nn.Linear(2, 2), config=_config(token_budgt=1))
+
+
+def test_initialize_refuses_enabled_odb_without_training_data():
+    with pytest.raises(ValueError, match="training_data is None"):
+        odb_deepspeed.initialize(model=torch.nn.Linear(2, 2), config=_config())
+
+
+def test_initialize_refuses_a_fixed_batch_torch_dataloader():
+    loader = torch.utils.data.DataLoader([{"input_ids": [1, 2]}], batch_size=4)
+    with pytest.raises(TypeError, match="training_data=loader.dataset"):
+        odb_deepspeed.initialize(model=torch.nn.Linear(2, 2), training_data=loader, config=_config())
