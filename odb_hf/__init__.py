@@ -1,0 +1,13 @@
+"""odb_hf: Online Dynamic Batching in the Hugging Face Trainer.
+
+    trainer = Trainer(model, args, train_dataset=..., data_collator=...,
+                      callbacks=[ODBCallback(token_budget=16384)])
+
+See docs/guides/hf-trainer.md for the knobs, what is exact, and how the callback takes effect.
+"""
+
+from odb_hf.arguments import ODBSetupError
+from odb_hf.callback import ODBCallback, with_odb
+from odb_hf.trainer import ODBTrainer, ODBTrainerMixin
+
+__all__ = ["ODBCallback", "ODBSetupError", "ODBTrainer", "ODBTrainerMixin", "with_odb"]

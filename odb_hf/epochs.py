@@ -1,0 +1,112 @@
+"""What the Trainer iterates: one ODB epoch per Trainer epoch, with a length the Trainer can plan with.
+
+NOTE [ Epochs under the HF Trainer ]
+The Trainer reads `len(train_dataloader)` once and runs every epoch as `range(ceil(len / G))` optimizer steps,
+each pulling G micro-batches; once the iterator is exhausted the remaining iterations get no batch and do nothing.
+ODB epochs vary in length (batch sizes follow the observed lengths), so:
+  * epoch-based runs (`max_steps <= 0`): `len()` is an upper bound U = estimate x (1 + slack), rounded up to G.
+    An epoch shorter than U just ends early; the LR scheduler is built for the *estimated* total instead of the
+    bound (`planned_steps`), and training stops after `num_train_epochs` ODB epochs. An epoch longer than U
+    would be cut by the Trainer; the callback detects that at the epoch's end and raises (never silently).
+  * step-based runs (`max_steps > 0`): `len()` raises TypeError, so the Trainer runs epochs of up to
+    `max_steps` optimizer steps, i.e. each ODB epoch to its natural end, until `max_steps`.
+Every rank derives U from the same cross-rank estimate, and every rank's ODB epoch has the same number of steps,
+a multiple of G (G2), so all ranks run the same optimizer steps and never split a GA window.
+The Trainer's epoch number is mapped to ODB's own epoch counter, which a resumed loader restores, so the
+Trainer's `epochs_trained = global_step // (U / G)` (an underestimate under a bound) cannot replay an epoch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from odb_core.loader import ODBDataLoader
+from odb_core.step_info import ODBBatch
+
+
+@dataclass(frozen=True, slots=True)
+class EpochPlan:
+    """Lengths the Trainer plans with. `length` None: no len() (step-based or unsized data)."""
+
+    length: int | None
+    estimate: int | None
+    planned_steps: int | None
+    stop_epoch: int | None
+
+
+def plan_epochs(loader: ODBDataLoader, *, max_steps: int, num_train_epochs: float, slack: float,
+                sample_size: int) -> EpochPlan:
+    """Estimate the steps per epoch (one all_gather of one int; every rank calls it at the same point)."""
+    if max_steps > 0:
+        return EpochPlan(length=None, estimate=None, planned_steps=None, stop_epoch=None)
+    accumulation = loader.config.accumulation_steps
+    try:
+        estimate = loader.estimate_steps(sample_size=sample_size)
+    except TypeError as exc:
+        raise TypeError(f"an epoch-based run needs an epoch length, but {exc}; set max_steps > 0") from exc
+    bound = math.ceil(math.ceil(estimate * (1.0 + slack)) / accumulation) * accumulation
+    planned = max(math.ceil(num_train_epochs * estimate / accumulation), 1)
+    return EpochPlan(length=max(bound, accumulation), estimate=estimate, planned_steps=planned,
+                     stop_epoch=math.ceil(num_train_epochs))
+
+
+class TrainerEpochView:
+    """`len()`, `set_epoch()` and `iter()` for the Trainer over an `ODBDataLoader` (see the NOTE above)."""
+
+    def __init__(self, loader: ODBDataLoader, plan: EpochPlan, *, resumed: bool) -> None:
+        self.loader, self.plan, self.resumed = loader, plan, resumed
+        self.dataset = loader.dataset  # Trainer.num_examples() reads len(dataloader.dataset)
+        self._trainer_epoch: int | None = None
+        self._offset: int | None = None
+        self._running: Iterator[ODBBatch] | None = None
+        self.finished = True
+
+    def __len__(self) -> int:
+        if self.plan.length is None:
+            raise TypeError("ODB epochs have no fixed length in step-based runs; max_steps drives training")
+        return self.plan.length
+
+    def set_epoch(self, epoch: int) -> None:
+        self._trainer_epoch = epoch
+
+    @property
+    def next_epoch(self) -> int:
+        return self.loader.epoch
+
+    def done(self) -> bool:
+        """All `num_train_epochs` ODB epochs have run (epoch-based runs only)."""
+        return self.plan.stop_epoch is not None and self.finished and self.loader.epoch >= self.plan.stop_epoch
+
+    def __iter__(self) -> Iterator[ODBBatch]:
+        if not self.finished:  # the Trainer stopped the epoch on request (should_epoch_stop)
+            self.loader.close()
+        trainer_epoch = self._trainer_epoch if self._trainer_epoch is not None else self.loader.epoch
+        if self._offset is None:  # a restored loader knows its epoch; otherwise the Trainer's count is used
+            self._offset = self.loader.epoch - trainer_epoch if self.resumed else 0
+        epoch = trainer_epoch + self._offset
+        if self.plan.stop_epoch is not None and epoch >= self.plan.stop_epoch:
+            return iter(())
+        self.loader.set_epoch(epoch)
+        self.finished = False
+        self._running = iter(self.loader)
+        return self._follow(self._running)
+
+    def _follow(self, source: Iterator[ODBBatch]) -> Iterator[ODBBatch]:
+        yield from source
+        self.finished = True
+
+    def overflowed(self) -> bool:
+        """Whether the current epoch holds more batches than the Trainer took (checked at the epoch's end).
+
+        Pulls one batch if the epoch is not known to be finished: every rank calls it at the same point.
+        """
+        if self.finished or self._running is None:
+            return False
+        try:
+            next(self._running)
+        except StopIteration:
+            self.finished = True
+            return False
+        return True

@@ -1,0 +1,156 @@
+"""`ODBTrainerMixin`: ODB inside a `transformers.Trainer`, through the Trainer's documented override points.
+
+NOTE [ Exact loss under the HF Trainer ]
+The Trainer's own token-weighted path is kept: `get_batch_samples` returns `num_items_in_batch`, the model (or
+`compute_loss_func`) returns sum(token CE) / num_items_in_batch, `compute_loss` multiplies by the number of
+processes when `average_tokens_across_devices`, `training_step` does not divide by G, and DDP averages over W.
+ODB only changes where num_items_in_batch comes from: `StepInfo.window_tokens`, the step's supervised tokens over
+all ranks and all G micro-batches, computed by the loader. So no per-step all-reduce runs (transformers#35387:
+ranks with different step counts hang in it) and nothing is normalised twice. A model whose forward takes no
+loss kwargs gets the same sum / N x W from `odb_core.loss` here (times G, which `training_step` divides out).
+IDLE micro-batches have no supervised token: they add exactly zero, and every rank still runs forward/backward.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import Trainer
+from transformers.trainer_utils import get_last_checkpoint
+
+from odb_core.loader import ODBDataLoader
+from odb_core.loss import TokenLossScale, causal_lm_loss_sum, step_normalizer
+from odb_core.step_info import StepInfo
+from odb_hf.arguments import ODBSetupError, check_collator_keeps_labels, loader_kwargs
+from odb_hf.epochs import TrainerEpochView, plan_epochs
+from odb_hf.metrics import StepMeter
+
+logger = logging.getLogger(__name__)
+
+
+def _is_arrow_dataset(dataset: Any) -> bool:
+    try:
+        import datasets
+    except ImportError:
+        return False
+    return isinstance(dataset, datasets.Dataset)
+
+
+@dataclass(slots=True)
+class ODBRun:
+    """One `train()` call's ODB objects."""
+
+    loader: ODBDataLoader
+    view: TrainerEpochView
+    meter: StepMeter
+    last: StepInfo | None = None
+
+
+class ODBTrainerMixin:
+    """Put first in the bases of a Trainer class (`class T(ODBTrainerMixin, SFTTrainer)`), with an `ODBCallback`.
+
+    `ODBCallback` mixes this class in by itself; subclass it only to make the ODB trainer class explicit.
+    """
+
+    _odb_owns_data = True  # arguments.check_trainer: these overrides of the data methods are ODB's own
+
+    def _odb(self) -> Any:
+        callback = getattr(self, "_odb_callback", None)
+        if callback is None:
+            raise ODBSetupError(f"{type(self).__name__} mixes in ODB but has no ODBCallback; pass "
+                                "callbacks=[ODBCallback(token_budget=...)] to the Trainer")
+        return callback
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
+        # ignore_data_skip=False (the default) asks for the exact data position: ODB restores it from its own
+        # state, and the flag is flipped so that the Trainer does not skip batches a second time.
+        restore = bool(resume_from_checkpoint) and (not self.args.ignore_data_skip
+                                                    or getattr(self, "_odb_flipped_data_skip", False))
+        if restore and not self.args.ignore_data_skip:
+            logger.warning("ODB restores the exact data position from the checkpoint's odb_loader_rank*.json; "
+                           "setting ignore_data_skip=True so the Trainer does not skip batches a second time")
+            self.args.ignore_data_skip = self._odb_flipped_data_skip = True
+        self._odb_resume_dir = None
+        if restore:
+            self._odb_resume_dir = (get_last_checkpoint(self.args.output_dir) if resume_from_checkpoint is True
+                                    else str(resume_from_checkpoint))
+        return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    def get_train_dataloader(self) -> TrainerEpochView:
+        odb = self._odb()
+        if self.train_dataset is None:
+            raise ValueError("Trainer: training requires a train_dataset.")
+        dataset, collator = self.train_dataset, self.data_collator
+        if _is_arrow_dataset(dataset):  # the Trainer's own column handling, as in Trainer._get_dataloader
+            dataset = self._remove_unused_columns(dataset, description="training")
+        else:
+            collator = self._get_collator_with_removed_columns(collator, description="training")
+        check_collator_keeps_labels(collator, dataset)
+        loader = ODBDataLoader(dataset, collate_fn=collator, **loader_kwargs(self.args, odb.token_budget, odb.options))
+        resumed = getattr(self, "_odb_resume_dir", None) is not None
+        if resumed:
+            loader.load_state_dict(odb.read_loader_state(self._odb_resume_dir, loader.transport.rank))
+        plan = plan_epochs(loader, max_steps=self.args.max_steps, num_train_epochs=self.args.num_train_epochs,
+                           slack=odb.length_slack, sample_size=odb.estimate_sample_size)
+        meter = StepMeter(token_budget=odb.token_budget, world_size=loader.transport.world_size,
+                          accumulation_steps=self.args.gradient_accumulation_steps)
+        self._odb_run = ODBRun(loader=loader, view=TrainerEpochView(loader, plan, resumed=resumed), meter=meter)
+        return self._odb_run.view
+
+    def get_batch_samples(self, epoch_iterator: Iterator[Any], num_batches: int,
+                          device: torch.device) -> tuple[list, torch.Tensor | None]:
+        run = getattr(self, "_odb_run", None)
+        if run is None:
+            return super().get_batch_samples(epoch_iterator, num_batches, device)
+        batches = [batch for _, batch in zip(range(num_batches), epoch_iterator)]
+        if not batches:
+            return [], None
+        infos = [batch.info for batch in batches]
+        whole = len(batches) == self.args.gradient_accumulation_steps and infos[0].step % len(batches) == 0
+        if not whole or len({info.window_tokens for info in infos}) != 1:
+            raise RuntimeError(f"ODB accumulation window broken: got steps {[i.step for i in infos]} of epoch "
+                               f"{infos[0].epoch} for gradient_accumulation_steps="
+                               f"{self.args.gradient_accumulation_steps}; the loader and the Trainer disagree")
+        for info in infos:
+            run.meter.add(info)
+        run.last = infos[-1]
+        return batches, torch.tensor(step_normalizer(infos[0].window_tokens), device=device)
+
+    def compute_loss(self, model: torch.nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
+                     num_items_in_batch: torch.Tensor | int | None = None) -> Any:
+        if getattr(self, "_odb_run", None) is None or not model.training or num_items_in_batch is None:
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        if "labels" not in inputs:
+            raise ODBSetupError(f"a training batch has no 'labels' (keys {sorted(inputs)}); ODB's exact loss "
+                                "needs them: use a collator that keeps or creates labels")
+        if self.model_accepts_loss_kwargs or self.compute_loss_func is not None:
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        outputs = model(**{key: value for key, value in inputs.items() if key != "labels"})
+        logits = outputs["logits"] if isinstance(outputs, dict) else outputs[0]
+        scale = TokenLossScale(window_tokens=int(num_items_in_batch), world_size=self.accelerator.num_processes,
+                               micro_batch_divisor=self.current_gradient_accumulation_steps)
+        loss = scale.apply(causal_lm_loss_sum(logits, inputs["labels"]))
+        return (loss, outputs) if return_outputs else loss
+
+    def create_scheduler(self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None) -> Any:
+        run = getattr(self, "_odb_run", None)
+        planned = run.view.plan.planned_steps if run is not None else None
+        if planned is not None and self.lr_scheduler is None:
+            logger.info(f"ODB: LR schedule over the estimated {planned} optimizer steps (the Trainer's "
+                        f"{num_training_steps} assumes the epoch-length bound)")
+            num_training_steps = planned
+        return super().create_scheduler(num_training_steps, optimizer)
+
+    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        run = getattr(self, "_odb_run", None)
+        if run is not None and "loss" in logs:
+            logs = {**logs, **run.meter.flush()}
+        super().log(logs, *args, **kwargs)
+
+
+class ODBTrainer(ODBTrainerMixin, Trainer):
+    """A `transformers.Trainer` with ODB: `ODBTrainer(..., callbacks=[ODBCallback(token_budget=16384)])`."""

@@ -1,0 +1,106 @@
+"""The HF adapter on 2 CPU ranks under torchrun (gloo): G2, G6 and G8 through the Trainer, and ODB vs plain Trainer.
+
+One torchrun launch (tests/hf_dist_worker.py) runs every scenario, so the two processes import transformers once;
+each test below checks one guarantee on the facts it wrote.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import hf_support
+import hf_dist_worker
+
+pytest_plugins = ["hf_fixtures"]
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parent.parent
+TOLERANCE = 1e-6
+GRAD_SCENARIOS = {"grads-ga1": 1, "grads-ga3": 3, "grads-lora": 3, "grads-idle": 3}
+
+
+@pytest.fixture(scope="module")
+def dist_run(chat_data, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("dist")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               str(ROOT / "tests" / "hf_dist_worker.py"), "--data", str(chat_data.train_file.parent),
+               "--out", str(out)]
+    result = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=420)
+    assert result.returncode == 0 and (out / "done").exists(), result.stdout[-3000:] + result.stderr[-6000:]
+    return out
+
+
+def facts(out: Path, name: str) -> list[dict]:
+    return [json.loads((out / f"{name}.rank{rank}.json").read_text()) for rank in range(2)]
+
+
+def grad_samples(chat_data, name: str) -> list[dict]:
+    samples = chat_data.train[:41]
+    return hf_support.uneven_ranks(samples) if name == "grads-idle" else samples
+
+
+@pytest.mark.parametrize("name", sorted(GRAD_SCENARIOS))
+def test_step_gradient_equals_big_batch_token_mean_on_two_ranks(dist_run, chat_data, name):
+    """Every optimizer step's synchronised gradient (W=2, GA=1/3, LoRA, IDLE) equals the float64 reference."""
+    ranks = facts(dist_run, name)
+    steps = hf_support.steps_of(ranks[0]["infos"] + ranks[1]["infos"], GRAD_SCENARIOS[name])
+    samples = grad_samples(chat_data, name)
+    assert sorted(i for indices in steps.values() for i in indices) == list(range(len(samples)))
+    grads = torch.load(dist_run / f"{name}.grads.pt")
+    assert len(grads) == len(steps) == ranks[0]["steps"]
+    make = hf_support.tiny_lora if name == "grads-lora" else hf_support.tiny_llama
+    model = make(dtype=torch.float64)
+    error = max(hf_support.max_relative_error(got, hf_support.reference_gradient(model, [samples[i] for i in steps[key]]))
+                for got, key in zip(grads, sorted(steps)))
+    print(f"W=2 {name}: max relative gradient error {error:.2e} over {len(grads)} steps")
+    assert error <= TOLERANCE
+
+
+def test_idle_micro_batches_run_on_the_rank_that_ran_out(dist_run):
+    """The uneven scenario really has IDLE steps (whose zero contribution the gradient test above proves)."""
+    idle = [sum(info["idle"] for info in rank["infos"]) for rank in facts(dist_run, "grads-idle")]
+    assert idle[0] == 0 and idle[1] >= 1
+
+
+def test_ranks_run_the_same_number_of_optimizer_steps(dist_run):
+    for name in [*GRAD_SCENARIOS, "odb", "stopped", "resumed"]:
+        ranks = facts(dist_run, name)
+        assert ranks[0]["steps"] == ranks[1]["steps"] > 0, name
+        assert len(ranks[0]["infos"]) == len(ranks[1]["infos"]), name
+
+
+def test_odb_and_plain_trainer_reach_comparable_eval_loss(dist_run):
+    """Same samples, same epochs, same optimizer: ODB's eval loss is within 5% of the plain Trainer's."""
+    odb, plain = facts(dist_run, "odb")[0], facts(dist_run, "std")[0]
+    assert odb["epoch"] == plain["epoch"] == hf_dist_worker.E2E["num_train_epochs"]
+    losses = [odb["losses"][k] for k in sorted(odb["losses"], key=int)]
+    assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.5, losses
+    assert odb["eval_after"] < math.log(hf_support.VOCAB) - 0.8
+    assert abs(odb["eval_after"] - plain["eval_after"]) <= 0.05 * plain["eval_after"], (odb["eval_after"],
+                                                                                         plain["eval_after"])
+
+
+def test_resume_from_a_mid_epoch_checkpoint_continues_exactly(dist_run):
+    """G8 through the Trainer: stop after STOP_AT steps (mid-epoch), resume in a new Trainer: same run."""
+    stopped, resumed, full = facts(dist_run, "stopped")[0], facts(dist_run, "resumed")[0], facts(dist_run, "odb")[0]
+    assert stopped["steps"] == hf_dist_worker.STOP_AT and 0 < stopped["epoch"] < 1
+    assert resumed["steps"] == full["steps"]
+    assert resumed["losses"] == full["losses"]
+    assert resumed["infos"] and resumed["infos"] == full["infos"][-len(resumed["infos"]):]
+    a, b = torch.load(dist_run / "odb.params.pt"), torch.load(dist_run / "resumed.params.pt")
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) <= TOLERANCE
+
+
+def test_odb_metrics_are_in_the_trainer_log(dist_run):
+    logs = facts(dist_run, "odb")[0]["odb_logs"]
+    assert logs and all(0 < entry["odb/budget_utilization"] <= 1 and 0 <= entry["odb/padding_ratio"] < 1
+                        and entry["odb/samples_per_second"] > 0 for entry in logs)

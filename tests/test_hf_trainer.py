@@ -1,0 +1,208 @@
+"""The HF adapter in one process: how the callback takes effect, planning, logging, eval, and refused set-ups."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from transformers import Trainer, TrainerCallback, TrainingArguments
+
+import hf_support
+from odb_core.collate import PadCollator
+from odb_core.loader import ODBDataLoader
+from odb_hf import ODBCallback, ODBSetupError, ODBTrainer, ODBTrainerMixin
+
+pytest_plugins = ["hf_fixtures"]
+COLLATE = PadCollator(pad_token_id=hf_support.PAD)
+
+
+def make_args(tmp_path, **overrides) -> TrainingArguments:
+    options = dict(output_dir=str(tmp_path), learning_rate=1e-2, num_train_epochs=1, report_to=[], use_cpu=True,
+                   save_strategy="no", logging_steps=1, seed=0, disable_tqdm=True, lr_scheduler_type="linear")
+    options.update(overrides)
+    return TrainingArguments(**options)
+
+
+def make_trainer(tmp_path, samples, callbacks=(), trainer_class=Trainer, model=None, **overrides):
+    return trainer_class(model=model if model is not None else hf_support.tiny_llama(), train_dataset=hf_support.ListDataset(samples),
+                         args=make_args(tmp_path, **overrides), data_collator=COLLATE, callbacks=list(callbacks))
+
+
+class CountingTrainer(Trainer):
+    """A user subclass with its own compute_loss: ODB must keep calling it."""
+
+    calls = 0
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        CountingTrainer.calls += 1
+        return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+
+def test_callback_mixes_odb_into_the_trainer_instance_and_keeps_user_overrides(chat_data, tmp_path):
+    trainer = make_trainer(tmp_path, chat_data.train[:24], [ODBCallback(token_budget=512)], CountingTrainer)
+    assert isinstance(trainer, ODBTrainerMixin) and isinstance(trainer, CountingTrainer)
+    assert type(trainer).__name__ == "ODBCountingTrainer" and ODBTrainerMixin not in CountingTrainer.__mro__
+    trainer.train()
+    assert CountingTrainer.calls == trainer.state.global_step > 0  # GA = 1: one compute_loss per step
+
+
+def test_odb_trainer_class_and_callback_give_the_same_run(chat_data, tmp_path):
+    runs = []
+    for trainer_class in (Trainer, ODBTrainer):
+        infos: list = []
+        trainer = make_trainer(tmp_path / trainer_class.__name__, chat_data.train[:24],
+                               [ODBCallback(token_budget=512, observer=infos.append)], trainer_class)
+        trainer.train()
+        runs.append(([i.indices for i in infos], [e["loss"] for e in trainer.state.log_history if "loss" in e]))
+    assert runs[0] == runs[1]
+
+
+def test_callback_added_after_construction_must_be_attached(chat_data, tmp_path):
+    trainer = make_trainer(tmp_path, chat_data.train[:16])
+    trainer.add_callback(ODBCallback(token_budget=512))
+    with pytest.raises(ODBSetupError, match="attach"):
+        trainer.train()
+    with pytest.raises(ODBSetupError, match="no ODBCallback"):
+        make_trainer(tmp_path, chat_data.train[:16], trainer_class=ODBTrainer).train()
+    late = make_trainer(tmp_path, chat_data.train[:16])
+    ODBCallback(token_budget=512).attach(late)
+    late.train()
+    assert isinstance(late.get_train_dataloader().loader, ODBDataLoader)
+
+
+def test_epoch_based_run_plans_the_schedule_from_the_estimate(chat_data, tmp_path):
+    """W=1 with the epoch in the sample: the estimate is exact, so a linear LR ends at exactly one step above 0."""
+    trainer = make_trainer(tmp_path, chat_data.train[:48], [ODBCallback(token_budget=512)], num_train_epochs=2,
+                           gradient_accumulation_steps=2)
+    trainer.train()
+    view = trainer.get_train_dataloader()
+    assert view.plan.planned_steps == trainer.state.global_step  # exact at W=1
+    assert len(view) >= view.plan.estimate and len(view) % 2 == 0  # the bound, in whole GA windows
+    assert trainer.state.epoch == 2.0
+    last_lr = [e["learning_rate"] for e in trainer.state.log_history if "learning_rate" in e][-1]
+    assert last_lr == pytest.approx(1e-2 / view.plan.planned_steps)
+
+
+def test_step_based_run_crosses_odb_epochs_until_max_steps(chat_data, tmp_path):
+    infos: list = []
+    trainer = make_trainer(tmp_path, chat_data.train[:16], [ODBCallback(token_budget=512, observer=infos.append)],
+                           max_steps=12)
+    trainer.train()
+    assert trainer.state.global_step == 12
+    first_epoch = [i for info in infos if info.epoch == 0 for i in info.indices]
+    assert sorted(first_epoch) == list(range(16)) and max(info.epoch for info in infos) >= 1
+
+
+def test_epoch_longer_than_the_planned_bound_raises_instead_of_being_cut(chat_data, tmp_path, monkeypatch):
+    monkeypatch.setattr(ODBDataLoader, "estimate_steps", lambda self, sample_size=512: 1)
+    trainer = make_trainer(tmp_path, chat_data.train[:32], [ODBCallback(token_budget=256, length_slack=0.0)])
+    with pytest.raises(RuntimeError, match="more than the 1 steps"):
+        trainer.train()
+
+
+def test_evaluation_is_unaffected(chat_data, tmp_path):
+    held_out = hf_support.ListDataset(chat_data.eval)
+    losses = []
+    for callbacks in ([], [ODBCallback(token_budget=512)]):
+        trainer = make_trainer(tmp_path, chat_data.train[:8], callbacks, per_device_eval_batch_size=8)
+        losses.append(trainer.evaluate(held_out)["eval_loss"])
+    assert losses[0] == losses[1]
+
+
+def test_logged_odb_metrics_reach_tensorboard(chat_data, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    trainer = make_trainer(tmp_path, chat_data.train[:24], [ODBCallback(token_budget=512)], report_to=["tensorboard"])
+    trainer.train()
+    event_files = sorted((tmp_path / "runs").glob("*/events.out.tfevents.*"))  # TensorBoardCallback's default dir
+    events = EventAccumulator(str(event_files[-1])).Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"train/odb/budget_utilization", "train/odb/padding_ratio", "train/odb/tokens_per_second",
+            "train/odb/samples_per_second", "train/odb/idle_steps"} <= tags
+    assert 0 < events.Scalars("train/odb/budget_utilization")[-1].value <= 1
+
+
+class LogitsOnly(torch.nn.Module):
+    """A model whose forward takes no loss kwargs (so the Trainer cannot pass num_items_in_batch)."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, input_ids, attention_mask=None):
+        return {"logits": self.inner(input_ids=input_ids, attention_mask=attention_mask).logits}
+
+
+class GradRecorder(TrainerCallback):
+    def __init__(self):
+        self.steps = []
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        self.steps.append({n.removeprefix("inner."): p.grad.clone() for n, p in model.named_parameters()})
+
+
+def test_model_without_loss_kwargs_gets_the_exact_token_mean(chat_data, tmp_path):
+    samples, infos, recorder = chat_data.train[:30], [], GradRecorder()
+    model = LogitsOnly(hf_support.tiny_llama(dtype=torch.float64))
+    trainer = make_trainer(tmp_path, samples, [ODBCallback(token_budget=320, observer=infos.append), recorder],
+                           model=model, learning_rate=0.0, optim="sgd", max_grad_norm=0.0, label_names=["labels"],
+                           gradient_accumulation_steps=3, lr_scheduler_type="constant")
+    assert not trainer.model_accepts_loss_kwargs
+    trainer.train()
+    steps = hf_support.steps_of([{"epoch": i.epoch, "step": i.step, "indices": i.indices} for i in infos], 3)
+    error = max(hf_support.max_relative_error(got, hf_support.reference_gradient(model.inner, [samples[i] for i in steps[k]]))
+                for got, k in zip(recorder.steps, sorted(steps)))
+    assert len(recorder.steps) == len(steps) and error <= 1e-6
+
+
+def test_patch_cap_reaches_the_loader(tmp_path):
+    """VLM-style samples: ODBCallback(max_patches=...) caps the pixel_values rows of every micro-batch."""
+    samples = [{"input_ids": list(range(3, 3 + 8 + k % 5)), "labels": list(range(3, 3 + 8 + k % 5)),
+                "pixel_values": torch.zeros(4 + k % 3, 6)} for k in range(24)]
+    trainer = make_trainer(tmp_path, samples, [ODBCallback(token_budget=4096, max_patches=12)],
+                           remove_unused_columns=False)
+    batches = list(trainer.get_train_dataloader())
+    assert sum(len(b.info.indices) for b in batches) == 24
+    assert all(b["pixel_values"].shape[0] <= 12 for b in batches)
+
+
+@pytest.mark.parametrize("overrides,match", [
+    (dict(train_sampling_strategy="group_by_length"), "group_by_length"),
+    (dict(auto_find_batch_size=True), "auto_find_batch_size"),
+    (dict(label_smoothing_factor=0.1), "label_smoothing_factor"),
+])
+def test_conflicting_training_arguments_raise(chat_data, tmp_path, overrides, match):
+    with pytest.raises(ODBSetupError, match=match):
+        make_trainer(tmp_path, chat_data.train[:8], [ODBCallback(token_budget=512)], **overrides)
+
+
+def test_custom_sampler_and_odb_owned_options_raise(chat_data, tmp_path):
+    class SamplerTrainer(Trainer):
+        def _get_train_sampler(self, train_dataset=None):
+            return torch.utils.data.SequentialSampler(self.train_dataset)
+
+    with pytest.raises(ODBSetupError, match="_get_train_sampler"):
+        make_trainer(tmp_path, chat_data.train[:8], [ODBCallback(token_budget=512)], SamplerTrainer)
+    with pytest.raises(TypeError, match="gradient_accumulation_steps"):
+        ODBCallback(token_budget=512, accumulation_steps=4)
+    with pytest.raises(TypeError, match="unknown options"):
+        ODBCallback(token_budget=512, batch_size=4)
+    with pytest.raises(ValueError, match="token_budget"):
+        ODBCallback(token_budget=0)
+
+
+def test_collator_that_drops_labels_is_refused(chat_data, tmp_path):
+    def no_labels(samples):
+        return {k: v for k, v in COLLATE(samples).items() if k != "labels"}
+
+    trainer = make_trainer(tmp_path, chat_data.train[:8], [ODBCallback(token_budget=512)])
+    trainer.data_collator = no_labels
+    with pytest.raises(ODBSetupError, match="without 'labels'"):
+        trainer.train()
+
+
+def test_ignored_batch_settings_warn(chat_data, tmp_path):
+    with pytest.warns(UserWarning, match="per_device_train_batch_size=4 is ignored"):
+        make_trainer(tmp_path, chat_data.train[:8], [ODBCallback(token_budget=512)], per_device_train_batch_size=4)
+    assert math.isclose(ODBCallback(token_budget=512).length_slack, 0.25)
