@@ -25,7 +25,7 @@ class CollateError(RuntimeError):
 def _as_long(value: Any) -> torch.Tensor:
     if isinstance(value, torch.Tensor):
         return value
-    return torch.as_tensor(np.asarray(value))
+    return torch.as_tensor(np.asarray(value), dtype=torch.long)
 
 
 class PadCollator:

@@ -20,6 +20,14 @@ def _require(ok: bool, field: str, value: object, allowed: str) -> None:
         raise ValueError(f"ODBConfig.{field}={value!r} is invalid: {allowed}")
 
 
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ODBConfig:
     """Everything that decides which samples share a step.
@@ -66,28 +74,29 @@ class ODBConfig:
     worker_timeout_s: float = 0.0
 
     def __post_init__(self) -> None:
-        _require(isinstance(self.token_budget, int) and self.token_budget > 0, "token_budget", self.token_budget,
+        _require(_is_int(self.token_budget) and self.token_budget > 0, "token_budget", self.token_budget,
                  "it must be a positive int (tokens per micro-batch per rank), e.g. 16384")
         _require(self.cost in COST_NAMES, "cost", self.cost, f"choose one of {COST_NAMES}")
-        _require(self.attention_alpha >= 0, "attention_alpha", self.attention_alpha, "it must be >= 0")
+        _require(_is_number(self.attention_alpha) and self.attention_alpha >= 0, "attention_alpha", self.attention_alpha, "it must be >= 0")
         _require(self.cost == "attention" or self.attention_alpha == 0, "attention_alpha", self.attention_alpha,
                  "it only applies to cost='attention'; leave it at 0 or set cost='attention'")
-        _require(self.max_patches is None or (isinstance(self.max_patches, int) and self.max_patches > 0),
+        _require(self.max_patches is None or (_is_int(self.max_patches) and self.max_patches > 0),
                  "max_patches", self.max_patches, "it must be None or a positive int")
-        _require(self.max_batch_size is None or (isinstance(self.max_batch_size, int) and self.max_batch_size > 0),
+        _require(self.max_batch_size is None or (_is_int(self.max_batch_size) and self.max_batch_size > 0),
                  "max_batch_size", self.max_batch_size, "it must be None or a positive int")
-        _require(isinstance(self.window, int) and self.window >= 1, "window", self.window,
+        _require(_is_int(self.window) and self.window >= 1, "window", self.window,
                  "it must be an int >= 1 (samples buffered per rank); the default 4096 is near the oracle")
         _require(isinstance(self.join, bool), "join", self.join, "it must be True (drain all) or False (quota)")
         _require(self.oversize in OVERSIZE_POLICIES, "oversize", self.oversize,
                  f"choose one of {OVERSIZE_POLICIES}")
-        _require(isinstance(self.accumulation_steps, int) and self.accumulation_steps >= 1, "accumulation_steps",
+        _require(_is_int(self.accumulation_steps) and self.accumulation_steps >= 1, "accumulation_steps",
                  self.accumulation_steps, "it must be an int >= 1")
-        _require(isinstance(self.seed, int), "seed", self.seed, "it must be an int")
-        _require(isinstance(self.prefetch_steps, int) and self.prefetch_steps >= 0, "prefetch_steps",
+        _require(_is_int(self.seed), "seed", self.seed, "it must be an int")
+        _require(isinstance(self.shuffle_steps, bool), "shuffle_steps", self.shuffle_steps, "it must be True or False")
+        _require(_is_int(self.prefetch_steps) and self.prefetch_steps >= 0, "prefetch_steps",
                  self.prefetch_steps, "it must be an int >= 0 (0 = no background thread)")
-        _require(isinstance(self.fetch_chunk, int) and self.fetch_chunk >= 1, "fetch_chunk", self.fetch_chunk,
+        _require(_is_int(self.fetch_chunk) and self.fetch_chunk >= 1, "fetch_chunk", self.fetch_chunk,
                  "it must be an int >= 1")
-        _require(self.sync_timeout_s > 0, "sync_timeout_s", self.sync_timeout_s, "it must be > 0 seconds")
-        _require(self.worker_timeout_s >= 0, "worker_timeout_s", self.worker_timeout_s,
+        _require(_is_number(self.sync_timeout_s) and self.sync_timeout_s > 0, "sync_timeout_s", self.sync_timeout_s, "it must be > 0 seconds")
+        _require(_is_number(self.worker_timeout_s) and self.worker_timeout_s >= 0, "worker_timeout_s", self.worker_timeout_s,
                  "it must be >= 0 seconds (0 = no timeout)")

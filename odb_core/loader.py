@@ -13,8 +13,9 @@ is how Python and the HF Trainer recognise a loader without a length.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import asdict, fields
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from torch.utils.data import DataLoader, DistributedSampler, Sampler
@@ -23,17 +24,20 @@ from odb_core.collate import CollateFn, PadCollator
 from odb_core.config import ODBConfig
 from odb_core.engine import RankEngine
 from odb_core.metrics import LoaderMetrics
-from odb_core.pipeline import EpochReport, EpochRun, ResumePoint, RoundStart, RunContext
+from odb_core.pipeline import Chunk, EpochReport, EpochRun, ResumePoint, RoundStart, RunContext
 from odb_core.prefetch import BackgroundIterator
 from odb_core.budget import Item
 from odb_core.sample import LengthFn, inspect_sample
 from odb_core.simulate import simulate_epoch
-from odb_core.sources import (ChunkSampler, IndexedDataset, IndexedIterable, ShardedSampler, keep_chunk,
-                              map_style_size)
+from odb_core.resume import (MERGED_FORMAT, ElasticResumeError, check_merged, describe_source, progress,
+                             remainder_plan, sharded_source, source_indices)
+from odb_core.sources import (ChunkSampler, IndexedDataset, IndexedIterable, IndexListSampler, ShardedSampler,
+                              keep_chunk, map_style_size, unpack_sample)
 from odb_core.step_info import ODBBatch, StepInfo
 from odb_core.sync import Transport, default_transport
 
-STATE_VERSION = 1
+STATE_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 CONFIG_FIELDS = frozenset(f.name for f in fields(ODBConfig))
 WORKER_OPTIONS = frozenset({"persistent_workers", "multiprocessing_context", "pin_memory", "prefetch_factor",
                             "worker_init_fn", "generator"})
@@ -47,6 +51,66 @@ def _split_options(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, A
     config = {k: v for k, v in options.items() if k in CONFIG_FIELDS}
     workers = {k: v for k, v in options.items() if k in WORKER_OPTIONS}
     return config, workers
+
+
+@dataclass(frozen=True, slots=True)
+class _SavedPosition:
+    """The last consumed step of an epoch, as `state_dict()` saves it: the round to replay, whether that step
+    was the epoch's last (`complete`), and the metrics counters matching the replay point."""
+
+    point: ResumePoint
+    complete: bool
+    metrics: dict[str, float | int]
+
+
+def _position_to_json(saved: _SavedPosition) -> dict[str, Any]:
+    start = {**asdict(saved.point.start), "buffer": list(saved.point.start.buffer)}
+    return {"start": start, "steps_consumed": saved.point.steps_consumed,
+            "round_emitted": list(saved.point.round_emitted), "epoch_complete": saved.complete}
+
+
+def _position_from_json(position: dict[str, Any], metrics: dict[str, float | int]) -> _SavedPosition:
+    position = dict(position)
+    start = _round_start(position.pop("start"))
+    point = ResumePoint(start=start, steps_consumed=int(position.pop("steps_consumed")),
+                        round_emitted=tuple(int(i) for i in position.pop("round_emitted", ())))
+    complete = bool(position.pop("epoch_complete", False))
+    if position:
+        raise ValueError(f"unexpected keys in loader state position: {sorted(position)}")
+    return _SavedPosition(point=point, complete=complete, metrics=metrics)
+
+
+def _round_start(start: dict[str, Any]) -> RoundStart:
+    return RoundStart(**{**start, "buffer": tuple(int(i) for i in start["buffer"])})
+
+
+def _plan_start(plan: dict[str, Any] | None) -> ResumePoint | None:
+    """Where a remainder epoch starts: step numbers and rounds continue the old run's, nothing buffered."""
+    if plan is None:
+        return None
+    start = RoundStart(round=int(plan["first_round"]), steps_done=int(plan["first_step"]), consumed=0, buffer=(),
+                       carry_count=0, carry_tokens=0, dummy_index=None)
+    return ResumePoint(start=start, steps_consumed=int(plan["first_step"]))
+
+
+def _skip_stream(chunks: Iterator[Chunk], consumed: int, needed: set[int]) -> tuple[dict[int, Any], Iterator[Chunk]]:
+    """Read the first `consumed` samples of a tagged chunk stream, keeping those whose tag is `needed`; returns
+    them and the rest of the stream (resume of an iterable dataset: it can only be re-read from its start)."""
+    kept: dict[int, Any] = {}
+    seen = 0
+    rest: Chunk = []
+    while seen < consumed:
+        chunk = next(chunks, None)
+        if chunk is None:
+            raise RuntimeError(f"the resumed stream ended after {seen} samples, but the saved position is at "
+                               f"{consumed}: the IterableDataset does not replay the same samples")
+        take = min(len(chunk), consumed - seen)
+        for index, sample in chunk[:take]:
+            if index in needed:
+                kept[index] = unpack_sample(sample)
+        seen += take
+        rest = chunk[take:]
+    return kept, itertools.chain([rest] if rest else [], chunks)
 
 
 class DatasetFetchError(RuntimeError):
@@ -87,7 +151,8 @@ class ODBDataLoader:
 
     def __init__(self, dataset: Any, *, token_budget: int | None = None, config: ODBConfig | None = None,
                  collate_fn: CollateFn | None = None, sampler: Sampler[int] | None = None, shuffle: bool = False,
-                 seed: int = 0, num_workers: int = 0, join: bool = True, length_fn: LengthFn | None = None,
+                 seed: int | None = None, num_workers: int = 0, join: bool | None = None,
+                 length_fn: LengthFn | None = None,
                  transport: Transport | None = None, idle_sample: Mapping[str, Any] | None = None,
                  shard_iterable: bool = True, observer: Callable[[StepInfo], None] | None = None,
                  **options: Any) -> None:
@@ -95,8 +160,9 @@ class ODBDataLoader:
         if config is None:
             if token_budget is None:
                 raise TypeError("ODBDataLoader needs token_budget=... (tokens per micro-batch per rank) or config=")
-            config = ODBConfig(token_budget=token_budget, seed=seed, join=join, **config_options)
-        elif token_budget is not None or config_options:
+            config = ODBConfig(token_budget=token_budget, seed=0 if seed is None else seed,
+                               join=True if join is None else join, **config_options)
+        elif token_budget is not None or config_options or seed is not None or join is not None:
             raise TypeError("pass either config=ODBConfig(...) or individual config fields, not both")
         self.config = config
         self.dataset = dataset
@@ -104,6 +170,7 @@ class ODBDataLoader:
         self.metrics = LoaderMetrics(token_budget=config.token_budget, world_size=self.transport.world_size)
         self._idle_sample = idle_sample
         self._size = map_style_size(dataset)
+        self._own_sampler, self._shuffle = sampler is None, shuffle
         self.sampler = self._build_sampler(sampler, shuffle, config.seed)
         self._workers = self._build_workers(num_workers, shard_iterable, worker_options)
         self._ctx = RunContext(engine_factory=lambda epoch: RankEngine(config, epoch), transport=self.transport,
@@ -114,7 +181,8 @@ class ODBDataLoader:
         self._current: Iterator[ODBBatch] | None = None
         self.last_report: EpochReport | None = None
         self._length: int | None = None
-        self._resume: ResumePoint | None = None
+        self._resume: _SavedPosition | None = None  # pending position in epoch `self._epoch` (loaded state)
+        self._plan: dict[str, Any] | None = None  # pending remainder of epoch `self._epoch` (elastic resume)
         self._replayed: dict[int, Any] = {}
 
     # -- construction -------------------------------------------------------------------------------------
@@ -147,20 +215,10 @@ class ODBDataLoader:
 
     def _fetch(self, index: int) -> Mapping[str, Any]:
         """A sample by its tag, in the calling thread: by index for map-style data, from the replay cache of
-        an iterable stream (filled by `_replay_iterable` before a resumed epoch starts)."""
+        an iterable stream (filled by `_skip_stream` before a resumed epoch starts)."""
         if self._size is not None:
             return self.dataset[index]
-        return self._replayed.pop(index)
-
-    def _replay_iterable(self, start: RoundStart) -> None:
-        """Re-read this rank's stream up to the resume position, keeping the buffered samples and the dummy."""
-        needed = set(start.buffer) | ({start.dummy_index} if start.dummy_index is not None else set())
-        self._replayed = {}
-        for ordinal, (index, sample) in enumerate(self._iterable.tagged()):
-            if ordinal >= start.consumed:
-                break
-            if index in needed:
-                self._replayed[index] = sample
+        return self._replayed[index]  # the IDLE dummy may also be buffered: fetched twice
 
     def _fallback_dummy(self) -> Mapping[str, Any]:
         """A sample for IDLE dummies on a rank that has received no sample this epoch."""
@@ -178,28 +236,57 @@ class ODBDataLoader:
         return self._epoch
 
     def set_epoch(self, epoch: int) -> None:
-        """Select the epoch of the next `iter()` (reshuffles). Without calls, each `iter()` advances by one."""
+        """Select the epoch of the next `iter()` (reshuffles). Without calls, each `iter()` advances by one.
+
+        After `load_state_dict()` the restored epoch is `self.epoch`; selecting another one while the restored
+        epoch still has steps to run raises ValueError instead of silently dropping (or misplacing) them."""
+        if epoch != self._epoch and (self._resume is not None or self._plan is not None):
+            done = self._resume is not None and self._resume.complete
+            if not (done and epoch > self._epoch):
+                raise ValueError(f"the loaded state continues epoch {self._epoch}; set_epoch({epoch}) would "
+                                 f"{'replay' if epoch < self._epoch else 'skip'} its remaining steps. Call "
+                                 f"set_epoch(loader.epoch) (= {self._epoch}), or build a fresh loader to start over")
+            self._resume = self._plan = None
         self._epoch = epoch
 
     def __iter__(self) -> Iterator[ODBBatch]:
         self.close()
         epoch = self._epoch
-        if self.sampler is not None and hasattr(self.sampler, "set_epoch"):
-            self.sampler.set_epoch(epoch)
-        resume, self._resume = self._resume, None
-        self._set_stream_start(resume.start.consumed if resume is not None else 0)
-        if resume is not None and self._size is None:
-            self._replay_iterable(resume.start)
-        run = EpochRun(self._ctx, epoch, iter(self._workers), resume)  # workers start here, on this thread
+        saved, self._resume = self._resume, None
+        plan, self._plan = self._plan, None
         self._epoch = epoch + 1
-        self._current = _EpochIterator(self, run, epoch)
+        if saved is not None and saved.complete:  # its last step was consumed before the save: nothing to run
+            return iter(())
+        start_metrics = self.metrics.snapshot()
+        point = saved.point if saved is not None else _plan_start(plan)
+        chunks = self._open_stream(epoch, plan, point)
+        run = EpochRun(self._ctx, epoch, chunks, point)  # re-fetches the resume point's samples
+        self._replayed = {}
+        self._current = _EpochIterator(self, run, epoch, plan=plan, saved=saved, start_metrics=start_metrics)
         return self._current
 
-    def _set_stream_start(self, consumed: int) -> None:
+    def _open_stream(self, epoch: int, plan: dict[str, Any] | None, point: ResumePoint | None) -> Iterator[Chunk]:
+        """Start the workers on this epoch's index source (the remainder `plan` after an elastic resume), past
+        the samples admitted before the resume point. Workers start here, on the calling thread."""
+        consumed = point.start.consumed if point is not None else 0
         if self._size is None:
-            self._iterable.start = consumed
+            if hasattr(self.dataset, "set_epoch"):  # e.g. a shuffled HF IterableDataset: replay the same order
+                self.dataset.set_epoch(epoch)
+            chunks = iter(self._workers)
+            if point is None:
+                return chunks
+            start = point.start
+            needed = set(start.buffer) | ({start.dummy_index} if start.dummy_index is not None else set())
+            self._replayed, rest = _skip_stream(chunks, consumed, needed)
+            return rest
+        if plan is not None:
+            self._chunks.sampler = IndexListSampler(source_indices(plan, self.transport.rank, epoch))
         else:
-            self._chunks.start = consumed
+            self._chunks.sampler = self.sampler
+            if hasattr(self.sampler, "set_epoch"):
+                self.sampler.set_epoch(epoch)
+        self._chunks.start = consumed
+        return iter(self._workers)
 
     # -- state ----------------------------------------------------------------------------------------------
     def _fingerprint(self) -> dict[str, Any]:
@@ -207,49 +294,100 @@ class ODBDataLoader:
                 "accumulation_steps", "seed", "shuffle_steps")
         return {name: getattr(self.config, name) for name in keep}
 
+    def _source(self) -> dict[str, Any]:
+        """Descriptor of this loader's index source for a normal epoch (see NOTE [ Elastic resume ])."""
+        if self._size is None:
+            return {"kind": "stream", "shard": self._iterable.shard}
+        if self._own_sampler:
+            return sharded_source(self._size, self._shuffle, self.config.seed, self.transport.world_size)
+        return {"kind": "custom", "type": type(self.sampler).__name__, "size": self._size}
+
     def state_dict(self) -> dict[str, Any]:
-        """This rank's position, as plain JSON-serialisable data (save one per rank).
+        """This rank's position, as plain JSON-serialisable data (save one per rank, after the same step).
 
         Taken after any consumed step, it makes a fresh loader's next `iter()` yield exactly the batches the
         uninterrupted run would have yielded next (same indices, order and `StepInfo`). Between epochs it
-        points at the start of the next epoch.
+        points at the start of the next epoch. To resume at another world size, merge every rank's state with
+        `odb_core.resume.merge_states`. Size: O(window) ints (plus O(W x window) during a remainder epoch).
         """
         state: dict[str, Any] = {"version": STATE_VERSION, "world_size": self.transport.world_size,
                                  "rank": self.transport.rank, "config": self._fingerprint(),
-                                 "epoch": self._epoch, "position": None, "metrics": self.metrics.snapshot()}
+                                 "sampler": self._source(), "epoch": self._epoch, "plan": self._plan,
+                                 "position": None, "metrics": self.metrics.snapshot()}
+        saved = self._resume
         current = self._current
         if isinstance(current, _EpochIterator) and not current.finished:
-            state["epoch"] = current.epoch
-            if current.position is not None:
-                start, consumed = current.position
-                state["position"] = {"start": asdict(start), "steps_consumed": consumed}
-        elif self._resume is not None:
-            state["position"] = {"start": asdict(self._resume.start), "steps_consumed": self._resume.steps_consumed}
+            state.update(epoch=current.epoch, plan=current.plan, metrics=dict(current.start_metrics))
+            saved = current.saved_position()
+        if saved is not None:
+            state.update(position=_position_to_json(saved), metrics=dict(saved.metrics))
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a `state_dict()`; the next `iter()` continues from it. Refuses a different world size, rank
-        or batching config, because the saved position only replays exactly under the same plan."""
+        """Restore a `state_dict()` (or a `merge_states()` of every rank's); the next `iter()` continues from it.
+
+        A rank state, or a merged state of the same world size, resumes exactly. A merged state of another world
+        size continues the epoch with the remaining samples (NOTE [ Elastic resume ] in `odb_core/resume.py`).
+        Refuses (ValueError) a different batching config, dataset size or sampler, and a single rank's state
+        from another world size.
+        """
+        if state.get("format") == MERGED_FORMAT:
+            states = check_merged(state)
+            if len(states) != self.transport.world_size:
+                self._load_elastic(states)
+                return
+            state = states[self.transport.rank]
+        self._load_rank_state(state)
+
+    def _load_rank_state(self, state: dict[str, Any]) -> None:
         state = dict(state)
         version = state.pop("version", None)
-        if version != STATE_VERSION:
+        if version not in READABLE_VERSIONS:
             raise ValueError(f"loader state version {version!r} is not supported (expected {STATE_VERSION})")
-        for key, mine in (("world_size", self.transport.world_size), ("rank", self.transport.rank),
-                          ("config", self._fingerprint())):
+        saved_world = state.pop("world_size")
+        if saved_world != self.transport.world_size:
+            raise ElasticResumeError(
+                f"loader state was saved by rank {state.get('rank')} of a world of size {saved_world}, but this "
+                f"loader has world_size={self.transport.world_size}; to resume at another world size, collect "
+                "every rank's state_dict() and load odb_core.resume.merge_states(states) on every new rank")
+        checks = [("rank", self.transport.rank), ("config", self._fingerprint())]
+        if version >= 2:
+            checks.append(("sampler", self._source()))
+        for key, mine in checks:
             saved = state.pop(key)
             if saved != mine:
                 raise ValueError(f"loader state was saved with {key}={saved!r} but this loader has {mine!r}; "
-                                 "exact resume needs the same world size, rank and batching config")
-        self.close()
-        self._epoch = int(state.pop("epoch"))
-        self.metrics.restore(state.pop("metrics"))
-        position = state.pop("position")
+                                 "exact resume needs the same world size, rank, dataset, sampler and batching config")
+        plan = state.pop("plan") if version >= 2 else None
+        epoch, metrics, position = int(state.pop("epoch")), state.pop("metrics"), state.pop("position")
         if state:
             raise ValueError(f"unexpected keys in loader state: {sorted(state)}")
-        self._resume = None
-        if position is not None:
-            start = RoundStart(**{**position["start"], "buffer": tuple(position["start"]["buffer"])})
-            self._resume = ResumePoint(start=start, steps_consumed=int(position["steps_consumed"]))
+        self.close()
+        self.metrics.restore(metrics)
+        self._epoch, self._plan = epoch, plan
+        self._resume = _position_from_json(position, metrics) if position is not None else None
+
+    def _load_elastic(self, states: list[dict[str, Any]]) -> None:
+        first, mine = states[0], self._source()
+        if first["config"] != self._fingerprint():
+            raise ValueError(f"loader states were saved with config={first['config']!r} but this loader has "
+                             f"{self._fingerprint()!r}; resume needs the same batching config")
+        saved = first["sampler"]
+        change = f"from world size {len(states)} to {self.transport.world_size}"
+        if saved.get("kind") != "sharded" or mine.get("kind") != "sharded":
+            raise ElasticResumeError(
+                f"cannot resume {change}: the saved run read {describe_source(saved)} and this loader reads "
+                f"{describe_source(mine)}; only a map-style dataset with ODB's own sampler (no sampler= argument) "
+                "has a per-rank order that can be recomputed at another world size. Resume at world size "
+                f"{len(states)}")
+        if {**saved, "world_size": 0} != {**mine, "world_size": 0}:
+            raise ElasticResumeError(f"cannot resume {change}: it needs the same dataset and shuffle; the saved run "
+                                     f"read {describe_source(saved)}, this loader {describe_source(mine)}")
+        plan = remainder_plan(states, self.transport.world_size)
+        self.close()
+        self.metrics.restore(LoaderMetrics(token_budget=self.config.token_budget,
+                                           world_size=self.transport.world_size).snapshot())
+        self._epoch, self._plan, self._resume = progress(first)[0], plan, None
 
     def _finish(self, report: EpochReport) -> None:
         self.last_report = report
@@ -291,18 +429,24 @@ class ODBDataLoader:
             self._current = None
 
     def __del__(self) -> None:
-        self.close()
+        if getattr(self, "_current", None) is not None:  # __init__ may have raised before setting it
+            self.close()
 
 
 class _EpochIterator(Iterator[ODBBatch]):
     """The iterator `ODBDataLoader.__iter__` returns: inline or through a background producer. It records the
-    position of the last batch handed to the caller, which is what `state_dict()` saves."""
+    position of the last batch handed to the caller, which is what `state_dict()` saves: the start of that
+    batch's round, the indices this rank emitted in the round so far, and whether it was the epoch's last step.
+    """
 
-    def __init__(self, loader: ODBDataLoader, run: EpochRun, epoch: int) -> None:
-        self.loader, self.run, self.epoch = loader, run, epoch
+    def __init__(self, loader: ODBDataLoader, run: EpochRun, epoch: int, *, plan: dict[str, Any] | None,
+                 saved: _SavedPosition | None, start_metrics: dict[str, float | int]) -> None:
+        self.loader, self.run, self.epoch, self.plan = loader, run, epoch, plan
+        self.start_metrics = start_metrics
         depth = loader.config.prefetch_steps
         self.source: Iterator[ODBBatch] = BackgroundIterator(run, depth) if depth > 0 else run
-        self.position: tuple[RoundStart, int] | None = None
+        self.position = saved  # `round_emitted` lives in `self.emitted` while the epoch runs
+        self.emitted: list[int] = list(saved.point.round_emitted) if saved is not None else []
         self.finished = False
 
     def __next__(self) -> ODBBatch:
@@ -315,11 +459,28 @@ class _EpochIterator(Iterator[ODBBatch]):
             raise
         info = batch.info
         assert info is not None
-        start = self.run.round_starts[info.round]
-        for stale in [r for r in list(self.run.round_starts) if r < info.round]:
-            self.run.round_starts.pop(stale, None)
-        self.position = (start, info.step + 1)
+        run = self.run
+        start, metrics = run.round_starts[info.round], run.round_metrics[info.round]
+        for stale in [r for r in list(run.round_starts) if r < info.round]:
+            run.round_starts.pop(stale, None)
+            run.round_metrics.pop(stale, None)
+        if self.position is None or self.position.point.start.round != info.round:
+            self.emitted = []
+        self.emitted.extend(info.indices)
+        complete = run.final_steps is not None and info.step + 1 == run.final_steps
+        if complete:
+            assert run.final_metrics is not None
+            metrics = run.final_metrics
+        self.position = _SavedPosition(point=ResumePoint(start=start, steps_consumed=info.step + 1),
+                                       complete=complete, metrics=metrics)
         return batch
+
+    def saved_position(self) -> _SavedPosition | None:
+        if self.position is None:
+            return None
+        point = ResumePoint(start=self.position.point.start, steps_consumed=self.position.point.steps_consumed,
+                            round_emitted=tuple(self.emitted))
+        return _SavedPosition(point=point, complete=self.position.complete, metrics=self.position.metrics)
 
     def close(self) -> None:
         close = getattr(self.source, "close", None)

@@ -12,6 +12,7 @@ The whole round is deterministic given the samples, so the batches do not depend
 
 from __future__ import annotations
 
+import traceback
 from collections import defaultdict, deque
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -104,10 +105,14 @@ class RoundStart:
 
 @dataclass(frozen=True, slots=True)
 class ResumePoint:
-    """Replay from `start`, dropping the steps numbered below `steps_consumed` (already trained on)."""
+    """Replay from `start`, dropping the steps numbered below `steps_consumed` (already trained on).
+
+    `round_emitted` lists this rank's indices in the consumed steps of that round (from `start.steps_done` up
+    to `steps_consumed`); exact replay does not need it, elastic resume does (NOTE [ Elastic resume ])."""
 
     start: RoundStart
     steps_consumed: int
+    round_emitted: tuple[int, ...] = ()
 
 
 class EpochRun(Iterator[ODBBatch]):
@@ -119,6 +124,10 @@ class EpochRun(Iterator[ODBBatch]):
     rounds (its step count and supervised tokens) and the index of the sample used for IDLE dummies. A new
     process that re-fetches those indices, skips the stream to the same position and replays the round runs the
     same pure plan and the same collectives, so it yields the same batches; steps already consumed are dropped.
+    The loader's metrics are snapshotted at the same point (`round_metrics`) and the replayed round records all
+    its steps again, so resumed counters equal the uninterrupted ones. `final_steps` is the epoch's step count,
+    set before the final round's steps are released (with `final_metrics`), so a consumer can tell that it took
+    the last step.
     """
 
     def __init__(self, ctx: RunContext, epoch: int, chunks: Iterator[Chunk],
@@ -136,6 +145,9 @@ class EpochRun(Iterator[ODBBatch]):
         self.carry_count = self.carry_tokens = 0
         self.skip_below = 0
         self.round_starts: dict[int, RoundStart] = {}
+        self.round_metrics: dict[int, dict[str, float | int]] = {}
+        self.final_steps: int | None = None
+        self.final_metrics: dict[str, float | int] | None = None
         self.report: EpochReport | None = None
         if resume is not None:
             self._restore(resume)
@@ -160,11 +172,21 @@ class EpochRun(Iterator[ODBBatch]):
             self._run_round()
         return self.ready.popleft()
 
+    def close(self) -> None:
+        """Release the worker iterator (and with it the worker processes); called on errors and on shutdown."""
+        self.chunks = iter(())
+
     def _fill(self) -> bool:
         """Top the window up; returns whether this rank is still active (its stream may hold more)."""
         while self.engine.space() > 0:
             if not self.pending:
-                chunk = next(self.chunks, None)
+                try:
+                    chunk = next(self.chunks, None)
+                except BaseException as exc:
+                    # Free the worker iterator now (not at the next GC), so its processes exit at once.
+                    traceback.clear_frames(exc.__traceback__)
+                    self.close()
+                    raise
                 if chunk is None:
                     self.stream_ended = True
                     return False
@@ -186,6 +208,7 @@ class EpochRun(Iterator[ODBBatch]):
                           dummy_index=self.dummy_index)
 
     def _run_round(self) -> None:
+        self.round_metrics[self.engine.round] = self.ctx.metrics.snapshot()
         self.round_starts[self.engine.round] = self._snapshot()
         stats = self.ctx.transport.stats
         bytes_before, seconds_before = stats.bytes_sent, stats.seconds
@@ -195,6 +218,8 @@ class EpochRun(Iterator[ODBBatch]):
         decision = self.engine.decide([RankState.from_ints(v) for v in gathered])
         round_index = self.engine.round
         adjustment = self.engine.finish_round(local, decision)
+        if self.engine.finished:
+            self.final_steps = self.engine.steps_done
         built = [self._build(slot) for slot in adjustment.slots]
         reduced = self.ctx.transport.all_reduce_sum([x for b in built for x in b.as_ints()])
         self.ctx.metrics.rounds += 1
@@ -206,6 +231,8 @@ class EpochRun(Iterator[ODBBatch]):
         for k, b in enumerate(built):
             totals = reduced[k * REDUCED_FIELDS : (k + 1) * REDUCED_FIELDS]
             self._stage(b, totals, round_index, first_step + k)
+        if self.engine.finished:
+            self.final_metrics = self.ctx.metrics.snapshot()
 
     def _build(self, slot: Slot) -> _Built:
         if slot is None:
@@ -231,8 +258,7 @@ class EpochRun(Iterator[ODBBatch]):
                         global_input_tokens=g_input, padded_tokens=built.padded, cost=float(built.cost),
                         rank_imbalance=imbalance, window_tokens=-1)
         self.window.append((built, info))
-        if step >= self.skip_below:
-            self.ctx.metrics.record_step(info)
+        self.ctx.metrics.record_step(info)  # replayed steps too: metrics resume from the round start
         if self.carry_count + len(self.window) == self.engine.config.accumulation_steps:
             self._release_window()
 

@@ -89,6 +89,20 @@ class ShardedSampler(Sampler[int]):
         return len(range(self.rank, self.size, self.world_size))
 
 
+class IndexListSampler(Sampler[int]):
+    """A fixed list of this rank's indices, in order: the remainder of an epoch after an elastic resume (see
+    NOTE [ Elastic resume ] in `resume.py`). It has no `set_epoch`: it serves exactly one epoch."""
+
+    def __init__(self, indices: list[int]) -> None:
+        self.indices = list(indices)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.indices)
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+
 class ChunkSampler(Sampler[list[int]]):
     """Cuts a sampler's indices into chunks of `chunk`, after skipping the first `start` indices (resume)."""
 
@@ -125,7 +139,9 @@ class IndexedIterable(IterableDataset):
     With `shard=True` rank r keeps stream positions p with p % W == r; the tag is the global position p. With
     `shard=False` (the dataset is already split by node, e.g. `datasets.distributed.split_dataset_by_node`) the
     k-th sample of this rank is tagged k * W + r, which is unique across ranks. Chunk c of this rank's samples
-    goes to worker c % num_workers, so the DataLoader's round-robin returns chunks in stream order.
+    goes to worker c % num_workers, so the DataLoader's round-robin returns chunks in stream order. This needs
+    the dataset to yield the same stream in every worker: one that splits itself by `get_worker_info()` would
+    lose samples (refused for datasets with `num_shards`, such as HF datasets' IterableDataset).
     """
 
     def __init__(self, dataset: IterableDataset, *, rank: int, world_size: int, shard: bool, chunk: int) -> None:
@@ -145,6 +161,12 @@ class IndexedIterable(IterableDataset):
     def __iter__(self) -> Iterator[list[tuple[int, Any]]]:
         info = get_worker_info()
         worker, n_workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        if n_workers > 1 and hasattr(self.dataset, "num_shards"):
+            raise ValueError(f"{type(self.dataset).__name__} has num_shards: it splits its shards over DataLoader "
+                             "workers (as HF datasets' IterableDataset does), but ODB's workers must each read "
+                             "the whole stream and take chunks in turn, so samples would be lost. Use "
+                             "num_workers=0 (ODB's workers do not parallelise reading an IterableDataset anyway: each "
+                             "reads the whole stream)")
         stream = itertools.islice(self.tagged(), self.start, None)
         for c in itertools.count():
             chunk = list(itertools.islice(stream, self.chunk))

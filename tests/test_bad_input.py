@@ -1,0 +1,244 @@
+"""Bad input through the real `ODBDataLoader`: every error surfaces in the trainer's `next()`, names the dataset
+index, and keeps the original exception (DESIGN 6); accepted input variants still give model-ready batches.
+
+Errors are checked inline (`prefetch_steps=0`) and through the background producer thread (`prefetch_steps=2`).
+Samples are checked in the trainer process whatever `num_workers` is, so worker processes (`num_workers=2`) are
+used where the error or the data starts in them: the user's `__getitem__`, and list/ndarray samples that cross
+the worker pipe.
+"""
+
+from __future__ import annotations
+
+import gc
+import multiprocessing
+import time
+import traceback
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import LengthDataset
+from odb_core import CollateError, DatasetFetchError, ODBDataLoader, PadCollator, SampleError
+
+BAD_INDEX = 5
+# (num_workers, prefetch_steps): inline, background thread, background thread over worker processes.
+MODES = [pytest.param(0, 0, id="inline"), pytest.param(0, 2, id="thread"), pytest.param(2, 2, id="workers")]
+IN_PROCESS_MODES = MODES[:2]
+
+
+class PatchedDataset(torch.utils.data.Dataset):
+    """Twelve good samples of length 8, with sample `BAD_INDEX` replaced by `bad` (picklable for workers)."""
+
+    def __init__(self, bad) -> None:
+        self.good, self.bad = LengthDataset([8] * 12), bad
+
+    def __len__(self) -> int:
+        return len(self.good)
+
+    def __getitem__(self, index: int):
+        return self.bad if index == BAD_INDEX else self.good[index]
+
+
+class RaisingDataset(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 12
+
+    def __getitem__(self, index: int):
+        if index == BAD_INDEX:
+            return load_broken_record(index)
+        return {"input_ids": torch.arange(8)}
+
+
+def load_broken_record(index: int):
+    raise KeyError(f"record {index} is missing from the shard")
+
+
+def first_batch(dataset, num_workers: int = 0, prefetch_steps: int = 0, **kwargs):
+    loader = ODBDataLoader(dataset, token_budget=kwargs.pop("token_budget", 64), num_workers=num_workers,
+                           prefetch_steps=prefetch_steps, **kwargs)
+    try:
+        return next(iter(loader))
+    finally:
+        loader.close()
+
+
+# -- the sample contract -------------------------------------------------------------------------------------
+
+BAD_SAMPLES = [
+    pytest.param({"labels": torch.arange(8)}, "has no 'input_ids'", id="missing_input_ids"),
+    pytest.param({"input_ids": torch.zeros(0, dtype=torch.long)}, "'input_ids' is empty", id="empty_input_ids"),
+    pytest.param({"input_ids": torch.zeros(2, 8, dtype=torch.long)}, "must be a 1-D", id="2d_input_ids_tensor"),
+    pytest.param({"input_ids": np.zeros((2, 8), dtype=np.int64)}, "must be a 1-D", id="2d_input_ids_ndarray"),
+    pytest.param({"input_ids": 7}, "must be a 1-D", id="scalar_input_ids"),
+    pytest.param({"input_ids": torch.arange(8), "labels": torch.zeros(2, 8)}, "'labels' must be a 1-D",
+                 id="2d_labels"),
+    pytest.param((torch.arange(8), torch.arange(8)), "expected a mapping", id="tuple_sample"),
+    pytest.param(torch.arange(8), "expected a mapping", id="tensor_sample"),
+]
+
+
+@pytest.mark.parametrize(("num_workers", "prefetch_steps"), IN_PROCESS_MODES)
+@pytest.mark.parametrize(("bad", "cause"), BAD_SAMPLES)
+def test_malformed_sample_raises_sample_error_naming_its_index(bad, cause, num_workers, prefetch_steps):
+    with pytest.raises(SampleError, match=rf"^sample {BAD_INDEX}: .*{cause}") as raised:
+        first_batch(PatchedDataset(bad), num_workers, prefetch_steps)
+    assert raised.value.index == BAD_INDEX
+
+
+@pytest.mark.parametrize(("num_workers", "prefetch_steps"), MODES)
+@pytest.mark.parametrize("as_type", [list, np.asarray], ids=["list", "ndarray"])
+def test_list_and_ndarray_input_ids_give_model_ready_tensor_batches(as_type, num_workers, prefetch_steps):
+    lengths = [3, 9, 5, 12, 7, 4]
+    samples = [{"input_ids": as_type(list(range(1, n + 1))), "labels": as_type([-100] * 2 + list(range(n - 2)))}
+               for n in lengths]
+    loader = ODBDataLoader(samples, token_budget=64, num_workers=num_workers, prefetch_steps=prefetch_steps)
+    seen = []
+    for batch in loader:
+        rows, width = batch["input_ids"].shape
+        for key in ("input_ids", "labels", "attention_mask"):
+            assert isinstance(batch[key], torch.Tensor) and batch[key].dtype == torch.long
+            assert batch[key].shape == (rows, width)
+        assert width == max(lengths[i] for i in batch.info.indices)
+        assert int(batch["attention_mask"].sum()) == sum(lengths[i] for i in batch.info.indices)
+        # Model-ready: the causal-LM loss runs on the labels as they are.
+        logits = torch.zeros(rows, width, 50)
+        torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 50), batch["labels"][:, 1:].reshape(-1))
+        seen.extend(batch.info.indices)
+    assert sorted(seen) == list(range(len(lengths)))
+
+
+def test_numpy_int32_input_ids_are_collated_as_int64():
+    samples = [{"input_ids": np.arange(1, 6, dtype=np.int32), "labels": np.arange(1, 6, dtype=np.int32)},
+               {"input_ids": np.arange(1, 3, dtype=np.int32), "labels": np.arange(1, 3, dtype=np.int32)}]
+    batch = PadCollator()(samples)
+    assert batch["input_ids"].dtype == batch["labels"].dtype == torch.long
+    assert batch["labels"][1].tolist() == [1, 2, -100, -100, -100]
+
+
+# -- user collate functions ----------------------------------------------------------------------------------
+
+def collate_that_divides_by_zero(samples):
+    return {"scale": len(samples) / 0}
+
+
+@pytest.mark.parametrize(("num_workers", "prefetch_steps"), IN_PROCESS_MODES)
+def test_collate_error_names_the_indices_and_chains_the_original_exception(num_workers, prefetch_steps):
+    dataset = LengthDataset([8] * 6)
+    with pytest.raises(CollateError, match=r"collate_fn raised ZeroDivisionError on samples \[") as raised:
+        first_batch(dataset, num_workers, prefetch_steps, collate_fn=collate_that_divides_by_zero)
+    message = str(raised.value)
+    listed = [int(i) for i in message.split("on samples [")[1].split("]")[0].split(",")]
+    assert listed and set(listed) <= set(range(len(dataset)))
+    assert isinstance(raised.value.__cause__, ZeroDivisionError)
+    rendered = "".join(traceback.format_exception(raised.value))
+    assert "collate_that_divides_by_zero" in rendered
+    assert "The above exception was the direct cause" in rendered
+
+
+@pytest.mark.parametrize(("num_workers", "prefetch_steps"), IN_PROCESS_MODES)
+@pytest.mark.parametrize("returned", [[1, 2], (torch.zeros(2),), torch.zeros(2, 3), None],
+                         ids=["list", "tuple", "tensor", "none"])
+def test_collate_returning_a_non_mapping_is_rejected_with_the_indices(returned, num_workers, prefetch_steps):
+    with pytest.raises(CollateError, match=r"collate_fn returned \w+ for samples \[\d"):
+        first_batch(LengthDataset([8] * 6), num_workers, prefetch_steps, collate_fn=lambda samples: returned)
+
+
+# -- the user's dataset --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("num_workers", "prefetch_steps"), MODES)
+def test_dataset_error_names_the_index_and_keeps_the_original(num_workers, prefetch_steps):
+    with pytest.raises(DatasetFetchError) as raised:
+        first_batch(RaisingDataset(), num_workers, prefetch_steps)
+    message = str(raised.value)
+    assert f"sample {BAD_INDEX}: dataset[{BAD_INDEX}] raised KeyError" in message
+    assert "missing from the shard" in message
+    if num_workers == 0:
+        assert isinstance(raised.value.__cause__, KeyError)
+        rendered = "".join(traceback.format_exception(raised.value))
+    else:  # the DataLoader re-raises in the main process with the worker's formatted traceback in the message
+        rendered = message
+    assert "load_broken_record" in rendered
+
+
+# Proposed fix (odb_core/pipeline.py): give `EpochRun` a `close()` that drops `self.chunks` (the BackgroundIterator
+# already calls `source.close()` when its producer ends, and `_EpochIterator.close()` calls it inline), and in
+# `_fill` wrap `next(self.chunks, None)` in `except BaseException as exc: traceback.clear_frames(exc.__traceback__);
+# self.close(); raise`. Without it the DataLoader iterator is freed only by the cyclic GC, whose `__del__` waits
+# 5 s per worker before terminating it.
+
+@pytest.mark.parametrize("failure", ["dataset_error", "sample_error"])
+def test_worker_processes_exit_promptly_after_an_error(failure):
+    lengths = [8] * 12
+    lengths[BAD_INDEX] = 100
+    dataset = RaisingDataset() if failure == "dataset_error" else LengthDataset(lengths)
+    try:
+        first_batch(dataset, num_workers=1, prefetch_steps=2, oversize="error")
+    except (DatasetFetchError, SampleError):
+        pass
+    start = time.monotonic()
+    gc.collect()
+    while multiprocessing.active_children() and time.monotonic() - start < 30:
+        time.sleep(0.05)
+    assert multiprocessing.active_children() == []
+    assert time.monotonic() - start < 3.0
+
+
+# -- oversize samples ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("num_workers", "prefetch_steps"), IN_PROCESS_MODES)
+def test_oversize_sample_runs_alone_and_is_counted(num_workers, prefetch_steps):
+    lengths = [8] * 12
+    lengths[BAD_INDEX] = 100  # 100 > token_budget 64 on its own
+    loader = ODBDataLoader(LengthDataset(lengths), token_budget=64, num_workers=num_workers,
+                           prefetch_steps=prefetch_steps, oversize="alone")
+    batches = list(loader)
+    alone = [b for b in batches if BAD_INDEX in b.info.indices]
+    assert len(alone) == 1 and alone[0].info.indices == (BAD_INDEX,)
+    assert tuple(alone[0]["input_ids"].shape) == (1, 100)
+    for batch in batches:
+        if batch is not alone[0]:
+            assert batch["input_ids"].numel() <= 64
+    assert sorted(i for b in batches for i in b.info.indices) == list(range(len(lengths)))
+    assert loader.metrics.oversize_samples == 1
+
+
+@pytest.mark.parametrize(("num_workers", "prefetch_steps"), IN_PROCESS_MODES)
+def test_oversize_sample_with_error_policy_raises_naming_its_index(num_workers, prefetch_steps):
+    lengths = [8] * 12
+    lengths[BAD_INDEX] = 100
+    with pytest.raises(SampleError, match=rf"^sample {BAD_INDEX}: .*exceeds token_budget=64") as raised:
+        first_batch(LengthDataset(lengths), num_workers, prefetch_steps, oversize="error")
+    assert raised.value.index == BAD_INDEX
+
+
+# -- length_fn -----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("num_workers", "prefetch_steps"), IN_PROCESS_MODES)
+@pytest.mark.parametrize("returned", [0, -3, 2.5, "8", None, True, np.int64(0)],
+                         ids=["zero", "negative", "float", "str", "none", "bool", "np_zero"])
+def test_length_fn_returning_a_non_positive_or_non_int_raises_naming_the_index(returned, num_workers,
+                                                                              prefetch_steps):
+    def length_fn(sample):
+        return returned if int(sample["input_ids"][0]) == 3 + BAD_INDEX else 8
+
+    # LengthDataset's first token of sample i is (i % 97) + 3, which identifies sample BAD_INDEX.
+    with pytest.raises(SampleError, match=rf"^sample {BAD_INDEX}: length_fn returned"):
+        first_batch(LengthDataset([8] * 12), num_workers, prefetch_steps, length_fn=length_fn)
+
+
+@pytest.mark.parametrize(("num_workers", "prefetch_steps"), IN_PROCESS_MODES)
+def test_length_fn_that_raises_is_reported_with_the_index_and_cause(num_workers, prefetch_steps):
+    def length_fn(sample):
+        return sample["num_tokens"]
+
+    with pytest.raises(SampleError, match=r"^sample 0: length_fn raised KeyError") as raised:
+        first_batch(LengthDataset([8] * 12), num_workers, prefetch_steps, length_fn=length_fn)
+    assert isinstance(raised.value.__cause__, KeyError)
+
+
+def test_accepted_length_fn_values_drive_the_grouping():
+    # np.integer is accepted; a length_fn that doubles every cost halves the samples per padded group.
+    loader = ODBDataLoader(LengthDataset([8] * 16), token_budget=64, prefetch_steps=0,
+                           length_fn=lambda sample: np.int64(2 * len(sample["input_ids"])))
+    assert {len(b.info.indices) for b in loader} == {4}
