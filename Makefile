@@ -25,10 +25,35 @@ test: venv
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests
 
 demo: venv
-	$(BIN)/python -m odb_core.examples.demo
+	$(BIN)/python benchmarks/demo.py
 
 bench: venv
 	$(BIN)/python benchmarks/utilization.py
 
 clean:
 	rm -rf $(VENV)
+
+# LLaMA-Factory adapter: its own pinned environment (see odb_llamafactory/env/README.md for torchaudio/torchvision).
+LF_VENV := .venv-lf
+LF_ENV := odb_llamafactory/env
+LF_STAMP := $(LF_VENV)/.installed
+.PHONY: venv-lf clean-lf
+test: venv-lf
+clean: clean-lf
+
+venv-lf: $(LF_STAMP)
+
+$(LF_STAMP): $(LF_ENV)/requirements.txt $(LF_ENV)/torchaudio_stub/pyproject.toml $(LF_ENV)/torchaudio_stub/torchaudio/__init__.py pyproject.toml
+	$(PY) -m venv $(LF_VENV)
+	echo '*' > $(LF_VENV)/.gitignore
+	$(LF_VENV)/bin/pip install -q --upgrade pip==25.1.1 setuptools wheel
+	$(LF_VENV)/bin/pip install -q torch==2.13.0
+	$(LF_VENV)/bin/pip install -q -r $(LF_ENV)/requirements.txt
+	$(LF_VENV)/bin/pip install -q --no-deps llamafactory==0.9.5
+	$(LF_VENV)/bin/pip install -q --no-deps --no-build-isolation ./$(LF_ENV)/torchaudio_stub
+	$(LF_VENV)/bin/pip install -q --no-deps -e .
+	$(LF_VENV)/bin/python -c "import llamafactory.train.tuner, odb_llamafactory.launcher"
+	touch $(LF_STAMP)
+
+clean-lf:
+	rm -rf $(LF_VENV)
