@@ -13,7 +13,9 @@ is how Python and the HF Trainer recognise a loader without a length.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any
@@ -127,6 +129,20 @@ class _CheckedDataset(IndexedDataset):
             raise DatasetFetchError(f"sample {index}: dataset[{index}] raised {type(exc).__name__}: {exc}") from exc
 
 
+class _LoaderCall:
+    """Calls a loader method through a weak reference. The producer thread holds the epoch's `RunContext`; a
+    bound method there would keep a deleted loader, and so its thread and workers, alive forever."""
+
+    def __init__(self, method: Callable[..., Any]) -> None:
+        self._method = weakref.WeakMethod(method)
+
+    def __call__(self, *args: Any) -> Any:
+        method = self._method()
+        if method is None:
+            raise RuntimeError("the ODBDataLoader running this epoch was deleted")
+        return method(*args)
+
+
 class ODBDataLoader:
     """Yields variable-size, model-ready `ODBBatch`es under a token budget, aligned across ranks.
 
@@ -175,8 +191,9 @@ class ODBDataLoader:
         self._workers = self._build_workers(num_workers, shard_iterable, worker_options)
         self._ctx = RunContext(engine_factory=lambda epoch: RankEngine(config, epoch), transport=self.transport,
                                collate_fn=collate_fn if collate_fn is not None else PadCollator(),
-                               length_fn=length_fn, metrics=self.metrics, fallback_dummy=self._fallback_dummy,
-                               fetch=self._fetch, observer=observer)
+                               length_fn=length_fn, metrics=self.metrics,
+                               fallback_dummy=_LoaderCall(self._fallback_dummy), fetch=_LoaderCall(self._fetch),
+                               observer=observer)
         self._epoch = 0
         self._current: Iterator[ODBBatch] | None = None
         self.last_report: EpochReport | None = None
@@ -390,6 +407,9 @@ class ODBDataLoader:
         self._epoch, self._plan, self._resume = progress(first)[0], plan, None
 
     def _finish(self, report: EpochReport) -> None:
+        if report.unread_chunks_remaining and self._size is not None:  # non-join: name the never-read indices
+            unread = self._chunks.order[report.stream_position :]
+            report = dataclasses.replace(report, not_emitted=report.not_emitted + tuple(unread))
         self.last_report = report
         self._length = report.steps
 

@@ -41,6 +41,7 @@ class EpochReport:
     rounds: int
     not_emitted: tuple[int, ...]
     unread_chunks_remaining: bool
+    stream_position: int = 0  # samples read from this rank's stream (admitted + pending), resume offset included
 
 
 @dataclass(frozen=True, slots=True)
@@ -281,7 +282,8 @@ class EpochRun(Iterator[ODBBatch]):
         self.ctx.metrics.oversize_samples += self.engine.oversize
         leftover = [item.index for item in self.engine.items] + [index for index, _ in self.pending]
         self.report = EpochReport(epoch=self.epoch, steps=self.engine.steps_done, rounds=self.engine.round,
-                                  not_emitted=tuple(leftover), unread_chunks_remaining=not self.stream_ended)
+                                  not_emitted=tuple(leftover), unread_chunks_remaining=not self.stream_ended,
+                                  stream_position=self.consumed + len(self.pending))
 
 
 def _fields(info: StepInfo) -> dict[str, Any]:

@@ -125,6 +125,10 @@ def merge_states(states: Sequence[dict[str, Any]]) -> dict[str, Any]:
     if len(set(where)) != 1:
         raise ElasticResumeError("rank states were taken after different steps (epoch, step per rank: "
                                  f"{where}); save every rank's state after the same step")
+    plans = [s.get("plan") for s in states if progress(s)[0] == s["epoch"]]  # not yet past a finished epoch
+    if any(plan != plans[0] for plan in plans):
+        raise ElasticResumeError("rank states disagree on the remainder of their epoch (plan); they are not from "
+                                 "the same run")
     return {"version": 2, "format": MERGED_FORMAT, "world_size": world_size, "states": states}
 
 

@@ -108,9 +108,11 @@ class ChunkSampler(Sampler[list[int]]):
 
     def __init__(self, sampler: Sampler[int], chunk: int) -> None:
         self.sampler, self.chunk, self.start = sampler, chunk, 0
+        self.order: list[int] = []  # this epoch's indices: lets a non-join report name the never-read ones
 
     def __iter__(self) -> Iterator[list[int]]:
-        indices = itertools.islice(iter(self.sampler), self.start, None)
+        self.order = [int(i) for i in self.sampler]
+        indices = iter(self.order[self.start :])
         while batch := list(itertools.islice(indices, self.chunk)):
             yield batch
 

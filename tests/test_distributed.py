@@ -1,0 +1,229 @@
+"""Real multi-process Gloo clusters on localhost: step alignment, rank-summed counts, coverage and IDLE dummies.
+
+Each test launches a tiny job from `dist_cases.py` (per-rank processes with torchrun's environment variables,
+`python -m torch.distributed.run`, or `torch.multiprocessing.spawn`). The ranks write their per-step `StepInfo`
+records as JSON; every assertion runs here, on what all ranks reported.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dist_cases import Case, JobResult, mixed_lengths, rank_skewed_lengths, run_job
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]  # a hang guard; jobs take ~5-15 s each
+
+def _run(case: Case, launcher: str, tmp_path: Path) -> list[dict[str, Any]]:
+    """Run the job; return the per-rank records in rank order (fails with the ranks' output otherwise)."""
+    result: JobResult = run_job(case, launcher, tmp_path, timeout_s=240)
+    ok = not result.timed_out and all(rc == 0 for rc in result.returncodes)
+    assert ok and sorted(result.records) == list(range(case.world_size)), (
+        f"{launcher} job failed (timed_out={result.timed_out}, returncodes={result.returncodes}, "
+        f"records from ranks {sorted(result.records)}):\n{result.output[-6000:]}")
+    return [result.records[r] for r in range(case.world_size)]
+
+
+def _epoch(records: list[dict[str, Any]], epoch: int) -> list[dict[str, Any]]:
+    return [record["epochs"][epoch] for record in records]
+
+
+def assert_aligned(case: Case, ranks: list[dict[str, Any]]) -> None:
+    """G2 and the per-step contract, for one epoch's records of every rank."""
+    lengths = {len(r["steps"]) for r in ranks}
+    assert len(lengths) == 1, f"ranks yielded different step counts {[len(r['steps']) for r in ranks]}"
+    n_steps = lengths.pop()
+    for rank, r in enumerate(ranks):
+        assert r["report_steps"] == n_steps, f"rank {rank}: last_report.steps disagrees with the yielded steps"
+        assert [s["step"] for s in r["steps"]] == list(range(n_steps)), f"rank {rank}: step numbers not 0..T-1"
+    for k in range(n_steps):
+        column = [r["steps"][k] for r in ranks]
+        for local, glob in [("local_samples", "global_samples"), ("local_tokens", "global_tokens"),
+                            ("local_input_tokens", "global_input_tokens")]:
+            total = sum(s[local] for s in column)
+            assert all(s[glob] == total for s in column), (
+                f"step {k}: {glob} {[s[glob] for s in column]} != sum of {local} {[s[local] for s in column]}")
+        for rank, s in enumerate(column):
+            assert_step_contract(case, rank, s)
+    assert_window_tokens(case, ranks, n_steps)
+
+
+def assert_step_contract(case: Case, rank: int, s: dict[str, Any]) -> None:
+    where = f"rank {rank} step {s['step']}"
+    assert s["is_idle"] == (not s["indices"]), f"{where}: is_idle={s['is_idle']} with indices {s['indices']}"
+    if s["is_idle"]:
+        assert (s["local_samples"], s["local_tokens"], s["local_input_tokens"]) == (0, 0, 0), where
+        assert s["labels_all_ignored"], f"{where}: an IDLE dummy must have every label at -100"
+        assert s["rows"] >= 1 and s["width"] >= 1, f"{where}: an IDLE dummy must be a model-ready batch"
+    else:
+        assert s["local_samples"] == len(s["indices"]) == s["rows"], where
+        assert s["rows"] * s["width"] <= case.token_budget or s["rows"] == 1, f"{where}: over the padded budget"
+
+
+def assert_window_tokens(case: Case, ranks: list[dict[str, Any]], n_steps: int) -> None:
+    g = case.accumulation_steps
+    assert n_steps % g == 0, f"{n_steps} steps do not end on an accumulation window of {g}"
+    for start in range(0, n_steps, g):
+        expected = sum(ranks[0]["steps"][k]["global_tokens"] for k in range(start, start + g))
+        for rank, r in enumerate(ranks):
+            got = [r["steps"][k]["window_tokens"] for k in range(start, start + g)]
+            assert got == [expected] * g, f"rank {rank} window at step {start}: window_tokens {got} != {expected}"
+
+
+def emitted(rank_epoch: dict[str, Any]) -> list[int]:
+    return [i for s in rank_epoch["steps"] for i in s["indices"]]
+
+
+def assert_join_coverage(case: Case, ranks: list[dict[str, Any]]) -> None:
+    """G3: each rank emits exactly its sampler output (as a multiset) and reports nothing left behind."""
+    for rank, r in enumerate(ranks):
+        assert Counter(emitted(r)) == Counter(r["sampler"]), f"rank {rank}: emitted != its sampler output"
+        assert r["not_emitted"] == [], f"rank {rank}: join left {r['not_emitted']} behind"
+    if case.sampler == "odb":  # disjoint shards: every dataset index once, on exactly one rank
+        everything = [i for r in ranks for i in emitted(r)]
+        assert sorted(everything) == list(range(len(case.lengths)))
+
+
+class UnreportedIndices(AssertionError):
+    """Non-join left sampler indices out of `last_report.not_emitted` (raised after every other check of the
+    epoch passed, so that the message names exactly this gap)."""
+
+
+def assert_quota_closure(case: Case, ranks: list[dict[str, Any]]) -> None:
+    """G4: nothing emitted twice; what was read is a prefix of the sampler output; emitted + not_emitted is
+    exactly the rank's sampler output (the last check raises `UnreportedIndices`)."""
+    for rank, r in enumerate(ranks):
+        sampled, shipped = Counter(r["sampler"]), Counter(emitted(r))
+        assert not shipped - sampled, f"rank {rank}: emitted an index more often than sampled"
+        assert not shipped & Counter(r["not_emitted"]), f"rank {rank}: an index is both emitted and not_emitted"
+        if case.accumulation_steps == 1:
+            assert not any(s["is_idle"] for s in r["steps"]), f"rank {rank}: non-join ran an IDLE step"
+    if case.sampler == "odb":
+        everything = [i for r in ranks for i in emitted(r)]
+        assert len(everything) == len(set(everything)), "an index was emitted on two ranks"
+    for rank, r in enumerate(ranks):
+        missing = Counter(r["sampler"]) - Counter(emitted(r)) - Counter(r["not_emitted"])
+        n_missing = missing.total()
+        suffix = r["sampler"][len(r["sampler"]) - n_missing :] if n_missing else []
+        assert Counter(suffix) == missing, f"rank {rank}: unreported indices {sorted(missing)} are not a suffix"
+        assert r["unread_chunks_remaining"] or not n_missing, f"rank {rank}: indices missing, nothing unread"
+    for rank, r in enumerate(ranks):
+        missing = Counter(r["sampler"]) - Counter(emitted(r)) - Counter(r["not_emitted"])
+        if missing:
+            raise UnreportedIndices(f"rank {rank}: {missing.total()} never-read sampler indices (e.g. "
+                                    f"{sorted(missing)[:5]}) are neither emitted nor in last_report.not_emitted")
+
+
+def _check_epochs(case: Case, records: list[dict[str, Any]]) -> None:
+    """Every guarantee of the case's mode, epoch by epoch; `UnreportedIndices` only after all other checks."""
+    gaps = []
+    for epoch in range(case.epochs):
+        ranks = _epoch(records, epoch)
+        assert_aligned(case, ranks)
+        try:
+            (assert_join_coverage if case.join else assert_quota_closure)(case, ranks)
+        except UnreportedIndices as gap:
+            gaps.append(gap)
+    if gaps:
+        raise gaps[0]
+
+
+def _idle_steps(ranks: list[dict[str, Any]]) -> int:
+    return sum(s["is_idle"] for r in ranks for s in r["steps"])
+
+
+# --- G2 + G3 under uneven data --------------------------------------------------------------------------------
+UNEVEN_JOIN = {
+    "env-w2-short-vs-long-rank": ("env", Case(world_size=2, lengths=rank_skewed_lengths(240, 2))),
+    "spawn-w4-skewed-ranks": ("spawn", Case(world_size=4, lengths=rank_skewed_lengths(240, 4))),
+}
+
+
+@pytest.mark.parametrize("name", list(UNEVEN_JOIN))
+def test_join_aligns_steps_and_covers_every_index_once_with_uneven_ranks(tmp_path, name):
+    launcher, case = UNEVEN_JOIN[name]
+    records = _run(case, launcher, tmp_path)
+    _check_epochs(case, records)
+    ranks = _epoch(records, 0)
+    assert _idle_steps(ranks) > 0, "the short rank should have run out and gone IDLE"
+    for rank, r in enumerate(ranks):
+        assert any(s["global_samples"] > s["local_samples"] for s in r["steps"]), (
+            f"rank {rank}: no step counted another rank's samples; were the ranks synced at all?")
+
+
+def test_join_covers_a_dataset_size_not_divisible_by_world_size_under_torchrun(tmp_path):
+    case = Case(world_size=2, lengths=mixed_lengths(301), num_workers=2, context="fork", shuffle=True)
+    records = _run(case, "torchrun", tmp_path)
+    _check_epochs(case, records)
+    assert [len(r["sampler"]) for r in _epoch(records, 0)] == [151, 150]
+
+
+# --- a rank without data ------------------------------------------------------------------------------------------
+def test_rank_without_data_runs_idle_dummies_while_others_drain_under_join(tmp_path):
+    case = Case(world_size=4, lengths=[30, 200, 90])
+    records = _run(case, "env", tmp_path)
+    _check_epochs(case, records)
+    empty = _epoch(records, 0)[3]
+    assert empty["sampler"] == [] and empty["steps"], "rank 3 has no data but must still step with the others"
+    assert all(s["is_idle"] for s in empty["steps"])
+
+
+def test_rank_without_data_ends_the_non_join_epoch_with_everything_reported(tmp_path):
+    case = Case(world_size=2, lengths=[64], join=False)
+    records = _run(case, "spawn", tmp_path)
+    _check_epochs(case, records)
+    ranks = _epoch(records, 0)
+    assert [len(r["steps"]) for r in ranks] == [0, 0]
+    assert ranks[0]["not_emitted"] == [0]
+
+
+# --- G4 non-join --------------------------------------------------------------------------------------------------
+def test_non_join_stops_at_the_shortest_rank_and_reports_what_it_did_not_emit(tmp_path):
+    case = Case(world_size=2, lengths=rank_skewed_lengths(240, 2), join=False)
+    records = _run(case, "env", tmp_path)
+    _check_epochs(case, records)
+    assert any(r["not_emitted"] for r in _epoch(records, 0)), "the long rank should have samples left over"
+
+
+# --- DistributedSampler (pads with repeated indices when W does not divide the size) ---------------------------
+SAMPLER_CASES = {
+    "env-w2-join": ("env", Case(world_size=2, lengths=mixed_lengths(201), sampler="distributed")),
+    "spawn-w2-non-join-accumulate-3": ("spawn", Case(world_size=2, lengths=mixed_lengths(201),
+                                                     sampler="distributed", join=False, accumulation_steps=3)),
+}
+
+
+@pytest.mark.parametrize("name", list(SAMPLER_CASES))
+def test_distributed_sampler_output_is_emitted_per_rank_as_sampled(tmp_path, name):
+    launcher, case = SAMPLER_CASES[name]
+    records = _run(case, launcher, tmp_path)
+    _check_epochs(case, records)
+    sampled = [i for r in _epoch(records, 0) for i in r["sampler"]]
+    assert len(sampled) > len(set(sampled)) == len(case.lengths), "DistributedSampler should have padded"
+
+
+# --- accumulation windows -----------------------------------------------------------------------------------------
+def test_window_tokens_sum_global_tokens_over_each_accumulation_window(tmp_path):
+    """Two epochs with persistent fork workers; windows of 3 (the non-join case is in the sampler test)."""
+    case = Case(world_size=2, lengths=rank_skewed_lengths(200, 2), accumulation_steps=3, num_workers=2,
+                context="fork", persistent_workers=True, shuffle=True, epochs=2)
+    records = _run(case, "env", tmp_path)
+    _check_epochs(case, records)  # includes assert_window_tokens: windows of 3, each epoch ends on a window
+    first, second = _epoch(records, 0)[0], _epoch(records, 1)[0]
+    assert len(first["steps"]) >= 6 and first["sampler"] != second["sampler"], "expected two reshuffled epochs"
+
+
+# --- cross-rank sync under every worker start method ------------------------------------------------------------
+@pytest.mark.parametrize(("context", "num_workers"), [("fork", 2), ("forkserver", 2), ("spawn", 1)])
+def test_global_counts_equal_rank_sums_under_every_worker_start_method(tmp_path, context, num_workers):
+    """The reference release silently stopped syncing ranks when workers used spawn; here every context syncs.
+    (spawn runs one worker per rank: each spawned worker re-imports torch, the slowest part of this file.)"""
+    case = Case(world_size=2, lengths=rank_skewed_lengths(160, 2), num_workers=num_workers, context=context)
+    records = _run(case, "env", tmp_path)
+    _check_epochs(case, records)  # global_* == sum over ranks of local_* at every step
+    ranks = _epoch(records, 0)
+    assert any(min(r["steps"][k]["local_samples"] for r in ranks) > 0 for k in range(len(ranks[0]["steps"]))), (
+        "some step must have samples on both ranks, or the rank sums would not show that ranks talked")

@@ -1,0 +1,172 @@
+"""Failure behaviour (DESIGN.md section 6): errors instead of hangs, with the failing index, within a bound,
+and no orphan processes or threads afterwards.
+
+Dead and stalled peers run as real 2-rank Gloo jobs (`dist_cases.py`); worker failures and loader deletion run
+in this process; Ctrl-C runs in a subprocess that receives a real SIGINT. Child processes are found by scanning
+/proc, so psutil is not needed.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+import pytest
+
+from conftest import LengthDataset
+from dist_cases import (EXIT_CODE_OF_DEAD_RANK, REPO_ROOT, TESTS_DIR, Case, KillWorkerDataset, RaisingDataset,
+                        child_env, child_pids, is_alive, mixed_lengths, run_job, wait_until)
+from odb_core import DatasetFetchError, ODBDataLoader, PeerError
+
+PRODUCER_THREAD = "odb-producer"
+SLACK_S = 10.0  # scheduling slack on a loaded 2-core CI machine, added to every time bound
+
+
+def producer_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == PRODUCER_THREAD and t.is_alive()]
+
+
+@dataclass(frozen=True)
+class Baseline:
+    """Producer threads and child processes that existed before a test built its loader."""
+
+    threads: frozenset[threading.Thread]
+    children: frozenset[int]
+
+    @classmethod
+    def now(cls) -> Baseline:
+        return cls(frozenset(producer_threads()), frozenset(child_pids(os.getpid())))
+
+    def new_threads(self) -> set[threading.Thread]:
+        return set(producer_threads()) - self.threads
+
+    def new_children(self) -> set[int]:
+        return set(child_pids(os.getpid())) - self.children
+
+
+def assert_no_leftovers(baseline: Baseline) -> None:
+    """No new producer thread and no new worker process survives (DataLoader workers exit within ~5 s)."""
+    gc.collect()
+    assert wait_until(lambda: not baseline.new_threads(), timeout_s=5.0), f"live: {baseline.new_threads()}"
+    assert wait_until(lambda: not baseline.new_children(), timeout_s=10.0), f"orphans: {baseline.new_children()}"
+
+
+# --- a dead or stalled peer rank --------------------------------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(("fault", "sync_timeout_s"), [("exit", 10.0), ("stall", 4.0)])
+def test_dead_or_stalled_peer_raises_peer_error_within_the_sync_timeout(tmp_path, fault, sync_timeout_s):
+    """Rank 1 leaves after 3 steps (os._exit, or alive but no longer iterating); rank 0 keeps iterating and must
+    get a PeerError that says what happened, no later than sync_timeout_s after rank 1 left."""
+    case = Case(world_size=2, lengths=mixed_lengths(400), window=8, fault=fault, fault_after=3,
+                sync_timeout_s=sync_timeout_s, stall_s=60.0)
+    result = run_job(case, "env", tmp_path, timeout_s=180)
+    assert not result.timed_out, f"the job hung:\n{result.output[-4000:]}"
+    survivor, faulty = result.records.get(0), result.records.get(1)
+    assert survivor is not None and faulty is not None, result.output[-4000:]
+    assert result.returncodes[0] == 0
+    assert result.returncodes[1] == (EXIT_CODE_OF_DEAD_RANK if fault == "exit" else 0)
+    assert survivor["error_type"] == PeerError.__name__ and survivor["is_peer_error"], survivor
+    message = survivor["message"]
+    assert message.startswith("rank 0: ODB metadata") and "peer rank probably died" in message, message
+    assert f"timeout {sync_timeout_s:g}s" in message, message
+    latency = survivor["raised_at"] - faulty["left_at"]
+    assert latency <= sync_timeout_s + SLACK_S, f"PeerError came {latency:.1f}s after rank 1 left"
+    assert survivor["blocked_s"] <= sync_timeout_s + SLACK_S, f"next() blocked {survivor['blocked_s']:.1f}s"
+    assert survivor["steps"] >= case.fault_after
+
+
+# --- worker failures ----------------------------------------------------------------------------------------------
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("prefetch_steps", [0, 2])
+def test_killed_worker_raises_instead_of_hanging(prefetch_steps):
+    baseline = Baseline.now()
+    loader = ODBDataLoader(KillWorkerDataset(mixed_lengths(300), kill_index=37), token_budget=1024,
+                           num_workers=2, window=16, prefetch_steps=prefetch_steps, multiprocessing_context="fork")
+    start = time.monotonic()
+    with pytest.raises(RuntimeError) as caught:
+        for _ in loader:
+            pass
+    elapsed = time.monotonic() - start
+    message = str(caught.value)
+    del caught  # its traceback holds the epoch's frames, and through them the workers
+    assert "DataLoader worker" in message and ("killed by signal" in message or "exited unexpectedly" in message)
+    assert elapsed <= 10.0 + SLACK_S, f"the dead worker was reported after {elapsed:.1f}s"
+    loader.close()
+    del loader
+    assert_no_leftovers(baseline)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("num_workers", "prefetch_steps"), [(0, 2), (2, 0), (2, 2)])
+def test_dataset_exception_in_a_worker_names_the_index(num_workers, prefetch_steps):
+    baseline = Baseline.now()
+    loader = ODBDataLoader(RaisingDataset(mixed_lengths(300), bad_index=37), token_budget=1024, window=16,
+                           num_workers=num_workers, prefetch_steps=prefetch_steps)
+    with pytest.raises(DatasetFetchError) as caught:
+        for _ in loader:
+            pass
+    message = str(caught.value)
+    del caught
+    assert "dataset[37] raised ValueError: corrupt record 37" in message, message
+    if num_workers:
+        assert "DataLoader worker process" in message, "the worker's traceback should be kept"
+    loader.close()
+    # Only the thread is checked here: after a worker raised, torch's own worker shutdown takes ~2 x 5 s (its
+    # join timeout), with or without ODB; worker cleanup is covered by the killed-worker and Ctrl-C tests.
+    assert wait_until(lambda: not baseline.new_threads(), timeout_s=5.0), f"live: {baseline.new_threads()}"
+
+
+# --- Ctrl-C ---------------------------------------------------------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("target", ["process", "process-group"])
+def test_ctrl_c_exits_promptly_and_leaves_no_worker_processes(target):
+    """SIGINT to the trainer alone, or to its whole process group as a terminal's Ctrl-C does, while the main
+    thread waits on the background producer and 2 workers fetch: KeyboardInterrupt, a prompt exit, no orphans."""
+    proc = subprocess.Popen([sys.executable, str(TESTS_DIR / "dist_cases.py"), "interrupt"], env=child_env(),
+                            cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        line = proc.stdout.readline()  # printed after the first batch
+        assert line.startswith("WORKERS"), f"{line!r}\n{proc.stderr.read() if proc.poll() is not None else ''}"
+        workers = [int(pid) for pid in line.split()[1:]]
+        assert len(workers) == 2 and all(is_alive(pid) for pid in workers), line
+        time.sleep(0.5)  # mid-epoch: the producer and the workers are busy
+        sent = time.monotonic()
+        if target == "process":
+            os.kill(proc.pid, signal.SIGINT)
+        else:
+            os.killpg(proc.pid, signal.SIGINT)
+        _, stderr = proc.communicate(timeout=30)
+        exit_s = time.monotonic() - sent
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert "KeyboardInterrupt" in stderr, stderr[-3000:]
+    assert proc.returncode != 0
+    assert exit_s <= SLACK_S, f"the process took {exit_s:.1f}s to exit after SIGINT"
+    assert wait_until(lambda: not any(is_alive(pid) for pid in workers), timeout_s=10.0), (
+        f"orphan workers still alive: {[pid for pid in workers if is_alive(pid)]}")
+
+
+# --- deleting a loader mid-epoch ----------------------------------------------------------------------------------
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_deleting_a_loader_mid_epoch_stops_its_producer_thread_and_workers(num_workers):
+    baseline = Baseline.now()
+    loader = ODBDataLoader(LengthDataset(mixed_lengths(400)), token_budget=1024, window=16,
+                           num_workers=num_workers, prefetch_steps=2)
+    it = iter(loader)
+    next(it)
+    next(it)
+    assert producer_threads(), "the epoch should be running in a producer thread"
+    del it, loader
+    assert_no_leftovers(baseline)
