@@ -3,6 +3,7 @@
     trainer = Trainer(model, args, train_dataset=..., data_collator=...,
                       callbacks=[ODBCallback(token_budget=16384)])
 
+With `TrainingArguments(deepspeed=...)`, `ODBCallback.from_deepspeed_config(args)` reads the config's `odb` section.
 See docs/guides/hf-trainer.md for the knobs, what is exact, and how the callback takes effect.
 """
 

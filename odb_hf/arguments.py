@@ -72,7 +72,8 @@ def check_trainer(trainer: Trainer) -> None:
     if args.world_size > 1 and not args.average_tokens_across_devices:
         raise ODBSetupError("average_tokens_across_devices=False normalises each rank's loss by its own tokens; "
                             "ODB's exact loss divides by the step's tokens over all ranks: set it to True")
-    if args.per_device_train_batch_size != _default("per_device_train_batch_size"):
+    if args.per_device_train_batch_size != _default("per_device_train_batch_size") and not args.deepspeed:
+        # (under DeepSpeed the Trainer requires it to equal train_micro_batch_size_per_gpu: set for that, not ODB)
         warnings.warn(f"per_device_train_batch_size={args.per_device_train_batch_size} is ignored: ODB sizes "
                       "each batch by ODBCallback(token_budget=...); use max_batch_size=... to cap samples",
                       stacklevel=3)

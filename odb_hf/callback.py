@@ -10,30 +10,34 @@ such as SFTTrainer reach it through `super().__init__`). It then sets that insta
 stay in the MRO below the mixin, which calls them through `super()`; isinstance checks still hold. A callback
 added after construction (`trainer.add_callback`) misses `on_init_end`: call `ODBCallback.attach(trainer)`, or
 training refuses to start. Subclasses may instead inherit `ODBTrainerMixin` (or use `ODBTrainer`) themselves.
+Attaching also reads the `odb` section of `TrainingArguments.deepspeed` (NOTE [ One DeepSpeed config for both
+adapters ] in ds_config.py); a callback that it turns off leaves the Trainer as is, and its events do nothing.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
-import json
-import os
 import weakref
 from typing import Any
 
 from transformers import Trainer, TrainerCallback
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
+from odb_hf import ds_config
 from odb_hf.arguments import ODBSetupError, check_trainer, validate_options
+from odb_hf.checkpoint import save_loader_state
 from odb_hf.trainer import ODBRun, ODBTrainerMixin
-
-LOADER_STATE = "odb_loader_rank{rank}.json"
 
 
 @functools.cache
 def with_odb(base: type) -> type:
     """`base` with `ODBTrainerMixin` first in its MRO (one class per base, so repeated use adds no classes)."""
     return type(f"ODB{base.__name__}", (ODBTrainerMixin, base), {"__module__": __name__})
+
+
+def _when_on(event: Any) -> Any:
+    """The event, or nothing when the DeepSpeed config's `odb.enabled` turned the callback off."""
+    return functools.wraps(event)(lambda self, *args, **kwargs: event(self, *args, **kwargs) if self.enabled else None)
 
 
 def _initialising_trainer(callback: TrainerCallback) -> Trainer | None:
@@ -61,6 +65,7 @@ class ODBCallback(TrainerCallback):
         **options: other `ODBConfig` fields (cost, max_patches, window, seed, ...), `length_fn`, `observer`,
             `idle_sample` and DataLoader worker options. Gradient accumulation, shuffling, workers and the
             collator come from the Trainer; see docs/guides/hf-trainer.md.
+    With `TrainingArguments(deepspeed=...)`, `ODBCallback.from_deepspeed_config(args)` reads the config's `odb` section.
     """
 
     def __init__(self, token_budget: int, *, estimate_sample_size: int = 512, length_slack: float = 0.25,
@@ -71,17 +76,29 @@ class ODBCallback(TrainerCallback):
                              f"{estimate_sample_size} >= 1")
         self.token_budget, self.options = token_budget, dict(options)
         self.estimate_sample_size, self.length_slack = estimate_sample_size, length_slack
+        self.enabled = True  # False only from a DeepSpeed config with odb.enabled=false (from_deepspeed_config)
         self._trainer: weakref.ref[Trainer] | None = None
+
+    @classmethod
+    def from_deepspeed_config(cls, source: Any, **kwargs: Any) -> ODBCallback:
+        """The settings of the `odb` section of `source` (TrainingArguments, or a DeepSpeed config dict or path);
+        `kwargs`: other `ODBCallback` arguments. `"enabled": false` gives a callback that leaves the Trainer as is."""
+        found = ds_config.callback_arguments(source, kwargs)
+        callback = cls(**found.kwargs)
+        callback.enabled = found.enabled
+        return callback
 
     def attach(self, trainer: Trainer) -> Trainer:
         """Make `trainer` use ODB (done automatically when passed in `Trainer(callbacks=[...])`)."""
+        self._trainer = weakref.ref(trainer)
+        if not ds_config.resolve(self, trainer):
+            return trainer  # odb.enabled is false in the DeepSpeed config: ODB is off
         check_trainer(trainer)
         if not isinstance(trainer, ODBTrainerMixin):
             trainer.__class__ = with_odb(type(trainer))
         trainer._odb_callback = self
         if self not in trainer.callback_handler.callbacks:
             trainer.add_callback(self)
-        self._trainer = weakref.ref(trainer)
         return trainer
 
     def _run(self) -> ODBRun:
@@ -92,16 +109,6 @@ class ODBCallback(TrainerCallback):
                                 "in Trainer(callbacks=[...]) or call ODBCallback(...).attach(trainer) before train()")
         return run
 
-    @staticmethod
-    def read_loader_state(checkpoint: str, rank: int) -> dict[str, Any]:
-        path = os.path.join(checkpoint, LOADER_STATE.format(rank=rank))
-        if not os.path.isfile(path):
-            raise ODBSetupError(f"{path} is missing: the checkpoint was not written by an ODB run with this world "
-                                "size, so the data position cannot be restored; pass ignore_data_skip=True to "
-                                "restart the checkpoint's epoch from its beginning instead")
-        with open(path) as f:
-            return json.load(f)
-
     # -- events --------------------------------------------------------------------------------------------
     def on_init_end(self, args, state, control, **kwargs):
         if self._trainer is None:
@@ -111,9 +118,11 @@ class ODBCallback(TrainerCallback):
                                     "ODBCallback(...).attach(trainer) after constructing it")
             self.attach(trainer)
 
+    @_when_on
     def on_train_begin(self, args, state, control, **kwargs):
         planned = self._run().view.plan.planned_steps
         trainer = self._trainer()
+        ds_config.check_engine(trainer)
         if args.world_size > 1 and not trainer.is_fsdp_enabled and trainer.model_wrapped is trainer.model:
             raise ODBSetupError("the model is not wrapped for data-parallel training, so gradients would not be "
                                 "synchronised across ranks (transformers skips the DDP wrap when "
@@ -122,6 +131,7 @@ class ODBCallback(TrainerCallback):
         if planned is not None:  # ratio logging/eval/save steps follow the estimate, not the bound
             state.compute_steps(args, planned)
 
+    @_when_on
     def on_step_end(self, args, state, control, **kwargs):
         run = self._run()
         info, estimate = run.last, run.view.plan.estimate
@@ -131,6 +141,7 @@ class ODBCallback(TrainerCallback):
         if args.num_train_epochs % 1 and state.epoch >= args.num_train_epochs:
             control.should_training_stop = True
 
+    @_when_on
     def on_epoch_end(self, args, state, control, **kwargs):
         view = self._run().view
         requested_stop = control.should_training_stop and state.global_step < state.max_steps
@@ -143,12 +154,10 @@ class ODBCallback(TrainerCallback):
         if view.done():
             control.should_training_stop = True
 
+    @_when_on
     def on_save(self, args, state, control, **kwargs):
-        loader = self._run().loader
-        folder = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
-        os.makedirs(folder, exist_ok=True)
-        with open(os.path.join(folder, LOADER_STATE.format(rank=loader.transport.rank)), "w") as f:
-            json.dump(loader.state_dict(), f)
+        save_loader_state(self._run().loader, args.output_dir, state.global_step)
 
+    @_when_on
     def on_train_end(self, args, state, control, **kwargs):
         self._run().loader.close()

@@ -9,6 +9,7 @@ all ranks and all G micro-batches, computed by the loader. So no per-step all-re
 ranks with different step counts hang in it) and nothing is normalised twice. A model whose forward takes no
 loss kwargs gets the same sum / N x W from `odb_core.loss` here (times G, which `training_step` divides out).
 IDLE micro-batches have no supervised token: they add exactly zero, and every rank still runs forward/backward.
+Under DeepSpeed the same holds: `engine.backward(loss, scale_wrt_gas=False)` and its "mean" reduction over W.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from odb_core.loader import ODBDataLoader
 from odb_core.loss import TokenLossScale, causal_lm_loss_sum, step_normalizer
 from odb_core.step_info import StepInfo
 from odb_hf.arguments import ODBSetupError, check_collator_keeps_labels, loader_kwargs
+from odb_hf.checkpoint import read_loader_state
 from odb_hf.epochs import TrainerEpochView, plan_epochs
 from odb_hf.metrics import StepMeter
 
@@ -93,7 +95,7 @@ class ODBTrainerMixin:
         loader = ODBDataLoader(dataset, collate_fn=collator, **loader_kwargs(self.args, odb.token_budget, odb.options))
         resumed = getattr(self, "_odb_resume_dir", None) is not None
         if resumed:
-            loader.load_state_dict(odb.read_loader_state(self._odb_resume_dir, loader.transport.rank))
+            loader.load_state_dict(read_loader_state(self._odb_resume_dir, loader.transport.rank))
         plan = plan_epochs(loader, max_steps=self.args.max_steps, num_train_epochs=self.args.num_train_epochs,
                            slack=odb.length_slack, sample_size=odb.estimate_sample_size)
         meter = StepMeter(token_budget=odb.token_budget, world_size=loader.transport.world_size,

@@ -1,0 +1,133 @@
+"""`odb-llamafactory train cfg.yaml [key=value ...]`: LLaMA-Factory SFT with ODB, in one or several processes.
+
+The config is read as `llamafactory-cli train` reads it (YAML or JSON, then OmegaConf `key=value` overrides).
+The `odb*` keys are removed and validated (odb_llamafactory.settings); everything else goes to LLaMA-Factory
+unchanged. Without `odb: true` the run is plain LLaMA-Factory.
+
+NOTE [ ODB in every torchrun rank ]
+`llamafactory-cli train` re-launches multi-process runs as `torchrun .../llamafactory/launcher.py cfg.yaml`,
+whose ranks run LLaMA-Factory's own entry: anything set up in the parent process is lost. This launcher runs
+torchrun itself (same conditions and environment variables as LLaMA-Factory: FORCE_TORCHRUN=1, or more than one
+accelerator, or NPROC_PER_NODE > 1; NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT, RDZV_ID, ...) with *this
+module* as the target and the same arguments. Each rank re-reads the config, re-validates the odb keys and
+builds its own ODB trainer; a process started by a launcher (LOCAL_RANK set) never re-launches. Nothing travels
+through environment variables and nothing is patched in the parent.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from odb_llamafactory.settings import ODBConfigError, ODBSettings, check_compatible, pop_odb_settings
+
+USAGE = "usage: odb-llamafactory train CONFIG.yaml|CONFIG.json [key=value ...]"
+
+
+def read_config(argv: Sequence[str]) -> dict[str, Any]:
+    """`argv` = [config file, key=value overrides...] as a dict (llamafactory.hparams.parser.read_args' rules)."""
+    from omegaconf import OmegaConf
+
+    if not argv or not argv[0].endswith((".yaml", ".yml", ".json")):
+        raise SystemExit(f"{USAGE}\n(got {list(argv)})")
+    path = Path(argv[0]).absolute()
+    loaded = OmegaConf.load(path) if path.suffix != ".json" else OmegaConf.create(json.loads(path.read_text()))
+    return OmegaConf.to_container(OmegaConf.merge(loaded, OmegaConf.from_cli(list(argv[1:]))))
+
+
+def _enabled(env: Mapping[str, str], name: str) -> bool:
+    return env.get(name, "0").lower() in ("true", "y", "1")  # llamafactory.extras.misc.is_env_enabled
+
+
+def accelerator_count() -> int:
+    """Accelerators on this node (torch's public accelerator API: CUDA, XPU, MPS, ...); 0 on a CPU machine."""
+    import torch
+
+    return torch.accelerator.device_count() if torch.accelerator.is_available() else 0
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:  # llamafactory.extras.misc.find_available_port
+        sock.bind(("", 0))
+        return sock.getsockname()[1]
+
+
+def wants_torchrun(env: Mapping[str, str], device_count: Callable[[], int]) -> bool:
+    """Whether `llamafactory-cli train` would re-launch under torchrun (or NPROC_PER_NODE asks for ranks)."""
+    if "LOCAL_RANK" in env:  # already one rank of a launched job
+        return False
+    return (_enabled(env, "FORCE_TORCHRUN") or _enabled(env, "USE_MCA") or int(env.get("NPROC_PER_NODE", "1")) > 1
+            or device_count() > 1)
+
+
+def torchrun_command(argv: Sequence[str], env: Mapping[str, str], device_count: Callable[[], int],
+                     port: int) -> list[str]:
+    """torchrun with this module as every rank's target, from LLaMA-Factory's launcher variables."""
+    nnodes = env.get("NNODES", "1")
+    nproc = env["NPROC_PER_NODE"] if "NPROC_PER_NODE" in env else str(max(device_count(), 1))
+    master = f"{env.get('MASTER_ADDR', '127.0.0.1')}:{env.get('MASTER_PORT', str(port))}"
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", nproc]
+    if env.get("RDZV_ID") is not None:  # elastic launch, as LLaMA-Factory does it
+        if env.get("MIN_NNODES") is not None and env.get("MAX_NNODES") is not None:
+            nnodes = f"{env['MIN_NNODES']}:{env['MAX_NNODES']}"
+        command += ["--nnodes", nnodes, "--rdzv-id", env["RDZV_ID"], "--rdzv-backend", "c10d",
+                    "--rdzv-endpoint", master, "--max-restarts", env.get("MAX_RESTARTS", "0")]
+    else:
+        address, master_port = master.rsplit(":", 1)
+        command += ["--nnodes", nnodes, "--node-rank", env.get("NODE_RANK", "0"), "--master-addr", address,
+                    "--master-port", master_port]
+    return command + ["-m", "odb_llamafactory.launcher", "train", *argv]
+
+
+def prepare(config: Mapping[str, Any]) -> tuple[dict[str, Any], ODBSettings | None]:
+    """LLaMA-Factory's argument dict without the odb keys, and the validated odb settings (None: no odb keys)."""
+    config = dict(config)
+    settings = pop_odb_settings(config)
+    if settings is not None and settings.enabled:
+        check_compatible(config, settings)
+        if config.get("disable_shuffling"):  # CustomSeq2SeqTrainer's sampler switch, in the Trainer's own terms
+            config["train_sampling_strategy"] = "sequential"
+    return config, settings
+
+
+def train(config: Mapping[str, Any], *, callbacks: Sequence[Any] = (),
+          observer: Callable[[Any], None] | None = None) -> None:
+    """Run LLaMA-Factory training in this process; with `odb: true` in `config`, SFT with ODB.
+
+    `config` is LLaMA-Factory's argument dict including the odb keys (not modified). `callbacks` are extra
+    `TrainerCallback`s; `observer` receives every `StepInfo` the ODB loader yields (Python API only).
+    """
+    config, settings = prepare(config)
+    from odb_llamafactory.workflow import run  # imports LLaMA-Factory (heavy): only when training
+
+    run(config, settings, callbacks, observer)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] != "train":
+        print(USAGE, file=sys.stderr)
+        return 2
+    config = read_config(argv[1:])
+    try:
+        clean, settings = prepare(config)  # fail fast, before any process starts or LLaMA-Factory loads
+    except ODBConfigError as exc:
+        print(f"odb-llamafactory: {exc}", file=sys.stderr)
+        return 2
+    env = dict(os.environ)
+    if wants_torchrun(env, accelerator_count):  # the parent only launches: it never imports LLaMA-Factory
+        return subprocess.run(torchrun_command(argv[1:], env, accelerator_count, free_port()), env=env).returncode
+    from odb_llamafactory.workflow import run
+
+    run(clean, settings)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

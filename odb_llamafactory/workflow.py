@@ -1,0 +1,80 @@
+"""LLaMA-Factory's SFT run (`llamafactory.train.tuner.run_exp`) with odb_hf's ODB trainer, in this process.
+
+NOTE [ Which trainer LLaMA-Factory builds ]
+`llamafactory/train/sft/workflow.py::run_sft` builds `CustomSeq2SeqTrainer` by its module-global name, with the
+template's collator and the tokenized dataset. `ODBSeq2SeqTrainer` below is that class with odb_hf's
+`ODBTrainerMixin` first in its MRO; for the duration of one `run_exp` call the workflow module's global name
+points to it (restored afterwards, also on error). The `ODBCallback` passed in the callbacks then attaches as in
+any Trainer: ODB owns the training dataloader, and the loss is normalised by the step's supervised tokens over
+all ranks and accumulation micro-batches (odb_hf NOTE [ Exact loss under the HF Trainer ]).
+CustomSeq2SeqTrainer overrides `_get_train_sampler` only for `disable_shuffling`, which ODB honours itself
+(`train_sampling_strategy: sequential`, set by the launcher), so `ODBSeq2SeqTrainer` declares that ODB owns it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import llamafactory.train.sft.workflow as sft_workflow
+from llamafactory.train.sft.trainer import CustomSeq2SeqTrainer
+from llamafactory.train.tuner import run_exp
+from transformers import TrainerCallback
+
+from odb_hf import ODBCallback, ODBTrainerMixin
+from odb_llamafactory.settings import ODBSettings
+
+PAD_MULTIPLE = 8  # run_sft builds its collator with pad_to_multiple_of=8 when training
+
+
+class ODBSeq2SeqTrainer(ODBTrainerMixin, CustomSeq2SeqTrainer):
+    """LLaMA-Factory's SFT trainer with ODB batches and exact token-weighted loss (needs an `ODBCallback`)."""
+
+    _odb_owns_data = True  # odb_hf.arguments.check_trainer: this class's data-method overrides are ODB's own
+
+    def _get_train_sampler(self, *args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("ODB shards and orders the training data itself; no training sampler is used")
+
+
+class CollatorPaddedLength:
+    """Cost length of a sample as LLaMA-Factory's collator pads it: `len(input_ids)` rounded up to a multiple of
+    `PAD_MULTIPLE`, so that a `padded` budget bounds the tensors actually built (module-level: picklable)."""
+
+    def __call__(self, sample: Mapping[str, Any]) -> int:
+        return math.ceil(len(sample["input_ids"]) / PAD_MULTIPLE) * PAD_MULTIPLE
+
+
+@contextlib.contextmanager
+def odb_sft_trainer() -> Iterator[None]:
+    """Make `run_sft` build `ODBSeq2SeqTrainer` inside the block (see the NOTE above)."""
+    if sft_workflow.CustomSeq2SeqTrainer is not CustomSeq2SeqTrainer:
+        raise RuntimeError(f"llamafactory.train.sft.workflow.CustomSeq2SeqTrainer is already replaced by "
+                           f"{sft_workflow.CustomSeq2SeqTrainer!r}; ODB cannot wrap another patch")
+    sft_workflow.CustomSeq2SeqTrainer = ODBSeq2SeqTrainer
+    try:
+        yield
+    finally:
+        sft_workflow.CustomSeq2SeqTrainer = CustomSeq2SeqTrainer
+
+
+def build_callback(settings: ODBSettings, observer: Any = None) -> ODBCallback:
+    """The `ODBCallback` for validated settings; `observer` receives every yielded `StepInfo`."""
+    config = dict(settings.config)
+    token_budget = config.pop("token_budget")
+    length_fn = CollatorPaddedLength() if config.get("cost", "padded") != "tokens" else None
+    return ODBCallback(token_budget, **settings.callback, **config, length_fn=length_fn, observer=observer)
+
+
+def run(config: dict[str, Any], settings: ODBSettings | None, callbacks: Sequence[TrainerCallback] = (),
+        observer: Any = None) -> None:
+    """`run_exp(config)` with ODB when `settings.enabled` (config holds no odb keys any more)."""
+    if settings is None or not settings.enabled:
+        run_exp(args=config, callbacks=list(callbacks))
+        return
+    callback = build_callback(settings, observer)
+    with odb_sft_trainer():
+        run_exp(args=config, callbacks=[*callbacks, callback])
+    if getattr(callback, "_trainer", None) is None:  # run_sft always builds the trainer, training or not
+        raise RuntimeError("odb: true had no effect: LLaMA-Factory ran without building its SFT Trainer")

@@ -1,0 +1,92 @@
+"""odb_llamafactory's YAML keys and launcher decisions: pure checks, no LLaMA-Factory needed (main venv)."""
+
+from __future__ import annotations
+
+import pytest
+
+from odb_llamafactory.launcher import torchrun_command, wants_torchrun
+from odb_llamafactory.settings import ALLOWED_KEYS, ODBConfigError, check_compatible, pop_odb_settings
+
+BASE = {"stage": "sft", "model_name_or_path": "m", "cutoff_len": 1024}
+
+
+def test_odb_keys_are_removed_so_llamafactory_never_sees_them():
+    config = {**BASE, "odb": True, "odb_token_budget": 4096, "odb_join": False, "odb_cost": "tokens",
+              "odb_length_slack": 0.5}
+    settings = pop_odb_settings(config)
+    assert config == BASE
+    assert settings.enabled and settings.token_budget == 4096
+    assert settings.config == {"token_budget": 4096, "join": False, "cost": "tokens"}
+    assert settings.callback == {"length_slack": 0.5}
+
+
+def test_config_without_odb_keys_is_plain_llamafactory():
+    config = dict(BASE)
+    assert pop_odb_settings(config) is None and config == BASE
+
+
+def test_unknown_odb_key_is_named_with_the_allowed_keys():
+    with pytest.raises(ODBConfigError) as err:
+        pop_odb_settings({**BASE, "odb": True, "odb_token_budget": 4096, "odb_tokenbudget": 1})
+    message = str(err.value)
+    assert "'odb_tokenbudget'" in message and "did you mean 'odb_token_budget'" in message
+    assert all(key in message for key in ALLOWED_KEYS)
+
+
+@pytest.mark.parametrize(("key", "owner"), [("odb_accumulation_steps", "gradient_accumulation_steps"),
+                                            ("odb_seed", "seed"), ("odb_shuffle", "disable_shuffling"),
+                                            ("odb_num_workers", "dataloader_num_workers")])
+def test_settings_with_a_llamafactory_source_are_refused_with_that_source(key, owner):
+    with pytest.raises(ODBConfigError, match=owner):
+        pop_odb_settings({"odb": True, "odb_token_budget": 4096, key: 1})
+
+
+def test_enabled_odb_requires_a_token_budget():
+    with pytest.raises(ODBConfigError, match="odb_token_budget is required"):
+        pop_odb_settings({"odb": True})
+
+
+def test_odb_keys_without_the_switch_are_refused():
+    with pytest.raises(ODBConfigError, match="add odb: true"):
+        pop_odb_settings({"odb_token_budget": 4096})
+    with pytest.raises(ODBConfigError, match="odb='yes' is invalid"):
+        pop_odb_settings({"odb": "yes", "odb_token_budget": 4096})
+
+
+def test_bad_values_name_the_yaml_key_even_when_odb_is_off():
+    with pytest.raises(ODBConfigError, match=r"^odb_window=0 is invalid"):
+        pop_odb_settings({"odb": False, "odb_window": 0})
+    with pytest.raises(ODBConfigError, match=r"^odb_token_budget=-1 is invalid"):
+        pop_odb_settings({"odb": True, "odb_token_budget": -1})
+    with pytest.raises(ODBConfigError, match="odb_length_slack"):
+        pop_odb_settings({"odb": True, "odb_token_budget": 8, "odb_length_slack": -1})
+    assert not pop_odb_settings({"odb": False}).enabled
+
+
+@pytest.mark.parametrize("conflict", [{"packing": True}, {"neat_packing": True}, {"stage": "pt"},
+                                      {"use_asft_loss": True}, {"use_mca": True},
+                                      {"disable_shuffling": True, "train_sampling_strategy": "random"}])
+def test_llamafactory_settings_that_bypass_odb_are_refused(conflict):
+    settings = pop_odb_settings({"odb": True, "odb_token_budget": 4096})
+    with pytest.raises(ODBConfigError, match=next(iter(conflict))):
+        check_compatible({**BASE, **conflict}, settings)
+
+
+def test_budget_below_cutoff_len_warns_about_oversize_samples():
+    settings = pop_odb_settings({"odb": True, "odb_token_budget": 512})
+    with pytest.warns(UserWarning, match="below cutoff_len=1024"):
+        check_compatible(BASE, settings)
+
+
+def test_torchrun_relaunch_targets_this_module_in_every_rank():
+    env = {"FORCE_TORCHRUN": "1", "NPROC_PER_NODE": "2", "MASTER_PORT": "29555"}
+    assert wants_torchrun(env, lambda: 0)
+    assert wants_torchrun({"NPROC_PER_NODE": "2"}, lambda: 0)
+    assert wants_torchrun({}, lambda: 8)  # several accelerators: LLaMA-Factory's own rule
+    assert not wants_torchrun({**env, "LOCAL_RANK": "0"}, lambda: 8)  # a launched rank never re-launches
+    assert not wants_torchrun({}, lambda: 1)
+    command = torchrun_command(["cfg.yaml", "odb_join=false"], env, lambda: 0, port=1)
+    assert command[1:3] == ["-m", "torch.distributed.run"]
+    assert command[command.index("--nproc-per-node") + 1] == "2"
+    assert command[command.index("--master-port") + 1] == "29555"
+    assert command[-5:] == ["-m", "odb_llamafactory.launcher", "train", "cfg.yaml", "odb_join=false"]
