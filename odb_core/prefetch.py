@@ -9,6 +9,7 @@ cannot keep the process alive.
 from __future__ import annotations
 
 import queue
+import sys
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -100,4 +101,5 @@ class BackgroundIterator(Iterator[T]):
             self._thread.join(timeout=5.0)
 
     def __del__(self) -> None:
-        self.close()
+        if not sys.is_finalizing():  # at interpreter exit the queue module may already be torn down
+            self.close()
