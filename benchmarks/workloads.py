@@ -26,3 +26,17 @@ class LengthsDataset(torch.utils.data.Dataset):
     def __getitem__(self, index: int) -> dict:
         ids = torch.full((self.lengths[index],), 7, dtype=torch.long)
         return {"input_ids": ids, "labels": ids}
+
+
+def bimodal(n: int, short_share: float = 0.8, seed: int = 0, lo: int = 16, hi: int = 8192) -> list[int]:
+    """MM-Mix-like lengths: a large share of short samples (lognormal mean 384, CV 0.3: one image plus a short
+    text) and a long mode (lognormal mean 1536, CV 0.5: several images or long answers) whose tail reaches `hi`."""
+    rng = np.random.default_rng(seed)
+    short = rng.random(n) < short_share
+
+    def draw(mean: float, cv: float) -> np.ndarray:
+        sigma2 = np.log(1.0 + cv * cv)
+        return rng.lognormal(np.log(mean) - sigma2 / 2.0, np.sqrt(sigma2), n)
+
+    lengths = np.where(short, draw(384.0, 0.3), draw(1536.0, 0.5))
+    return np.clip(lengths, lo, hi).astype(int).tolist()

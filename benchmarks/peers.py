@@ -1,0 +1,226 @@
+"""Every batching method of the comparison, each a function from a `Setting` to a `Schedule` (or `Unavailable`).
+
+All methods see the same lengths, world size, budget and seed. Online methods read the same per-rank streams
+(ODB's own sampler: one seeded permutation, rank r taking positions r, r+W, ...); methods that build a global list
+of batches are sharded fairly by dealing batch k to rank k mod W. The reference release runs in its own
+environment (`reference_release.py`); everything else runs here, from the installed packages:
+
+  standard          fixed batch B = L_max // longest sample, random order (the HF Trainer default)
+  sorted            global sort by length, fixed batches of B, batch order shuffled
+  group_by_length   `transformers.trainer_pt_utils.LengthGroupedSampler` with the same B
+  hf_batch_rebalance  HF BatchRebalanceSampler, if the installed transformers has it
+  deepspeed_*       DeepSpeed data efficiency `batch_by_seqlens` (variable batch size, token-sum cap), offline
+  packing           padding-free packing: random order, next-fit under sum(len) <= L_max (for
+                    `DataCollatorWithFlattening`)
+  oracle_*          offline global sort + greedy fill (`odb_core.grouping.oracle_groups`) under each cost model
+  odb_*             ODB's own planning code on W virtual ranks (`odb_core.simulate`, as `odb plan` runs it)
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from odb_core import ODBConfig, simulate_epoch
+from odb_core.budget import Item, build_budget
+from odb_core.cli import shard
+from odb_core.grouping import oracle_groups
+from schedule import CostModel, Group, Schedule, deal_round_robin
+
+DS_CHECK_SAMPLES = 600  # prefix on which our O(n) replay is checked against DeepSpeed's O(n^2) function
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Setting:
+    """What every method is given."""
+
+    lengths: Sequence[int]
+    world_size: int
+    token_budget: int
+    attention_alpha: float
+    seed: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Unavailable:
+    """A peer that could not run here, and why (reported as such, never silently dropped)."""
+
+    reason: str
+
+
+def fixed_batch(lengths: Sequence[int], token_budget: int) -> int:
+    """Standard's batch: the largest B whose padded batch fits L_max even for the longest sample."""
+    return max(token_budget // max(lengths), 1)
+
+
+def _chunks(order: Sequence[int], size: int) -> list[Group]:
+    return [tuple(order[i : i + size]) for i in range(0, len(order), size)]
+
+
+def _permutation(n: int, seed: int) -> list[int]:
+    return torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def standard(s: Setting) -> Schedule:
+    order = _permutation(len(s.lengths), s.seed)
+    return deal_round_robin(_chunks(order, fixed_batch(s.lengths, s.token_budget)), s.world_size)
+
+
+def sorted_batches(s: Setting) -> Schedule:
+    order = sorted(range(len(s.lengths)), key=lambda i: (-s.lengths[i], i))
+    batches = _chunks(order, fixed_batch(s.lengths, s.token_budget))
+    random.Random(s.seed).shuffle(batches)
+    return deal_round_robin(batches, s.world_size)
+
+
+def group_by_length(s: Setting) -> Schedule:
+    from transformers.trainer_pt_utils import LengthGroupedSampler
+
+    batch = fixed_batch(s.lengths, s.token_budget)
+    sampler = LengthGroupedSampler(batch, lengths=list(s.lengths),
+                                   generator=torch.Generator().manual_seed(s.seed))
+    return deal_round_robin(_chunks(list(iter(sampler)), batch), s.world_size)
+
+
+def hf_batch_rebalance(s: Setting) -> Schedule | Unavailable:
+    import transformers
+    from transformers import trainer_pt_utils
+
+    if not any(hasattr(m, "BatchRebalanceSampler") for m in (transformers, trainer_pt_utils)):
+        return Unavailable(f"transformers {transformers.__version__} has no BatchRebalanceSampler")
+    raise NotImplementedError("BatchRebalanceSampler appeared in this transformers: wire it up here")
+
+
+# -- DeepSpeed ---------------------------------------------------------------------------------------------------
+def _ds_microbatches(lengths: Sequence[int], max_tokens: int, order: str, seed: int, multiple: int) -> list[Group]:
+    """`batch_by_seqlens(..., min_batch_size=1, max_batch_size=None, effective_batch_size=multiple)` in O(n).
+
+    DeepSpeed's loop tries every end position (O(n^2) slices), keeping the last one whose token sum fits; since
+    the sum grows with the end position that is a next-fit. Its end position never reaches the last sample, so
+    the last sample in picking order is never batched; then the micro-batch list is trimmed to a multiple of the
+    effective batch size. This replay keeps both behaviours and is checked against DeepSpeed on a prefix."""
+    metrics = [(n, i) for i, n in enumerate(lengths) if n <= max_tokens]
+    if order == "random":
+        random.Random(seed).shuffle(metrics)
+    elif order == "seqlen":
+        metrics.sort()
+    metrics = metrics[:-1]
+    groups: list[Group] = []
+    current: list[int] = []
+    total = 0
+    for n, i in metrics:
+        if current and total + n > max_tokens:
+            groups.append(tuple(current))
+            current, total = [], 0
+        current.append(i)
+        total += n
+    if current:
+        groups.append(tuple(current))
+    return groups[: len(groups) - len(groups) % multiple]
+
+
+def check_deepspeed_replay(lengths: Sequence[int], max_tokens: int, order: str, seed: int, multiple: int) -> None:
+    """Assert that `_ds_microbatches` equals DeepSpeed's own `batch_by_seqlens` on a prefix of the workload."""
+    from deepspeed.runtime.data_pipeline.data_sampling.variable_batch_size_and_lr import batch_by_seqlens
+
+    prefix = list(lengths[:DS_CHECK_SAMPLES])
+    try:
+        ids, _, _ = batch_by_seqlens(prefix, max_tokens, sequence_picking_order=order, seed=seed,
+                                     effective_batch_size=multiple)
+    except AssertionError:  # fewer micro-batches in the prefix than ranks: check the grouping without the trim
+        multiple = 1
+        ids, _, _ = batch_by_seqlens(prefix, max_tokens, sequence_picking_order=order, seed=seed)
+    theirs = [tuple(int(i) for i in group) for _, group in ids]
+    ours = _ds_microbatches(prefix, max_tokens, order, seed, multiple)
+    assert theirs == ours, f"DeepSpeed replay differs from batch_by_seqlens ({order}, W={multiple})"
+
+
+def deepspeed(order: str) -> Callable[[Setting], Schedule | Unavailable]:
+    def run(s: Setting) -> Schedule | Unavailable:
+        check_deepspeed_replay(s.lengths, s.token_budget, order, s.seed, s.world_size)
+        groups = _ds_microbatches(s.lengths, s.token_budget, order, s.seed, s.world_size)
+        if not groups:  # DeepSpeed itself asserts here
+            return Unavailable(f"fewer micro-batches than {s.world_size} ranks (DeepSpeed refuses)")
+        return deal_round_robin(groups, s.world_size)
+
+    run.__name__ = f"deepspeed_{order}"
+    return run
+
+
+# -- packing, oracle, ODB ----------------------------------------------------------------------------------------
+def packing(s: Setting) -> Schedule:
+    groups: list[Group] = []
+    current: list[int] = []
+    total = 0
+    for i in _permutation(len(s.lengths), s.seed):
+        n = s.lengths[i]
+        if current and total + n > s.token_budget:
+            groups.append(tuple(current))
+            current, total = [], 0
+        current.append(i)
+        total += n
+    if current:
+        groups.append(tuple(current))
+    return deal_round_robin(groups, s.world_size)
+
+
+def odb_config(s: Setting, cost: str) -> ODBConfig:
+    alpha = s.attention_alpha if cost == "attention" else 0.0
+    return ODBConfig(token_budget=s.token_budget, cost=cost, attention_alpha=alpha, seed=s.seed)
+
+
+def oracle(cost: str) -> Callable[[Setting], Schedule]:
+    def run(s: Setting) -> Schedule:
+        items = [Item(i, int(n)) for i, n in enumerate(s.lengths)]
+        groups = [g.indices for g in oracle_groups(items, build_budget(odb_config(s, cost)))]
+        return deal_round_robin(groups, s.world_size)
+
+    run.__name__ = f"oracle_{cost}"
+    return run
+
+
+def odb(cost: str) -> Callable[[Setting], Schedule]:
+    def run(s: Setting) -> Schedule:
+        config = odb_config(s, cost)
+        plan = simulate_epoch(shard(s.lengths, s.world_size, config.seed), config)
+        return Schedule([[g.indices if g else None for g in rank] for rank in plan.steps])
+
+    run.__name__ = f"odb_{cost}"
+    return run
+
+
+@dataclass(frozen=True, slots=True)
+class Method:
+    """A row of the comparison: its name, the cost model its batches respect, and how to run it."""
+
+    name: str
+    cost: str
+    run: Callable[[Setting], Schedule | Unavailable] | None  # None: runs elsewhere (the reference release)
+    label: str
+
+
+METHODS: tuple[Method, ...] = (
+    Method("standard", "padded", standard, "Standard fixed batch"),
+    Method("sorted", "padded", sorted_batches, "Sorted batching (fixed B)"),
+    Method("group_by_length", "padded", group_by_length, "HF group_by_length (fixed B)"),
+    Method("hf_batch_rebalance", "padded", hf_batch_rebalance, "HF BatchRebalanceSampler"),
+    Method("reference_default", "padded", None, "Reference release, default settings"),
+    Method("reference_buffer512", "padded", None, "Reference release, 512-sample buffer"),
+    Method("oracle_padded", "padded", oracle("padded"), "Offline oracle (padded)"),
+    Method("odb_padded", "padded", odb("padded"), "ODB (padded)"),
+    Method("deepspeed_seqlen", "tokens", deepspeed("seqlen"), "DeepSpeed variable batch (seqlen order)"),
+    Method("deepspeed_dataloader", "tokens", deepspeed("dataloader"), "DeepSpeed variable batch (default order)"),
+    Method("packing", "tokens", packing, "Padding-free packing (next-fit, flattening)"),
+    Method("oracle_tokens", "tokens", oracle("tokens"), "Offline oracle (tokens)"),
+    Method("odb_tokens", "tokens", odb("tokens"), "ODB (tokens)"),
+    Method("oracle_attention", "attention", oracle("attention"), "Offline oracle (attention)"),
+    Method("odb_attention", "attention", odb("attention"), "ODB (attention)"),
+)
+ORACLE_OF = {"padded": "oracle_padded", "tokens": "oracle_tokens", "attention": "oracle_attention"}
+
+
+def cost_model(method: Method, setting: Setting) -> CostModel:
+    return CostModel(method.cost, setting.attention_alpha if method.cost == "attention" else 0.0)

@@ -1,0 +1,119 @@
+"""The reference release (`online-dynamic-batching` on PyPI) as a peer, run in its own environment.
+
+The release is never installed into the project's .venv: `setup_ref_env.sh` puts it (with torch pinned to the
+project's CPU build) into benchmarks/.venv-ref, and `ref_driver.py` runs there, driving the release's own
+`grouping_data` on the same per-rank streams as ODB. This module is the .venv side: it sends lengths and streams
+as JSON and turns the answer into a `Schedule`.
+
+    python benchmarks/reference_release.py --validate   # the driver against the release's real ODBDataLoader
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from odb_core.cli import shard  # noqa: E402
+from peers import Setting, Unavailable  # noqa: E402
+from schedule import Schedule  # noqa: E402
+
+VENV_PYTHON = HERE / ".venv-ref" / "bin" / "python"
+SETUP = HERE / "setup_ref_env.sh"
+DRIVER = HERE / "ref_driver.py"
+# a clean environment: nothing of the caller's .venv (PYTHONPATH, VIRTUAL_ENV) may leak into .venv-ref
+CLEAN_ENV = {"OMP_NUM_THREADS": "1", "PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": os.environ.get("HOME", "/tmp")}
+
+
+def ensure_env(create: bool) -> Unavailable | None:
+    """None when the reference environment is ready (creating it if `create`), else why it is not."""
+    if (HERE / ".venv-ref" / ".installed").exists():
+        return None
+    if not create:
+        return Unavailable("benchmarks/.venv-ref is missing: run `bash benchmarks/setup_ref_env.sh`")
+    done = subprocess.run(["bash", str(SETUP)], capture_output=True, text=True)
+    if done.returncode != 0:
+        return Unavailable(f"setup_ref_env.sh failed: {done.stderr[-500:]}")
+    return None
+
+
+def _call(request: dict, *flags: str, timeout: float = 900) -> dict:
+    done = subprocess.run([str(VENV_PYTHON), str(DRIVER), *flags], input=json.dumps(request), capture_output=True,
+                          text=True, timeout=timeout, env=CLEAN_ENV)
+    if done.returncode != 0:
+        raise RuntimeError(f"ref_driver.py failed ({done.returncode}): {done.stderr[-2000:]}")
+    return json.loads(done.stdout)
+
+
+class _Server:
+    """One long-lived `ref_driver.py --serve` process (importing torch costs seconds per start)."""
+
+    process: subprocess.Popen | None = None
+
+    @classmethod
+    def ask(cls, request: dict) -> dict:
+        if cls.process is None or cls.process.poll() is not None:
+            cls.process = subprocess.Popen([str(VENV_PYTHON), str(DRIVER), "--serve"], stdin=subprocess.PIPE,
+                                           stdout=subprocess.PIPE, text=True, env=CLEAN_ENV)
+            atexit.register(cls.close)
+        assert cls.process.stdin is not None and cls.process.stdout is not None
+        cls.process.stdin.write(json.dumps(request) + "\n")
+        cls.process.stdin.flush()
+        line = cls.process.stdout.readline()
+        if not line:
+            raise RuntimeError("ref_driver.py --serve exited; see its stderr above")
+        return json.loads(line)
+
+    @classmethod
+    def close(cls) -> None:
+        if cls.process is not None and cls.process.poll() is None:
+            cls.process.stdin.close()  # type: ignore[union-attr]
+            cls.process.wait(timeout=30)
+        cls.process = None
+
+
+def run(setting: Setting, buffer_size: int | None) -> tuple[Schedule, dict]:
+    """The release's schedule (buffer_size None = its defaults) and the driver's facts (rounds, ints, time)."""
+    streams = [[item.index for item in rank] for rank in shard(setting.lengths, setting.world_size, setting.seed)]
+    answer = _Server.ask({"lengths": list(map(int, setting.lengths)), "streams": streams,
+                          "token_budget": setting.token_budget, "buffer_size": buffer_size})
+    steps = [[tuple(group) for group in rank] for rank in answer.pop("steps")]
+    return Schedule(steps), answer
+
+
+def validate(lengths: Sequence[int], token_budget: int) -> dict:
+    """Driver vs the release's real loader: W = 1 (default buffer and 64) and W = 2 over Gloo (default buffer)."""
+    request = {"lengths": list(map(int, lengths)), "token_budget": token_budget}
+    out = {"w1_default": _call(request, "--validate"),
+           "w1_buffer64": _call({**request, "buffer_size": 64}, "--validate")}
+    two = _call(request, "--validate-two-ranks")
+    out["w2_default_gloo"] = {k: v for k, v in two.items() if not k.endswith("_batches")}
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--validate", action="store_true", help="check ref_driver.py against the real loader")
+    parser.add_argument("--json", type=Path, default=HERE / "results" / "reference_validation.json")
+    args = parser.parse_args()
+    missing = ensure_env(create=True)
+    if missing is not None:
+        sys.exit(missing.reason)
+    if args.validate:
+        from workloads import lognormal
+
+        result = validate(lognormal(600, 1.0, mean=128, hi=1024, seed=3), 2048)
+        args.json.write_text(json.dumps(result, indent=2))
+        print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,31 @@
+"""The GPU benchmark script runs end to end in its CPU smoke mode (tiny model): same code path as on a GPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "benchmarks" / "gpu" / "train_throughput.py"
+
+
+@pytest.mark.timeout(120)
+def test_gpu_benchmark_cpu_smoke_writes_throughput_for_every_workload_and_method(tmp_path):
+    out = tmp_path / "gpu_smoke.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run([sys.executable, str(SCRIPT), "--cpu-smoke", "--out", str(out)], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=110)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    result = json.loads(out.read_text())
+    runs = {(r["workload"], r["method"]): r for r in result["runs"]}
+    assert set(runs) == {(w, m) for w in ("sharegpt-like", "mm-mix-like") for m in ("standard", "odb")}
+    for run in runs.values():
+        assert run["timed_steps"] > 0 and run["samples_per_s"] > 0 and run["tokens_per_s"] > 0
+        assert run["padded_tokens"] >= run["real_tokens"] > 0
+    assert set(result["odb_over_standard"]) == {"sharegpt-like", "mm-mix-like"}
+    assert result["parameters"] > 0 and result["scale"]["dtype"] == "float32"
