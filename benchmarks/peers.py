@@ -94,6 +94,22 @@ def hf_batch_rebalance(s: Setting) -> Schedule | Unavailable:
     raise NotImplementedError("BatchRebalanceSampler appeared in this transformers: wire it up here")
 
 
+def next_fit_tokens(order: Sequence[tuple[int, int]], max_tokens: int) -> list[Group]:
+    """Cut (index, length) pairs, in the given order, into groups whose token sum stays within `max_tokens`."""
+    groups: list[Group] = []
+    current: list[int] = []
+    total = 0
+    for i, n in order:
+        if current and total + n > max_tokens:
+            groups.append(tuple(current))
+            current, total = [], 0
+        current.append(i)
+        total += n
+    if current:
+        groups.append(tuple(current))
+    return groups
+
+
 # -- DeepSpeed ---------------------------------------------------------------------------------------------------
 def _ds_microbatches(lengths: Sequence[int], max_tokens: int, order: str, seed: int, multiple: int) -> list[Group]:
     """`batch_by_seqlens(..., min_batch_size=1, max_batch_size=None, effective_batch_size=multiple)` in O(n).
@@ -107,18 +123,7 @@ def _ds_microbatches(lengths: Sequence[int], max_tokens: int, order: str, seed: 
         random.Random(seed).shuffle(metrics)
     elif order == "seqlen":
         metrics.sort()
-    metrics = metrics[:-1]
-    groups: list[Group] = []
-    current: list[int] = []
-    total = 0
-    for n, i in metrics:
-        if current and total + n > max_tokens:
-            groups.append(tuple(current))
-            current, total = [], 0
-        current.append(i)
-        total += n
-    if current:
-        groups.append(tuple(current))
+    groups = next_fit_tokens([(i, n) for n, i in metrics[:-1]], max_tokens)
     return groups[: len(groups) - len(groups) % multiple]
 
 
@@ -152,19 +157,8 @@ def deepspeed(order: str) -> Callable[[Setting], Schedule | Unavailable]:
 
 # -- packing, oracle, ODB ----------------------------------------------------------------------------------------
 def packing(s: Setting) -> Schedule:
-    groups: list[Group] = []
-    current: list[int] = []
-    total = 0
-    for i in _permutation(len(s.lengths), s.seed):
-        n = s.lengths[i]
-        if current and total + n > s.token_budget:
-            groups.append(tuple(current))
-            current, total = [], 0
-        current.append(i)
-        total += n
-    if current:
-        groups.append(tuple(current))
-    return deal_round_robin(groups, s.world_size)
+    order = [(i, s.lengths[i]) for i in _permutation(len(s.lengths), s.seed)]
+    return deal_round_robin(next_fit_tokens(order, s.token_budget), s.world_size)
 
 
 def odb_config(s: Setting, cost: str) -> ODBConfig:

@@ -29,7 +29,6 @@ from odb_core.budget import Item
 from odb_core.config import COST_NAMES, ODBConfig
 from odb_core.simulate import EpochPlan, simulate_epoch
 from odb_core.sources import ShardedSampler
-from odb_core.termination import STATE_FIELDS
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,7 +129,7 @@ def plan_report(lengths: Sequence[int], config: ODBConfig, world: int, model: St
         budget_utilization=real / (plan.n_steps * world * config.token_budget) if plan.n_steps else 0.0,
         padding_ratio=1 - real / padded if padded else 0.0,
         mean_rank_imbalance=float(np.mean(imbalance)) if imbalance else 0.0,
-        alignment_bytes_per_rank=8 * (plan.rounds * world * STATE_FIELDS + 5 * plan.n_steps),
+        alignment_bytes_per_rank=8 * (plan.gathered_ints + plan.reduced_ints) // world,
         rounds=plan.rounds, not_emitted=sum(len(x) for x in plan.not_emitted), standard_batch=batch,
         standard_steps=std_steps, estimated_speedup=std_time / odb_time(plan, model) if plan.n_steps else 0.0)
 

@@ -19,7 +19,10 @@ from odb_core.termination import STATE_FIELDS
 
 @dataclass(slots=True)
 class EpochPlan:
-    """What one epoch emits: `steps[r][k]` is rank r's k-th slot (a `Group` or None for IDLE)."""
+    """What one epoch emits: `steps[r][k]` is rank r's k-th slot (a `Group` or None for IDLE).
+
+    `gathered_ints` / `reduced_ints` count the int64 values all ranks together receive from the round
+    all_gathers and all_reduces (divide by W for one rank)."""
 
     steps: list[list[Slot]]
     rounds: int
