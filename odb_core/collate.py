@@ -28,28 +28,37 @@ def _as_long(value: Any) -> torch.Tensor:
     return torch.as_tensor(np.asarray(value), dtype=torch.long)
 
 
+def _text_only_default(key: str, sample: Mapping[str, Any]) -> torch.Tensor:
+    if key == "mm_token_type_ids":
+        return torch.zeros(len(sample["input_ids"]), dtype=torch.long)
+    raise KeyError(f"field {key!r} is missing from some samples of the group (present in others)")
+
+
 class PadCollator:
     """Right-pads 1-D sequence fields to the group's longest sample and concatenates vision fields.
 
     `input_ids` is padded with `pad_token_id`, `labels` with -100, masks and position ids with 0; a missing
-    `attention_mask` is created. `pixel_values`/`image_grid_thw` are concatenated along dim 0 (Qwen2-VL layout).
-    Other fields go through `torch.utils.data.default_collate`.
+    `attention_mask` is created. `pixel_values`/`image_grid_thw` are concatenated along dim 0 in sample order
+    (the Qwen2-VL layout: the model assigns them to image tokens in order), so a group may mix text-only and image
+    samples; a text-only sample's missing `mm_token_type_ids` are zeros (all text). Other fields must be in every
+    sample and go through `torch.utils.data.default_collate`.
     """
 
     def __init__(self, pad_token_id: int = 0) -> None:
         self.pad_token_id = pad_token_id
 
     def __call__(self, samples: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-        keys = list(samples[0])
+        keys = list(dict.fromkeys(key for s in samples for key in s))
         batch: dict[str, Any] = {}
         longest = max(len(s["input_ids"]) for s in samples)
         for key in keys:
-            values = [s[key] for s in samples]
+            if key in CONCATENATED:
+                batch[key] = torch.cat([torch.as_tensor(s[key]) for s in samples if key in s], dim=0)
+                continue
+            values = [s[key] if key in s else _text_only_default(key, s) for s in samples]
             if key in SEQUENCE_PAD:
                 pad = self.pad_token_id if key == "input_ids" else SEQUENCE_PAD[key]
                 batch[key] = self._pad([_as_long(v) for v in values], longest, pad)
-            elif key in CONCATENATED:
-                batch[key] = torch.cat([torch.as_tensor(v) for v in values], dim=0)
             else:
                 batch[key] = default_collate(values)
         if "attention_mask" not in batch:

@@ -183,7 +183,8 @@ class ODBDataLoader:
         self.config = config
         self.dataset = dataset
         self.transport = transport if transport is not None else default_transport(config.sync_timeout_s)
-        self.metrics = LoaderMetrics(token_budget=config.token_budget, world_size=self.transport.world_size)
+        self.metrics = LoaderMetrics(token_budget=config.token_budget, world_size=self.transport.world_size,
+                                     patch_budget=config.max_patches or 0)
         self._idle_sample = idle_sample
         self._size = map_style_size(dataset)
         self._own_sampler, self._shuffle = sampler is None, shuffle
@@ -402,8 +403,8 @@ class ODBDataLoader:
                                      f"read {describe_source(saved)}, this loader {describe_source(mine)}")
         plan = remainder_plan(states, self.transport.world_size)
         self.close()
-        self.metrics.restore(LoaderMetrics(token_budget=self.config.token_budget,
-                                           world_size=self.transport.world_size).snapshot())
+        self.metrics.restore(LoaderMetrics(token_budget=self.config.token_budget, world_size=self.transport.world_size,
+                                           patch_budget=self.config.max_patches or 0).snapshot())
         self._epoch, self._plan, self._resume = progress(first)[0], plan, None
 
     def _finish(self, report: EpochReport) -> None:

@@ -2,6 +2,7 @@
 
 Definitions:
   * budget utilization = real input tokens / (steps x L_max), over every rank (IDLE steps count as steps);
+  * patch utilization = vision patches / (steps x max_patches), over every rank, when `max_patches` is set;
   * padding ratio = 1 - real input tokens / padded token slots, over non-IDLE steps;
   * rank imbalance of a step = coefficient of variation of the group cost across ranks (IDLE costs 0);
   * alignment bytes/latency = what this rank sent in the metadata collectives, and their wall time.
@@ -21,6 +22,7 @@ class LoaderMetrics:
 
     token_budget: int
     world_size: int
+    patch_budget: int = 0  # max_patches, or 0 without a patch cap
     steps: int = 0
     idle_steps: int = 0
     local_samples: int = 0
@@ -28,6 +30,7 @@ class LoaderMetrics:
     local_input_tokens: int = 0
     global_input_tokens: int = 0
     global_supervised_tokens: int = 0
+    global_patches: int = 0
     padded_tokens: int = 0
     oversize_samples: int = 0
     splits: int = 0
@@ -54,6 +57,7 @@ class LoaderMetrics:
         self.global_samples += info.global_samples
         self.global_input_tokens += info.global_input_tokens
         self.global_supervised_tokens += info.global_tokens
+        self.global_patches += info.global_patches
         self.imbalance_sum += info.rank_imbalance
         if not info.is_idle:
             self.local_input_tokens += info.local_input_tokens
@@ -63,6 +67,11 @@ class LoaderMetrics:
     def budget_utilization(self) -> float:
         slots = self.steps * self.world_size * self.token_budget
         return self.global_input_tokens / slots if slots else 0.0
+
+    @property
+    def patch_utilization(self) -> float:
+        slots = self.steps * self.world_size * self.patch_budget
+        return self.global_patches / slots if slots else 0.0
 
     @property
     def padding_ratio(self) -> float:
@@ -75,7 +84,8 @@ class LoaderMetrics:
     def summary(self) -> dict[str, float | int]:
         out = asdict(self)
         out.pop("imbalance_sum")
-        out.update(budget_utilization=self.budget_utilization, padding_ratio=self.padding_ratio,
+        out.update(budget_utilization=self.budget_utilization, patch_utilization=self.patch_utilization,
+                   padding_ratio=self.padding_ratio,
                    mean_rank_imbalance=self.mean_imbalance)
         return out
 

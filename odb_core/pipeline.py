@@ -4,7 +4,8 @@ NOTE [ One round ]
   1. fill: read tagged samples until the window is full or the stream ends; check each (`inspect_sample`);
   2. plan + all_gather(RankState) + decide + adjust (`RankEngine`): exactly T ordered slots;
   3. collate each slot (IDLE: the cached zero-weight dummy) and count its supervised/input tokens;
-  4. all_reduce_sum of 5 ints per slot: global samples, supervised tokens, input tokens, cost and cost^2;
+  4. all_reduce_sum of 6 ints per slot: global samples, supervised tokens, input tokens, cost, cost^2 and vision
+     patches;
   5. release steps; with accumulation_steps = G, a step is released once its G-step window is complete, so
      that `StepInfo.window_tokens` is exact (a window may span two rounds).
 The whole round is deterministic given the samples, so the batches do not depend on worker timing.
@@ -22,13 +23,13 @@ from odb_core.alignment import Slot
 from odb_core.collate import CollateFn, padded_tokens, run_collate, supervised_tokens
 from odb_core.engine import RankEngine
 from odb_core.metrics import LoaderMetrics, cost_cv
-from odb_core.sample import LengthFn, as_dummy, input_tokens, inspect_sample
+from odb_core.sample import LengthFn, as_dummy, count_patches, input_tokens, inspect_sample
 from odb_core.sources import unpack_sample
 from odb_core.step_info import ODBBatch, StepInfo
 from odb_core.sync import Transport
 from odb_core.termination import RankState
 
-REDUCED_FIELDS = 5
+REDUCED_FIELDS = 6
 Chunk = list[tuple[int, Any]]
 
 
@@ -69,9 +70,10 @@ class _Built:
     input_tokens: int
     padded: int
     cost: int
+    patches: int
 
     def as_ints(self) -> list[int]:
-        return [self.samples, self.tokens, self.input_tokens, self.cost, self.cost * self.cost]
+        return [self.samples, self.tokens, self.input_tokens, self.cost, self.cost * self.cost, self.patches]
 
 
 @dataclass(slots=True)
@@ -141,6 +143,7 @@ class EpochRun(Iterator[ODBBatch]):
         self.consumed = 0
         self.dummy_index: int | None = None
         self.dummy: Mapping[str, Any] | None = None
+        self.dummy_patches = 0
         self.ready: deque[ODBBatch] = deque()
         self.window: list[tuple[_Built, StepInfo]] = []
         self.carry_count = self.carry_tokens = 0
@@ -164,6 +167,7 @@ class EpochRun(Iterator[ODBBatch]):
             self.payloads.put(index, sample)
         if start.dummy_index is not None:
             self.dummy_index, self.dummy = start.dummy_index, self.ctx.fetch(start.dummy_index)
+            self.dummy_patches = count_patches(self.dummy)
 
     def __next__(self) -> ODBBatch:
         while not self.ready:
@@ -194,12 +198,20 @@ class EpochRun(Iterator[ODBBatch]):
                 self.pending.extend(chunk)
             index, sample = self.pending.popleft()
             sample = unpack_sample(sample)
-            self.engine.admit(inspect_sample(index, sample, self.ctx.length_fn))
+            item = inspect_sample(index, sample, self.ctx.length_fn)
+            self.engine.admit(item)
             self.payloads.put(index, sample)
             self.consumed += 1
-            if self.dummy is None:
-                self.dummy_index, self.dummy = index, sample
+            self._offer_dummy(index, sample, item.patches)
         return not (self.stream_ended and not self.pending)
+
+    def _offer_dummy(self, index: int, sample: Mapping[str, Any], patches: int) -> None:
+        """NOTE [ IDLE dummy ] The dummy is the first sample this rank read, replaced once by the first one with
+        vision patches: a VLM's IDLE step then runs the vision tower too, as every real step does, so sharded
+        engines (ZeRO-3, FSDP) that gather the vision parameters see the same collectives on every rank. The
+        choice depends only on the stream order, and `RoundStart.dummy_index` records it for resume."""
+        if self.dummy is None or (patches > 0 and self.dummy_patches == 0):
+            self.dummy_index, self.dummy, self.dummy_patches = index, sample, patches
 
     def _snapshot(self) -> RoundStart:
         carried = self.carry_tokens + sum(info.global_tokens for _, info in self.window)
@@ -238,12 +250,13 @@ class EpochRun(Iterator[ODBBatch]):
     def _build(self, slot: Slot) -> _Built:
         if slot is None:
             batch = run_collate(self.ctx.collate_fn, [as_dummy(self._dummy_sample())], ())
-            return _Built(batch=batch, indices=(), samples=0, tokens=0, input_tokens=0, padded=0, cost=0)
+            return _Built(batch=batch, indices=(), samples=0, tokens=0, input_tokens=0, padded=0, cost=0, patches=0)
         samples = [self.payloads.take(index) for index in slot.indices]
         batch = run_collate(self.ctx.collate_fn, samples, slot.indices)
         real = sum(input_tokens(s) for s in samples)
         return _Built(batch=batch, indices=slot.indices, samples=slot.size, tokens=supervised_tokens(batch, samples),
-                      input_tokens=real, padded=padded_tokens(batch, real), cost=round(slot.cost))
+                      input_tokens=real, padded=padded_tokens(batch, real), cost=round(slot.cost),
+                      patches=sum(item.patches for item in slot.items))
 
     def _dummy_sample(self) -> Mapping[str, Any]:
         if self.dummy is None:
@@ -251,13 +264,14 @@ class EpochRun(Iterator[ODBBatch]):
         return self.dummy
 
     def _stage(self, built: _Built, totals: list[int], round_index: int, step: int) -> None:
-        g_samples, g_tokens, g_input, g_cost, g_cost_sq = totals
+        g_samples, g_tokens, g_input, g_cost, g_cost_sq, g_patches = totals
         imbalance = cost_cv(g_cost, g_cost_sq, self.ctx.transport.world_size)
         info = StepInfo(epoch=self.epoch, step=step, round=round_index, indices=built.indices,
                         is_idle=not built.indices, local_samples=built.samples, global_samples=g_samples,
                         local_tokens=built.tokens, global_tokens=g_tokens, local_input_tokens=built.input_tokens,
                         global_input_tokens=g_input, padded_tokens=built.padded, cost=float(built.cost),
-                        rank_imbalance=imbalance, window_tokens=-1)
+                        rank_imbalance=imbalance, window_tokens=-1, local_patches=built.patches,
+                        global_patches=g_patches)
         self.window.append((built, info))
         self.ctx.metrics.record_step(info)  # replayed steps too: metrics resume from the round start
         if self.carry_count + len(self.window) == self.engine.config.accumulation_steps:

@@ -15,7 +15,9 @@ class StepInfo:
     unpadded input tokens. `global_*` sum over every rank for this step. `window_tokens` is the supervised-token
     count of the whole optimizer step (every rank, every accumulation micro-batch): the exact normaliser of a
     per-token mean loss. `cost` is this rank's group cost under the cost model and `rank_imbalance` the
-    coefficient of variation of the step's group costs across ranks (0 = perfectly balanced). IDLE steps have no indices and zero counts and carry a zero-weight dummy batch.
+    coefficient of variation of the step's group costs across ranks (0 = perfectly balanced). `*_patches` are
+    vision patches (rows of `pixel_values`) of the step's real samples. IDLE steps have no indices and zero counts
+    and carry a zero-weight dummy batch.
     """
 
     epoch: int
@@ -33,6 +35,8 @@ class StepInfo:
     cost: float
     rank_imbalance: float
     window_tokens: int
+    local_patches: int = 0
+    global_patches: int = 0
 
 
 class ODBBatch(dict):

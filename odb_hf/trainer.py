@@ -99,7 +99,8 @@ class ODBTrainerMixin:
         plan = plan_epochs(loader, max_steps=self.args.max_steps, num_train_epochs=self.args.num_train_epochs,
                            slack=odb.length_slack, sample_size=odb.estimate_sample_size)
         meter = StepMeter(token_budget=odb.token_budget, world_size=loader.transport.world_size,
-                          accumulation_steps=self.args.gradient_accumulation_steps)
+                          accumulation_steps=self.args.gradient_accumulation_steps,
+                          patch_budget=loader.config.max_patches or 0)
         self._odb_run = ODBRun(loader=loader, view=TrainerEpochView(loader, plan, resumed=resumed), meter=meter)
         return self._odb_run.view
 

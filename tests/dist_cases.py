@@ -92,6 +92,22 @@ class RaisingDataset(LengthDataset):
         return super().__getitem__(index)
 
 
+class ImagesFromDataset(LengthDataset):
+    """Samples from index `first_image` on carry an image (4 patch rows per text token, grid 1 x 2 x 2n), the
+    ones before are text-only: a VLM mix whose first samples have no image."""
+
+    def __init__(self, lengths: list[int], first_image: int) -> None:
+        super().__init__(lengths)
+        self.first_image = first_image
+
+    def __getitem__(self, index: int) -> dict:
+        sample = super().__getitem__(index)
+        if index >= self.first_image:
+            n = len(sample["input_ids"])
+            sample.update(pixel_values=torch.ones(4 * n, 6), image_grid_thw=torch.tensor([[1, 2, 2 * n]]))
+        return sample
+
+
 # -- the job description ----------------------------------------------------------------------------------------
 @dataclass(frozen=True, kw_only=True)
 class Case:
@@ -119,6 +135,7 @@ class Case:
     fault_rank: int = 1
     fault_after: int = 3
     stall_s: float = 30.0
+    first_image: int | None = None  # an ImagesFromDataset from this index on (None: a plain LengthDataset)
 
     def save(self, path: Path) -> None:
         path.write_text(json.dumps(asdict(self)))
@@ -133,7 +150,10 @@ def build_loader(case: Case, rank: int) -> Any:
 
     from odb_core import ODBDataLoader
 
-    dataset = LengthDataset(case.lengths)
+    if case.first_image is None:
+        dataset = LengthDataset(case.lengths)
+    else:
+        dataset = ImagesFromDataset(case.lengths, case.first_image)
     sampler = None
     if case.sampler == "distributed":
         sampler = DistributedSampler(dataset, num_replicas=case.world_size, rank=rank, shuffle=True, seed=3)
@@ -155,6 +175,8 @@ def step_record(batch: Any) -> dict[str, Any]:
             "local_tokens": info.local_tokens, "global_tokens": info.global_tokens,
             "local_input_tokens": info.local_input_tokens, "global_input_tokens": info.global_input_tokens,
             "window_tokens": info.window_tokens, "rows": rows, "width": width,
+            "pixel_rows": int(batch["pixel_values"].shape[0]) if "pixel_values" in batch else 0,
+            "local_patches": info.local_patches, "global_patches": info.global_patches,
             "labels_all_ignored": bool((labels == IGNORE_INDEX).all())}
 
 

@@ -90,17 +90,17 @@ def tiny_llama(seed: int = 0, dtype: torch.dtype = torch.float32, hidden: int = 
     return LlamaForCausalLM(config).to(dtype)
 
 
-def reference_gradient(model: torch.nn.Module, samples: list[dict]) -> dict[str, torch.Tensor]:
+def reference_gradient(model: torch.nn.Module, samples: list[dict], pad_token_id: int = PAD) -> dict[str, torch.Tensor]:
     """Gradient of the mean token CE over every supervised token of `samples`, one big padded batch, float64.
 
     The CE is computed here in float64 from the logits (not by the model's loss) so that the reference is
-    independent of the code under test.
+    independent of the code under test. Every field but `labels` goes to the model (VLMs: pixel values, grids).
     """
     from odb_core.collate import PadCollator
 
-    batch = PadCollator(pad_token_id=PAD)(samples)
+    batch = PadCollator(pad_token_id=pad_token_id)(samples)
     model.zero_grad(set_to_none=True)
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.double()
+    logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits.double()
     labels = batch["labels"][:, 1:].reshape(-1)
     token_ce = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels,
                                                  ignore_index=-100, reduction="sum")

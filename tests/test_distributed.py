@@ -227,3 +227,21 @@ def test_global_counts_equal_rank_sums_under_every_worker_start_method(tmp_path,
     ranks = _epoch(records, 0)
     assert any(min(r["steps"][k]["local_samples"] for r in ranks) > 0 for k in range(len(ranks[0]["steps"]))), (
         "some step must have samples on both ranks, or the rank sums would not show that ranks talked")
+
+
+# --- VLM samples ----------------------------------------------------------------------------------------------------
+def test_idle_dummy_carries_an_image_and_patch_counts_sum_over_ranks(tmp_path):
+    """Rank 0 gets 7 budget-filling samples, rank 1 six short ones whose first has no image: rank 1 goes IDLE, and
+    its dummy is its first sample *with* an image, so a VLM's IDLE step runs the vision tower like every real step
+    (NOTE [ IDLE dummy ]). `local_patches` are the batch's pixel rows; `global_patches` sum them over the ranks."""
+    case = Case(world_size=2, lengths=[2000 if i % 2 == 0 else 20 for i in range(13)], first_image=3)
+    records = _run(case, "env", tmp_path)
+    _check_epochs(case, records)
+    ranks = _epoch(records, 0)
+    idle = [s for s in ranks[1]["steps"] if s["is_idle"]]
+    assert idle and all(s["pixel_rows"] == 4 * 20 for s in idle), idle
+    for r in ranks:
+        for s in r["steps"]:
+            assert s["is_idle"] or s["local_patches"] == s["pixel_rows"]
+    for step0, step1 in zip(ranks[0]["steps"], ranks[1]["steps"]):
+        assert step0["global_patches"] == step1["global_patches"] == step0["local_patches"] + step1["local_patches"]
