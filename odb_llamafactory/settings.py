@@ -7,7 +7,8 @@
 
 LLaMA-Factory's parser rejects keys it does not know, so they must be gone before it runs. Settings that have
 a LLaMA-Factory/Trainer source keep that one source (one name per concept): gradient_accumulation_steps,
-seed/data_seed, disable_shuffling, dataloader_num_workers. This module imports only odb_core.
+seed/data_seed, disable_shuffling, dataloader_num_workers. `odb_max_patches` is refused: it could not act here
+(NO_EFFECT says why). This module imports only odb_core.
 """
 
 from __future__ import annotations
@@ -25,7 +26,10 @@ SWITCH = "odb"
 OWNED_ELSEWHERE = {"accumulation_steps": "gradient_accumulation_steps", "seed": "seed (or data_seed)",
                    "shuffle": "disable_shuffling", "num_workers": "dataloader_num_workers",
                    "collate_fn": "the template (LLaMA-Factory builds the collator)"}
-CONFIG_KEYS = tuple(f.name for f in fields(ODBConfig) if f.name not in OWNED_ELSEWHERE)
+NO_EFFECT = {"max_patches": "LLaMA-Factory's samples hold image paths and its collator computes pixel_values only "
+                            "after ODB has grouped them, so ODB sees no patches to cap. The template expands each "
+                            "image into its visual tokens in input_ids, so odb_token_budget counts them already"}
+CONFIG_KEYS = tuple(f.name for f in fields(ODBConfig) if f.name not in OWNED_ELSEWHERE and f.name not in NO_EFFECT)
 CALLBACK_KEYS = ("estimate_sample_size", "length_slack")
 ALLOWED_KEYS = (SWITCH, *(PREFIX + k for k in CONFIG_KEYS + CALLBACK_KEYS))
 
@@ -52,6 +56,8 @@ def _unknown_key_error(key: str) -> ODBConfigError:
     if field in OWNED_ELSEWHERE:
         return ODBConfigError(f"{key} is not an odb key: LLaMA-Factory's {OWNED_ELSEWHERE[field]} sets it, so that "
                               "both always agree; remove it")
+    if field in NO_EFFECT:
+        return ODBConfigError(f"{key} would have no effect under LLaMA-Factory: {NO_EFFECT[field]}; remove it")
     close = difflib.get_close_matches(key, ALLOWED_KEYS, n=1)
     hint = f" (did you mean {close[0]!r}?)" if close else ""
     return ODBConfigError(f"unknown key {key!r}{hint}; the allowed odb keys are {list(ALLOWED_KEYS)}")

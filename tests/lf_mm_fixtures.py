@@ -1,0 +1,152 @@
+"""Offline LLaMA-Factory multimodal fixtures, and the run recorder that also checks what reached the vision model.
+
+Built in the main test environment (transformers, tokenizers, chitchat_dataset; benchmarks/mm_mix.py):
+  * `build_model`: a tiny random Qwen2-VL (`mm_mix.tiny_qwen2_vl`) with a BPE vocabulary trained on real chitchat
+    text and Qwen2-VL's vision special tokens, transformers' PIL image processor `Qwen2VLImageProcessorPil` (4..256
+    visual tokens per image), and `Qwen2VLImageOnlyProcessor` as the folder's processor (NOTE below);
+  * `build_dataset`: a sharegpt dataset (`dataset_info.json`) of real conversations over generated PNG images of
+    varied resolutions (thumbnails, photos, text pages, receipts, charts), one or two `<image>`s per sample.
+
+NOTE [ A processor without torchvision ]
+LLaMA-Factory loads `AutoProcessor.from_pretrained(model_name_or_path)`. For a Qwen2-VL folder that is
+transformers' `Qwen2VLProcessor`, whose third part, `Qwen2VLVideoProcessor` (like every video processor built on
+`BaseVideoProcessor`), requires torchvision, which .venv-lf cannot have (odb_llamafactory/env/README.md). The load
+then fails with ImportError, LLaMA-Factory logs "Failed to load processor" and preprocessing an image sample fails
+with "Processor was not found" (docs/guides/llamafactory.md, Multimodal).
+The folder therefore ships a processor class of its own, through transformers' public custom-code mechanism
+(`auto_map` in processor_config.json, loaded with `trust_remote_code: true`): `Qwen2VLProcessor` minus the video
+processor. LLaMA-Factory's Qwen2VLPlugin uses only its image processor and tokenizer for images. Nothing in
+LLaMA-Factory or transformers is patched; an environment with torchvision needs none of this.
+
+Run in .venv-lf (`python tests/lf_mm_fixtures.py CONFIG.yaml RECORD_DIR [key=value ...]`): tests/lf_train.py's
+record (RECORD_DIR/rank{r}.json), where each `micro` entry also says whether the forward's rows were the observed
+micro-batch's samples and what vision inputs the model received (`VisionRecorder`).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from odb_llamafactory.launcher import read_config, train
+
+from lf_train import Recorder
+
+ROOT = Path(__file__).resolve().parents[1]
+PROCESSOR_MODULE = '''"""Qwen2VLProcessor without its video processor (video processors need torchvision)."""
+
+from transformers import Qwen2VLProcessor
+
+
+class Qwen2VLImageOnlyProcessor(Qwen2VLProcessor):
+    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+        super().__init__(image_processor, tokenizer, chat_template=chat_template, **kwargs)
+'''
+PROCESSOR_CONFIG = {"processor_class": "Qwen2VLImageOnlyProcessor",
+                    "auto_map": {"AutoProcessor": "processing_image_only.Qwen2VLImageOnlyProcessor"}}
+KINDS = ("thumb", "photo", "page", "receipt", "thumb", "chart", "photo")  # mm_mix.RESOLUTIONS kinds, cycled
+
+
+def _mm_mix():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import mm_mix
+
+    return mm_mix
+
+
+def build_model(folder: Path) -> None:
+    """Tokenizer, image processor, image-only processor (NOTE above) and a tiny random Qwen2-VL in `folder`."""
+    mm_mix = _mm_mix()
+    processor = mm_mix.build_processor(folder)
+    mm_mix.tiny_qwen2_vl(processor.tokenizer).save_pretrained(folder)
+    (folder / "processing_image_only.py").write_text(PROCESSOR_MODULE)
+    (folder / "processor_config.json").write_text(json.dumps(PROCESSOR_CONFIG, indent=1))
+
+
+def build_dataset(folder: Path, n: int = 40, seed: int = 0) -> int:
+    """`mm_chitchat` (sharegpt, `images` column) with `n` samples in `folder`; returns the number of images."""
+    import numpy as np
+
+    mm_mix = _mm_mix()
+    rng = np.random.default_rng(seed)
+    (folder / "images").mkdir(parents=True, exist_ok=True)
+    records, n_images = [], 0
+    for k, turns in enumerate(mm_mix.chitchat_turns(n)):
+        question, answer = turns[0][:200], turns[1][:300]
+        kinds = KINDS[k % len(KINDS):][:2] if k % 5 == 2 else KINDS[k % len(KINDS):][:1]  # every 5th: two images
+        paths = []
+        for j, kind in enumerate(kinds):
+            path = folder / "images" / f"{k}-{j}.png"
+            mm_mix.make_image(rng, kind, answer).save(path)
+            paths.append(str(path))
+        n_images += len(paths)
+        records.append({"messages": [{"role": "user", "content": "<image>" * len(paths) + question},
+                                     {"role": "assistant", "content": answer}], "images": paths})
+    (folder / "mm_chitchat.json").write_text(json.dumps(records))
+    info = {"mm_chitchat": {"file_name": "mm_chitchat.json", "formatting": "sharegpt",
+                            "columns": {"messages": "messages", "images": "images"},
+                            "tags": {"role_tag": "role", "content_tag": "content", "user_tag": "user",
+                                     "assistant_tag": "assistant"}}}
+    (folder / "dataset_info.json").write_text(json.dumps(info, indent=1))
+    return n_images
+
+
+def build_all(root: Path) -> dict:
+    model, data = root / "tiny-qwen2-vl", root / "data"
+    build_model(model)
+    return {"model": model, "data": data, "n_images": build_dataset(data)}
+
+
+# -- recorder (runs in .venv-lf) --------------------------------------------------------------------------------
+def vision_facts(module, kwargs) -> dict:
+    """What one training forward received: images, `pixel_values` rows, grid patches and `<|image_pad|>` tokens."""
+    grid, pixels = kwargs.get("image_grid_thw"), kwargs.get("pixel_values")
+    return {"images": 0 if grid is None else int(grid.shape[0]),
+            "grid_patches": 0 if grid is None else int(grid.prod(dim=-1).sum()),
+            "pixel_rows": 0 if pixels is None else int(pixels.shape[0]),
+            "image_tokens": int((kwargs["input_ids"] == module.config.image_token_id).sum()),
+            "merge": module.config.vision_config.spatial_merge_size}
+
+
+class VisionRecorder(Recorder):
+    """tests/lf_train.py's record, for a model that is called without labels.
+
+    Qwen2-VL declares `accepts_loss_kwargs = False`, so ODB's trainer calls it without `labels` and computes the
+    loss itself. Each training forward is therefore matched to the k-th micro-batch the observer saw: its rows
+    must be that micro-batch's samples from LLaMA-Factory's dataset (`rows_match`), whose stored labels give the
+    independent float64 cross-entropy sum and supervised-token count. `vision_facts` are added to each entry.
+    """
+
+    def on_train_begin(self, args, state, control, model=None, train_dataloader=None, **kwargs):
+        super().on_train_begin(args, state, control, model=model, train_dataloader=train_dataloader, **kwargs)
+        self.dataset = train_dataloader.dataset
+
+    def _forward(self, module, args, kwargs, output) -> None:
+        if not module.training:
+            return
+        real = [s for s in self.steps if not s["is_idle"]]
+        samples = [self.dataset[i] for i in real[len(self.micro)]["indices"]]
+        input_ids = kwargs["input_ids"]
+        labels = torch.full_like(input_ids, -100)
+        rows_match = input_ids.shape[0] == len(samples)
+        for row, sample in enumerate(samples):
+            n = len(sample["input_ids"])
+            rows_match = rows_match and input_ids[row, :n].tolist() == list(sample["input_ids"])
+            labels[row, :n] = torch.tensor(sample["labels"])
+        logits, labels = output.logits.detach().double(), labels[:, 1:]
+        ce = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                                               ignore_index=-100, reduction="sum")
+        self.micro.append({"ce_sum": float(ce), "tokens": int((labels != -100).sum()), "rows_match": rows_match,
+                           **vision_facts(module, kwargs)})
+
+
+def main() -> None:
+    recorder = VisionRecorder(Path(sys.argv[2]))
+    train(read_config(sys.argv[1:2] + sys.argv[3:]), callbacks=[recorder], observer=recorder.observe)
+
+
+if __name__ == "__main__":
+    main()
