@@ -31,14 +31,6 @@ E2E = dict(learning_rate=1e-2, num_train_epochs=3, warmup_steps=2, weight_decay=
 # train() then skips the DDP wrap, so gradients are not synchronised (ODBCallback refuses to train then).
 
 
-class GradRecorder(TrainerCallback):
-    def __init__(self) -> None:
-        self.steps: list[dict[str, torch.Tensor]] = []
-
-    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
-        self.steps.append({n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad})
-
-
 class StopAt(TrainerCallback):
     """Stops right after the checkpoint at STOP_AT is written (so the saved TrainerControl does not say stop)."""
 
@@ -63,7 +55,7 @@ def record(info) -> dict:
 
 def grads(name: str, model, samples, out: Path, accumulation_steps: int, budget: int = 320,
           strategy: str = "random") -> None:
-    infos, recorder = [], GradRecorder()
+    infos, recorder = [], hf_support.GradRecorder()
     args = TrainingArguments(output_dir=str(out / name), gradient_accumulation_steps=accumulation_steps,
                              learning_rate=0.0, optim="sgd", max_grad_norm=0.0, num_train_epochs=1, report_to=[],
                              save_strategy="no", logging_steps=1000, use_cpu=True, seed=0, disable_tqdm=True,

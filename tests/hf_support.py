@@ -12,6 +12,7 @@ import math
 from pathlib import Path
 
 import torch
+from transformers import TrainerCallback
 
 VOCAB = 1024
 SPECIALS = ["<pad>", "<unk>", "<bos>", "<eos>", "<a>", "<b>"]
@@ -88,6 +89,16 @@ def tiny_llama(seed: int = 0, dtype: torch.dtype = torch.float32, hidden: int = 
                          pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS, tie_word_embeddings=False)
     config._attn_implementation = "eager"
     return LlamaForCausalLM(config).to(dtype)
+
+
+class GradRecorder(TrainerCallback):
+    """Keeps every optimizer step's (synchronised, unclipped) gradients."""
+
+    def __init__(self) -> None:
+        self.steps: list[dict[str, torch.Tensor]] = []
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        self.steps.append({n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad})
 
 
 def reference_gradient(model: torch.nn.Module, samples: list[dict], pad_token_id: int = PAD) -> dict[str, torch.Tensor]:

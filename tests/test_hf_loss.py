@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import Trainer, TrainerCallback, TrainingArguments
+from transformers import Trainer, TrainingArguments
 
 import hf_support
 from odb_core.collate import PadCollator
@@ -14,16 +14,6 @@ from odb_hf import ODBCallback
 
 pytest_plugins = ["hf_fixtures"]
 TOLERANCE = 1e-6
-
-
-class GradRecorder(TrainerCallback):
-    """Keeps every optimizer step's (synchronised, unclipped) gradients."""
-
-    def __init__(self) -> None:
-        self.steps: list[dict[str, torch.Tensor]] = []
-
-    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
-        self.steps.append({n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad})
 
 
 def frozen_args(tmp_path, accumulation_steps: int, **overrides) -> TrainingArguments:
@@ -37,7 +27,7 @@ def frozen_args(tmp_path, accumulation_steps: int, **overrides) -> TrainingArgum
 
 def run_odb_gradients(model, samples, args, token_budget=320):
     infos: list = []
-    recorder = GradRecorder()
+    recorder = hf_support.GradRecorder()
     odb = ODBCallback(token_budget=token_budget, window=32, observer=infos.append)
     trainer = Trainer(model=model, args=args, train_dataset=hf_support.ListDataset(samples),
                       data_collator=PadCollator(pad_token_id=hf_support.PAD), callbacks=[odb, recorder])

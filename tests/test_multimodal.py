@@ -74,23 +74,16 @@ def test_every_group_respects_the_token_budget_and_the_patch_cap_with_workers(vl
 def test_vlm_step_gradient_equals_big_batch_token_mean_through_the_trainer(vlm, tmp_path):
     """G6 for a VLM: with GA=2, every optimizer step's gradient (text and vision parameters) equals the float64
     gradient of the mean CE over all supervised tokens of the step's samples, computed in one big batch."""
-    from transformers import Trainer, TrainerCallback, TrainingArguments
+    from transformers import Trainer, TrainingArguments
 
     import hf_support
     from odb_hf import ODBCallback
-
-    class GradRecorder(TrainerCallback):
-        def __init__(self) -> None:
-            self.steps = []
-
-        def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
-            self.steps.append({n: p.grad.detach().clone() for n, p in model.named_parameters()})
 
     folder, tokenizer = vlm
     dataset = mm_mix.MMMixDataset(folder, mm_mix.mm_mix_specs(24, seed=6))
     samples = [dataset[k] for k in range(len(dataset))]
     model = mm_mix.tiny_qwen2_vl(tokenizer, dtype=torch.float64)
-    infos, recorder = [], GradRecorder()
+    infos, recorder = [], hf_support.GradRecorder()
     args = TrainingArguments(output_dir=str(tmp_path), gradient_accumulation_steps=2, learning_rate=0.0, optim="sgd",
                              max_grad_norm=0.0, num_train_epochs=1, report_to=[], save_strategy="no",
                              logging_steps=1000, use_cpu=True, seed=0, lr_scheduler_type="constant", disable_tqdm=True)
