@@ -137,12 +137,14 @@ class PatchCap(Constraint):
 class GroupBudget:
     """The conjunction of the configured constraints; the first one is the token cost model.
 
-    `cost()` reports the token-cost measure, used for utilization (cost / L_max) and rank balance.
+    `cost()` reports the token-cost measure, used for utilization (cost / L_max) and rank balance. `top_up` says
+    whether a group may be topped up with short samples after its long end stops fitting (NOTE [ Grouping ]).
     """
 
-    def __init__(self, constraints: list[Constraint], token_budget: int) -> None:
+    def __init__(self, constraints: list[Constraint], token_budget: int, *, top_up: bool = False) -> None:
         self.constraints = constraints
         self.token_budget = token_budget
+        self.top_up = top_up
         if len(constraints) == 1:  # the common case, on the per-sample hot path
             self.fits = constraints[0].fits  # type: ignore[method-assign]
 
@@ -187,4 +189,4 @@ def build_budget(config: ODBConfig) -> GroupBudget:
         constraints.append(PatchCap(config.max_patches))
     if config.max_batch_size is not None:
         constraints.append(CountCap(config.max_batch_size))
-    return GroupBudget(constraints, config.token_budget)
+    return GroupBudget(constraints, config.token_budget, top_up=config.cost == "tokens")

@@ -285,7 +285,9 @@ def _regression_plan_digest(config: ODBConfig) -> str:
 
 
 # Recorded from the engine at commit ac605a0. A refactor must reproduce these plans exactly (STYLE 15); a change
-# that is meant to alter grouping must update them and say why.
+# that is meant to alter grouping must update them and say why. attention_non_join_patches re-recorded when the
+# short-end top-up became tokens-only (NOTE [ Grouping ]): under a patch cap it used to pad short samples into
+# groups whose long end the cap had stopped.
 REGRESSION_CASES = {
     "padded_default": (
         ODBConfig(token_budget=8192, seed=3),
@@ -298,7 +300,7 @@ REGRESSION_CASES = {
     "attention_non_join_patches": (
         ODBConfig(token_budget=8192, cost="attention", attention_alpha=1e-4, window=200, join=False,
                   max_patches=20, seed=5),
-        "0aa2b607f4ff0926a22bfaac619a64ae58fdb6f6e35812f05b6706d749bd0043",
+        "a0cb80e76017c8e286a2ee8870dfb321bc788638904db665ed328c6ad7d575dc",
     ),
 }
 
