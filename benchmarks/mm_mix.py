@@ -20,7 +20,6 @@ conversation over a large image).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -278,11 +277,3 @@ class MMMixDataset(torch.utils.data.Dataset):
                 "mm_token_type_ids": out["mm_token_type_ids"], "pixel_values": out["pixel_values"],
                 "image_grid_thw": out["image_grid_thw"]}
 
-
-def save_lengths(dataset: MMMixDataset, path: Path) -> None:
-    """Observed (tokens, patches) of every sample: the facts ODB sees, for the simulators."""
-    facts = []
-    for k in range(len(dataset)):
-        s = dataset[k]
-        facts.append([int(s["input_ids"].numel()), int(s["pixel_values"].shape[0])])
-    path.write_text(json.dumps(facts))

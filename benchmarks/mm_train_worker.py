@@ -1,11 +1,16 @@
-"""One rank of a CPU HF Trainer run on the MM-Mix-like VLM workload, ODB or Standard (launched by torchrun).
+"""One rank of a CPU HF Trainer run on the MM-Mix-like VLM workload (launched by torchrun).
 
     torchrun --nproc_per_node 2 benchmarks/mm_train_worker.py --processor DIR --out DIR --mode odb --mode std
 
-Both modes train the same tiny Qwen2-VL (`mm_mix.tiny_qwen2_vl`, seed 0) on the same samples for the same epochs
-with the same optimizer. Standard is the HF default: a fixed per-device batch, padded. ODB is `ODBCallback` under
-the same token budget with a patch cap. Each rank writes `{mode}.rank{r}.json`: optimizer steps, logged losses,
-held-out loss, wall time, samples and tokens per second, and how often the vision tower ran (a forward hook).
+Every mode trains the same tiny Qwen2-VL (`mm_mix.tiny_qwen2_vl`, seed 0) on the same samples for the same epochs
+with the same optimizer. `std` is the HF default: a fixed per-device batch, padded. `odb` is `ODBCallback` under
+the same token budget with a patch cap. `--replay NAME=FILE` adds a mode NAME that trains on a fixed list of
+batches per rank read from FILE (a JSON list per rank of lists of dataset indices): how benchmarks/mm_bench.py
+runs the reference release's schedules, which it computes on lengths in the release's own environment.
+`--samples-cache` (a `torch.save`d list of processed samples) replaces the image pipeline for the training set, so
+that the timed region is training only. Modes run in the order given, `--repeats` times (methods alternating).
+Each rank writes `{mode}.rank{r}.json` with the facts of the first repeat (optimizer steps, logged losses,
+held-out loss, how often the vision tower ran, the ODB steps) and the timing of every repeat under "repeats".
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import mm_mix  # noqa: E402
+from train_worker import Listed  # noqa: E402
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -37,6 +43,10 @@ class RunSpec:
     max_patches: int
     batch_size: int
     learning_rate: float
+    window: int = 256
+    hidden: int = 64
+    samples_cache: Path | None = None
+    replays: tuple[tuple[str, Path], ...] = ()
 
 
 class VisionCalls:
@@ -50,48 +60,72 @@ class VisionCalls:
         self.calls += 1
 
 
+def replay_batches(schedule: Path) -> tuple[list[list[int]], list[int]]:
+    """This rank's batches from `schedule`, cut to the shortest rank's count (ranks that run unequal step counts
+    hang a DDP job), and the dataset indices all ranks train on after that cut."""
+    ranks = json.loads(schedule.read_text())
+    steps = min(len(rank) for rank in ranks)
+    return ranks[dist.get_rank()][:steps], [i for rank in ranks for group in rank[:steps] for i in group]
+
+
 def train(mode: str, spec: RunSpec) -> dict:
     from transformers import Trainer, TrainingArguments
 
     from odb_core.collate import PadCollator
     from odb_hf import ODBCallback
 
+    class ReplayTrainer(Trainer):
+        """Trains on fixed batches (`batches`, lists of dataset indices) instead of the Trainer's sampler."""
+
+        batches: list[list[int]] = []
+
+        def get_train_dataloader(self) -> torch.utils.data.DataLoader:
+            return torch.utils.data.DataLoader(self.train_dataset, batch_sampler=self.batches,
+                                               collate_fn=self.data_collator)
+
     processor = mm_mix.VisionTextProcessor.load(spec.processor)
-    train_set = mm_mix.MMMixDataset(spec.processor, mm_mix.mm_mix_specs(spec.n_train, seed=1))
+    train_set = (Listed(torch.load(spec.samples_cache)[: spec.n_train]) if spec.samples_cache
+                 else mm_mix.MMMixDataset(spec.processor, mm_mix.mm_mix_specs(spec.n_train, seed=1)))
     eval_set = mm_mix.MMMixDataset(spec.processor, mm_mix.mm_mix_specs(spec.n_eval, seed=2))
-    model = mm_mix.tiny_qwen2_vl(processor.tokenizer, seed=0)
+    model = mm_mix.tiny_qwen2_vl(processor.tokenizer, seed=0, hidden=spec.hidden)
     vision = VisionCalls(model)
     infos: list[dict] = []
     callbacks = []
     if mode == "odb":
-        callbacks.append(ODBCallback(token_budget=spec.token_budget, max_patches=spec.max_patches, window=256,
+        callbacks.append(ODBCallback(token_budget=spec.token_budget, max_patches=spec.max_patches, window=spec.window,
                                      observer=lambda i: infos.append({"indices": list(i.indices), "idle": i.is_idle,
                                                                       "patches": i.local_patches})))
     args = TrainingArguments(output_dir=str(spec.out / mode), per_device_train_batch_size=spec.batch_size,
-                             per_device_eval_batch_size=8, num_train_epochs=spec.epochs, learning_rate=spec.learning_rate,
+                             per_device_eval_batch_size=8, num_train_epochs=spec.epochs,
+                             learning_rate=spec.learning_rate,
                              warmup_steps=2, lr_scheduler_type="linear", weight_decay=0.0, max_grad_norm=1.0,
                              logging_steps=1, use_cpu=True, seed=0, report_to=[], disable_tqdm=True,
                              save_strategy="no", eval_strategy="no", dataloader_num_workers=0)
-    trainer = Trainer(model=model, args=args, train_dataset=train_set, eval_dataset=eval_set, callbacks=callbacks,
-                      data_collator=PadCollator(pad_token_id=processor.tokenizer.pad_token_id))
+    trainer_class, trained = Trainer, list(range(len(train_set)))
+    if mode in dict(spec.replays):
+        trainer_class = ReplayTrainer
+        ReplayTrainer.batches, trained = replay_batches(dict(spec.replays)[mode])
+    trainer = trainer_class(model=model, args=args, train_dataset=train_set, eval_dataset=eval_set,
+                            callbacks=callbacks,
+                            data_collator=PadCollator(pad_token_id=processor.tokenizer.pad_token_id))
     start = time.perf_counter()
     trainer.train()
     seconds = time.perf_counter() - start
     losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
     odb_logs = [{k: v for k, v in e.items() if k.startswith("odb/")} for e in trainer.state.log_history
                 if "odb/budget_utilization" in e]
-    tokens = sum(int(train_set[k]["input_ids"].numel()) for k in range(len(train_set))) * spec.epochs
+    tokens = sum(int(train_set[k]["input_ids"].numel()) for k in trained) * spec.epochs
     return {"mode": mode, "steps": trainer.state.global_step, "losses": losses, "seconds": seconds,
-            "samples_per_second": len(train_set) * spec.epochs / seconds, "tokens_per_second": tokens / seconds,
+            "samples_per_second": len(trained) * spec.epochs / seconds, "tokens_per_second": tokens / seconds,
             "eval_loss": trainer.evaluate()["eval_loss"], "vision_calls": vision.calls, "infos": infos,
-            "odb_logs": odb_logs}
+            "odb_logs": odb_logs, "left_out": len(train_set) - len(trained)}
 
 
-def parse(argv: list[str] | None = None) -> tuple[list[str], RunSpec]:
+def parse(argv: list[str] | None = None) -> tuple[list[str], int, RunSpec]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--processor", type=Path, required=True)
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--mode", action="append", choices=["odb", "std"], required=True)
+    parser.add_argument("--mode", action="append", choices=["odb", "std"], default=[])
     parser.add_argument("--n-train", type=int, default=96)
     parser.add_argument("--n-eval", type=int, default=24)
     parser.add_argument("--epochs", type=int, default=2)
@@ -99,22 +133,42 @@ def parse(argv: list[str] | None = None) -> tuple[list[str], RunSpec]:
     parser.add_argument("--max-patches", type=int, default=8192)
     parser.add_argument("--batch-size", type=int, default=2)
     parser.add_argument("--learning-rate", type=float, default=5e-3)
+    parser.add_argument("--window", type=int, default=256, help="ODB window (samples)")
+    parser.add_argument("--hidden", type=int, default=64, help="model hidden size")
+    parser.add_argument("--samples-cache", type=Path, help="processed training samples (torch.save'd list)")
+    parser.add_argument("--replay", action="append", default=[], metavar="NAME=FILE",
+                        help="a mode NAME that trains on the batches per rank in FILE (JSON)")
+    parser.add_argument("--repeats", type=int, default=1)
     ns = parser.parse_args(argv)
+    replays = tuple((name, Path(file)) for name, _, file in (r.partition("=") for r in ns.replay))
+    if any(not name or name in ("odb", "std") for name, _ in replays):
+        parser.error("--replay takes NAME=FILE with a NAME other than odb and std")
+    if not ns.mode and not replays:
+        parser.error("give at least one --mode or --replay")
     spec = RunSpec(processor=ns.processor, out=ns.out, n_train=ns.n_train, n_eval=ns.n_eval, epochs=ns.epochs,
                    token_budget=ns.token_budget, max_patches=ns.max_patches, batch_size=ns.batch_size,
-                   learning_rate=ns.learning_rate)
-    return ns.mode, spec
+                   learning_rate=ns.learning_rate, window=ns.window, hidden=ns.hidden,
+                   samples_cache=ns.samples_cache, replays=replays)
+    return ns.mode + [name for name, _ in replays], ns.repeats, spec
 
 
 def write(spec: RunSpec, facts: dict) -> None:
     (spec.out / f"{facts['mode']}.rank{dist.get_rank()}.json").write_text(json.dumps(facts))
 
 
+TIMING = ("seconds", "samples_per_second", "tokens_per_second")
+
+
 def main() -> None:
     torch.set_num_threads(1)
-    modes, spec = parse()
-    for mode in modes:
-        write(spec, train(mode, spec))
+    modes, repeats, spec = parse()
+    first: dict[str, dict] = {}
+    for _ in range(repeats):
+        for mode in modes:
+            facts = train(mode, spec)
+            first.setdefault(mode, {**facts, "repeats": []})["repeats"].append({k: facts[k] for k in TIMING})
+    for facts in first.values():
+        write(spec, facts)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,315 @@
+"""MM-Mix-like VLM benchmark: budget and patch utilization, and CPU training throughput at W = 2.
+
+    python benchmarks/mm_bench.py                                     # both parts (about 10 minutes, 2 cores)
+    python benchmarks/mm_bench.py --parts quality --samples 600 --worlds 1,2 --no-reference   # a quick look
+
+The samples are real processed VLM samples from benchmarks/mm_mix.py (chat template, `Qwen2VLImageProcessorPil`,
+image-token expansion). What every batching method sees of a sample is what ODB observes after the pipeline:
+its token count (text + visual tokens) and its vision-patch rows.
+
+Parts:
+  quality   every method's schedule of one epoch on W ranks from the observed (tokens, patches) of `--samples`
+            samples (cached under benchmarks/.cache/): budget utilization (real tokens / (steps x W x L_max)),
+            patch utilization (patch rows / (steps x W x max_patches)), binding-limit utilization (per slot,
+            the larger of the two shares), padding, steps, dropped samples and patch-cap violations (groups of
+            two or more samples above `max_patches`). Deterministic.
+  training  the HF Trainer on 2 CPU gloo ranks (benchmarks/mm_train_worker.py under torchrun) trains the tiny
+            Qwen2-VL on the same processed samples, once per method and repeat, methods alternating; the
+            samples are processed once before the launch, so the timed region is training only.
+Methods: Standard (the largest fixed batch that fits the longest sample under both limits, shuffled, padded),
+ODB (`odb_core.simulate.simulate_epoch`, default settings with `max_patches`; the HF run uses `ODBCallback`), the
+offline oracle (global sort, greedy next-fit under both limits) and the reference release (`online-dynamic-
+batching` 0.1.2 in benchmarks/.venv-ref, default buffer and a 512-sample buffer). The release knows no patch cap:
+it groups on token counts alone, and its schedules are replayed through the same Trainer for the training part.
+Output: <out>/mm_bench.json and <out>/mm_bench.md (default benchmarks/results/).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+
+import mm_mix  # noqa: E402
+import peers  # noqa: E402
+import reference_release  # noqa: E402
+from schedule import CostModel, Schedule, deal_round_robin, measure  # noqa: E402
+
+from odb_core.budget import Item, build_budget  # noqa: E402
+from odb_core.cli import shard  # noqa: E402
+from odb_core.config import ODBConfig  # noqa: E402
+from odb_core.grouping import oracle_groups  # noqa: E402
+from odb_core.simulate import simulate_epoch  # noqa: E402
+
+CACHE = HERE / ".cache"
+PARTS = ("quality", "training")
+REFERENCE_BUFFERS = {"reference_default": None, "reference_buffer512": 512}
+LABELS = {"standard": "Standard fixed batch", "odb": "ODB (padded, patch cap)", "oracle": "Offline oracle",
+          "reference_default": "Reference release, default", "reference_buffer512": "Reference release, buffer 512"}
+
+
+# -- observed facts ----------------------------------------------------------------------------------------------
+def _facts_of(batch: list[dict]) -> list[tuple[int, int]]:
+    return [(int(s["input_ids"].numel()), int(s["pixel_values"].shape[0])) for s in batch]
+
+
+def observe(processor: Path, n: int, seed: int, workers: int = 2) -> np.ndarray:
+    """(tokens, patch rows) of the first `n` samples of `mm_mix_specs(n, seed)`, as the pipeline emits them."""
+    path = CACHE / f"mm_mix_facts_n{n}_s{seed}.json"
+    if path.exists():
+        return np.asarray(json.loads(path.read_text()), dtype=np.int64).reshape(-1, 2)
+    dataset = mm_mix.MMMixDataset(processor, mm_mix.mm_mix_specs(n, seed=seed))
+    loader = torch.utils.data.DataLoader(dataset, batch_size=16, num_workers=workers, collate_fn=_facts_of)
+    facts = [pair for batch in loader for pair in batch]
+    CACHE.mkdir(exist_ok=True)
+    path.write_text(json.dumps(facts))
+    return np.asarray(facts, dtype=np.int64)
+
+
+def describe(facts: np.ndarray) -> dict:
+    tokens, patches = facts[:, 0], facts[:, 1]
+    return {"samples": len(facts), "tokens_mean": float(tokens.mean()),
+            "tokens_cv": float(tokens.std() / tokens.mean()),
+            "tokens_p50": float(np.percentile(tokens, 50)), "tokens_p99": float(np.percentile(tokens, 99)),
+            "tokens_max": int(tokens.max()), "patches_mean": float(patches.mean()), "patches_max": int(patches.max()),
+            "visual_token_share": float((patches // mm_mix.MERGE**2).sum() / tokens.sum())}
+
+
+# -- methods -----------------------------------------------------------------------------------------------------
+def fixed_batch(facts: np.ndarray, token_budget: int, max_patches: int) -> int:
+    """Standard's batch: the largest B whose padded batch fits both limits even for the largest sample."""
+    return max(min(token_budget // int(facts[:, 0].max()), max_patches // max(int(facts[:, 1].max()), 1)), 1)
+
+
+def config(token_budget: int, max_patches: int) -> ODBConfig:
+    return ODBConfig(token_budget=token_budget, max_patches=max_patches)
+
+
+def standard(facts: np.ndarray, world: int, token_budget: int, max_patches: int) -> Schedule:
+    order = torch.randperm(len(facts), generator=torch.Generator().manual_seed(0)).tolist()
+    size = fixed_batch(facts, token_budget, max_patches)
+    return deal_round_robin([tuple(order[i: i + size]) for i in range(0, len(order), size)], world)
+
+
+def items(facts: np.ndarray) -> list[Item]:
+    return [Item(i, int(t), int(p)) for i, (t, p) in enumerate(facts)]
+
+
+def odb(facts: np.ndarray, world: int, token_budget: int, max_patches: int) -> Schedule:
+    every = items(facts)
+    streams = [[every[it.index] for it in rank] for rank in shard(facts[:, 0], world, 0)]
+    plan = simulate_epoch(streams, config(token_budget, max_patches))
+    return Schedule([[g.indices if g else None for g in rank] for rank in plan.steps])
+
+
+def oracle(facts: np.ndarray, world: int, token_budget: int, max_patches: int) -> Schedule:
+    groups = oracle_groups(items(facts), build_budget(config(token_budget, max_patches)))
+    return deal_round_robin([g.indices for g in groups], world)
+
+
+def reference(buffer_size: int | None) -> Callable[[np.ndarray, int, int, int], Schedule]:
+    def run(facts: np.ndarray, world: int, token_budget: int, max_patches: int) -> Schedule:
+        setting = peers.Setting(lengths=facts[:, 0].tolist(), world_size=world, token_budget=token_budget,
+                                attention_alpha=0.0)
+        return reference_release.run(setting, buffer_size)[0]
+
+    return run
+
+
+def methods(with_reference: bool) -> dict[str, Callable[[np.ndarray, int, int, int], Schedule]]:
+    chosen = {"standard": standard, "odb": odb, "oracle": oracle}
+    if with_reference:
+        chosen.update({name: reference(size) for name, size in REFERENCE_BUFFERS.items()})
+    return chosen
+
+
+def patch_measures(schedule: Schedule, facts: np.ndarray, token_budget: int, max_patches: int) -> dict:
+    """Patch utilization, the worst group's patch rows / max_patches, groups of 2+ samples over the cap, and the
+    binding-limit utilization: the mean over slots of max(padded tokens / L_max, patch rows / max_patches), the
+    share of whichever limit binds (an empty slot counts 0)."""
+    groups = schedule.groups()
+    sums = [int(facts[list(g), 1].sum()) for g in groups]
+    binding = [max(len(g) * int(facts[list(g), 0].max()) / token_budget, s / max_patches)
+               for g, s in zip(groups, sums)]
+    slots = schedule.n_steps * schedule.world_size
+    return {"patch_utilization": sum(sums) / (slots * max_patches) if slots else 0.0,
+            "binding_utilization": sum(binding) / slots if slots else 0.0,
+            "max_patch_ratio": max(sums, default=0) / max_patches,
+            "patch_violations": sum(1 for g, s in zip(groups, sums) if len(g) > 1 and s > max_patches)}
+
+
+def run_quality(facts: np.ndarray, worlds: Sequence[int], token_budget: int, max_patches: int,
+                with_reference: bool, log: Callable[[str], None]) -> list[dict]:
+    rows = []
+    for world in worlds:
+        for name, method in methods(with_reference).items():
+            started = time.perf_counter()
+            schedule = method(facts, world, token_budget, max_patches)
+            quality = measure(schedule, facts[:, 0].tolist(), token_budget, CostModel("padded")).as_dict()
+            rows.append({"method": name, "world_size": world, **quality,
+                         **patch_measures(schedule, facts, token_budget, max_patches),
+                         "seconds": round(time.perf_counter() - started, 2)})
+            log(f"  W={world:<3} {name:<20} utilization {quality['budget_utilization']:.3f} patch utilization "
+                f"{rows[-1]['patch_utilization']:.3f} binding {rows[-1]['binding_utilization']:.3f} steps "
+                f"{quality['steps']} dropped {quality['dropped']} patch violations {rows[-1]['patch_violations']}")
+    return rows
+
+
+# -- training ----------------------------------------------------------------------------------------------------
+def run_training(args: argparse.Namespace, log: Callable[[str], None]) -> dict:
+    """Launch benchmarks/mm_train_worker.py on 2 gloo ranks; every method, `--train-repeats` times, alternating."""
+    with tempfile.TemporaryDirectory(prefix="mm_bench_") as tmp:
+        work = Path(tmp)
+        processor = work / "processor"
+        mm_mix.build_processor(processor)
+        dataset = mm_mix.MMMixDataset(processor, mm_mix.mm_mix_specs(args.train_samples, seed=1))
+        samples = [dataset[k] for k in range(len(dataset))]
+        torch.save(samples, work / "samples.pt")
+        facts = np.asarray(_facts_of(samples), dtype=np.int64)
+        batch = fixed_batch(facts, args.token_budget, args.max_patches)
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                   str(HERE / "mm_train_worker.py"), "--processor", str(processor), "--out", str(work),
+                   "--n-train", str(len(samples)), "--n-eval", str(args.train_eval_samples), "--epochs", "1",
+                   "--token-budget", str(args.token_budget), "--max-patches", str(args.max_patches),
+                   "--batch-size", str(batch), "--window", str(config(args.token_budget, args.max_patches).window),
+                   "--hidden", str(args.hidden),
+                   "--samples-cache", str(work / "samples.pt"), "--repeats", str(args.train_repeats),
+                   "--mode", "std", "--mode", "odb"]
+        replayed = {}
+        if not args.no_reference:
+            for name, size in REFERENCE_BUFFERS.items():
+                schedule = reference(size)(facts, 2, args.token_budget, args.max_patches)
+                (work / f"{name}.json").write_text(json.dumps([[list(g) for g in rank if g]
+                                                               for rank in schedule.steps]))
+                replayed[name] = patch_measures(schedule, facts, args.token_budget, args.max_patches)
+                command += ["--replay", f"{name}={work / name}.json"]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+               "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+        log(f"  {len(samples)} samples, Standard B = {batch}, {args.train_repeats} repeats: {shlex.join(command[3:])}")
+        done = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=args.train_timeout)
+        if done.returncode != 0:
+            raise RuntimeError(f"mm_train_worker failed: {done.stdout[-2000:]}{done.stderr[-4000:]}")
+        modes = ["std", "odb", *replayed]
+        ranks = {m: [json.loads((work / f"{m}.rank{r}.json").read_text()) for r in range(2)] for m in modes}
+    return {"samples": len(samples), "standard_batch": batch, "hidden": args.hidden, "repeats": args.train_repeats,
+            "workload": describe(facts), "methods": summarise(ranks), "reference_patch_measures": replayed}
+
+
+def summarise(ranks: dict[str, list[dict]]) -> dict:
+    """Per method: steps, throughput (median over repeats) and the per-repeat ratio to Standard."""
+    base = [r["samples_per_second"] for r in ranks["std"][0]["repeats"]]
+    out = {}
+    for mode, (first, second) in ranks.items():
+        runs = first["repeats"]
+        ratios = [r["samples_per_second"] / b for r, b in zip(runs, base)]
+        out[mode] = {"steps": [first["steps"], second["steps"]], "left_out": first["left_out"],
+                     "samples_per_second": statistics.median(r["samples_per_second"] for r in runs),
+                     "tokens_per_second": statistics.median(r["tokens_per_second"] for r in runs),
+                     "vs_standard": statistics.median(ratios), "vs_standard_min": min(ratios),
+                     "vs_standard_max": max(ratios), "first_loss": first["losses"][0],
+                     "last_loss": first["losses"][-1], "eval_loss": first["eval_loss"]}
+    return out
+
+
+# -- report ------------------------------------------------------------------------------------------------------
+def markdown(result: dict) -> str:
+    lines = [f"# MM-Mix-like VLM benchmark\n\nCommand: `{result['command']}`; L_max = {result['token_budget']} "
+             f"padded tokens, max_patches = {result['max_patches']} patch rows per micro-batch.\n"]
+    if "workload" in result:
+        w = result["workload"]
+        lines += [f"Workload: {w['samples']} samples, tokens mean {w['tokens_mean']:.0f} (CV {w['tokens_cv']:.2f}, "
+                  f"p50 {w['tokens_p50']:.0f}, p99 {w['tokens_p99']:.0f}, max {w['tokens_max']}), patch rows mean "
+                  f"{w['patches_mean']:.0f} (max {w['patches_max']}), visual tokens {w['visual_token_share']:.0%} "
+                  f"of all tokens.\n",
+                  "| W | method | budget utilization | patch utilization | binding-limit utilization | steps | "
+                  "padding | dropped | patch-cap violations | max patches / cap |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
+        for row in result["quality"]:
+            lines.append(f"| {row['world_size']} | {LABELS[row['method']]} | {row['budget_utilization']:.3f} | "
+                         f"{row['patch_utilization']:.3f} | {row['binding_utilization']:.3f} | {row['steps']} | "
+                         f"{row['padding_ratio']:.3f} | "
+                         f"{row['dropped']} | {row['patch_violations']} | {row['max_patch_ratio']:.2f} |")
+    if "training" in result:
+        t = result["training"]
+        names = {"std": "Standard", "odb": "ODB", **{k: LABELS[k] + " (replayed)" for k in REFERENCE_BUFFERS}}
+        lines += ["", f"Training, W = 2: {t['samples']} samples, 1 epoch, hidden {t['hidden']}, Standard B = "
+                  f"{t['standard_batch']}, median of {t['repeats']} repeats.\n",
+                  "| method | samples/s | tokens/s | steps (rank 0, 1) | samples left out | vs Standard (median, "
+                  "min-max) | loss first / last | held-out loss |", "|---|---|---|---|---|---|---|---|"]
+        for mode, m in t["methods"].items():
+            lines.append(f"| {names[mode]} | {m['samples_per_second']:.1f} | {m['tokens_per_second']:,.0f} | "
+                         f"{m['steps'][0]}, {m['steps'][1]} | {m['left_out']} | {m['vs_standard']:.2f}x "
+                         f"({m['vs_standard_min']:.2f}-{m['vs_standard_max']:.2f}) | {m['first_loss']:.2f} / "
+                         f"{m['last_loss']:.2f} | {m['eval_loss']:.3f} |")
+    return "\n".join(lines) + "\n"
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {PARTS}")
+    p.add_argument("--samples", type=int, default=8000, help="samples for the quality part")
+    p.add_argument("--worlds", default="1,2,8")
+    p.add_argument("--token-budget", type=int, default=8192)
+    p.add_argument("--max-patches", type=int, default=16384)
+    p.add_argument("--no-reference", action="store_true", help="skip the reference release")
+    p.add_argument("--train-samples", type=int, default=400)
+    p.add_argument("--train-eval-samples", type=int, default=32)
+    p.add_argument("--train-repeats", type=int, default=3)
+    p.add_argument("--train-timeout", type=float, default=1800)
+    p.add_argument("--hidden", type=int, default=64, help="hidden size of the trained model")
+    p.add_argument("--out", type=Path, default=HERE / "results")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse(argv)
+    parts = [p for p in args.parts.split(",") if p]
+    if set(parts) - set(PARTS):
+        raise SystemExit(f"unknown parts {sorted(set(parts) - set(PARTS))}; choose from {PARTS}")
+    if not args.no_reference:
+        missing = reference_release.ensure_env(create=True)
+        if missing is not None:
+            raise SystemExit(f"reference release unavailable ({missing.reason}); pass --no-reference")
+    given = argv if argv is not None else sys.argv[1:]
+    result: dict = {"command": ("python benchmarks/mm_bench.py " + shlex.join(given)).strip(),
+                    "token_budget": args.token_budget, "max_patches": args.max_patches}
+    started = time.perf_counter()
+    log = functools.partial(print, flush=True)
+    if "quality" in parts:
+        with tempfile.TemporaryDirectory(prefix="mm_proc_") as tmp:
+            mm_mix.build_processor(Path(tmp))
+            facts = observe(Path(tmp), args.samples, seed=0)
+        result["workload"] = describe(facts)
+        log(f"batch quality on {len(facts)} observed samples:")
+        result["quality"] = run_quality(facts, [int(w) for w in args.worlds.split(",")], args.token_budget,
+                                        args.max_patches, not args.no_reference, log)
+    if "training" in parts:
+        log("CPU training throughput (W=2):")
+        result["training"] = run_training(args, log)
+    result["seconds"] = round(time.perf_counter() - started, 1)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "mm_bench.json").write_text(json.dumps(result, indent=1))
+    (args.out / "mm_bench.md").write_text(markdown(result))
+    log(markdown(result))
+    log(f"wrote {args.out}/mm_bench.json, mm_bench.md ({result['seconds']} s)")
+    return result
+
+
+if __name__ == "__main__":
+    main()
