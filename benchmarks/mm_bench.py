@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import hashlib
 import json
 import os
 import shlex
@@ -70,8 +71,10 @@ def _facts_of(batch: list[dict]) -> list[tuple[int, int]]:
 
 
 def observe(processor: Path, n: int, seed: int, workers: int = 2) -> np.ndarray:
-    """(tokens, patch rows) of the first `n` samples of `mm_mix_specs(n, seed)`, as the pipeline emits them."""
-    path = CACHE / f"mm_mix_facts_n{n}_s{seed}.json"
+    """(tokens, patch rows) of the first `n` samples of `mm_mix_specs(n, seed)`, as the pipeline emits them.
+    Cached per version of mm_mix.py (the pipeline), so that a changed pipeline is observed afresh."""
+    version = hashlib.sha256(Path(mm_mix.__file__).read_bytes()).hexdigest()[:12]
+    path = CACHE / f"mm_mix_facts_n{n}_s{seed}_{version}.json"
     if path.exists():
         return np.asarray(json.loads(path.read_text()), dtype=np.int64).reshape(-1, 2)
     dataset = mm_mix.MMMixDataset(processor, mm_mix.mm_mix_specs(n, seed=seed))
