@@ -19,8 +19,10 @@ Parts:
 Methods: Standard (the largest fixed batch that fits the longest sample under both limits, shuffled, padded),
 ODB (`odb_core.simulate.simulate_epoch`, default settings with `max_patches`; the HF run uses `ODBCallback`), the
 offline oracle (global sort, greedy next-fit under both limits) and the reference release (`online-dynamic-
-batching` 0.1.2 in benchmarks/.venv-ref, default buffer and a 512-sample buffer). The release knows no patch cap:
-it groups on token counts alone, and its schedules are replayed through the same Trainer for the training part.
+batching` 0.1.2 in benchmarks/.venv-ref): default buffer and a 512-sample buffer, each given the patch counts (as
+`odb_n_patches`, the field it reads) and the same `max_patches`, plus the 512-sample buffer without them (its
+default, max_patches off). The training part replays the release's patch-capped schedules through the same
+Trainer.
 Output: <out>/mm_bench.json and <out>/mm_bench.md (default benchmarks/results/).
 """
 
@@ -60,9 +62,14 @@ from odb_core.simulate import simulate_epoch  # noqa: E402
 
 CACHE = HERE / ".cache"
 PARTS = ("quality", "training")
-REFERENCE_BUFFERS = {"reference_default": None, "reference_buffer512": 512}
+# the release's runs: name -> (buffer_size, whether it is given the patch counts and max_patches)
+REFERENCE_RUNS = {"reference_default": (None, True), "reference_buffer512": (512, True),
+                  "reference_buffer512_no_cap": (512, False)}
+REPLAYED = ("reference_default", "reference_buffer512")  # the training part replays the patch-capped runs
 LABELS = {"standard": "Standard fixed batch", "odb": "ODB (padded, patch cap)", "oracle": "Offline oracle",
-          "reference_default": "Reference release, default", "reference_buffer512": "Reference release, buffer 512"}
+          "reference_default": "Reference release, default buffer, max_patches",
+          "reference_buffer512": "Reference release, buffer 512, max_patches",
+          "reference_buffer512_no_cap": "Reference release, buffer 512, no max_patches (its default)"}
 
 
 # -- observed facts ----------------------------------------------------------------------------------------------
@@ -126,11 +133,13 @@ def oracle(facts: np.ndarray, world: int, token_budget: int, max_patches: int) -
     return deal_round_robin([g.indices for g in groups], world)
 
 
-def reference(buffer_size: int | None) -> Callable[[np.ndarray, int, int, int], Schedule]:
+def reference(buffer_size: int | None, capped: bool) -> Callable[[np.ndarray, int, int, int], Schedule]:
+    """The release on the token counts; `capped`: also the patch counts (its `odb_n_patches`) and `max_patches`."""
     def run(facts: np.ndarray, world: int, token_budget: int, max_patches: int) -> Schedule:
         setting = peers.Setting(lengths=facts[:, 0].tolist(), world_size=world, token_budget=token_budget,
                                 attention_alpha=0.0)
-        return reference_release.run(setting, buffer_size)[0]
+        patches = facts[:, 1].tolist() if capped else None
+        return reference_release.run(setting, buffer_size, patches, max_patches)[0]
 
     return run
 
@@ -138,7 +147,7 @@ def reference(buffer_size: int | None) -> Callable[[np.ndarray, int, int, int], 
 def methods(with_reference: bool) -> dict[str, Callable[[np.ndarray, int, int, int], Schedule]]:
     chosen = {"standard": standard, "odb": odb, "oracle": oracle}
     if with_reference:
-        chosen.update({name: reference(size) for name, size in REFERENCE_BUFFERS.items()})
+        chosen.update({name: reference(*run) for name, run in REFERENCE_RUNS.items()})
     return chosen
 
 
@@ -196,8 +205,8 @@ def run_training(args: argparse.Namespace, log: Callable[[str], None]) -> dict:
                    "--mode", "std", "--mode", "odb"]
         replayed = {}
         if not args.no_reference:
-            for name, size in REFERENCE_BUFFERS.items():
-                schedule = reference(size)(facts, 2, args.token_budget, args.max_patches)
+            for name in REPLAYED:
+                schedule = reference(*REFERENCE_RUNS[name])(facts, 2, args.token_budget, args.max_patches)
                 (work / f"{name}.json").write_text(json.dumps([[list(g) for g in rank if g]
                                                                for rank in schedule.steps]))
                 replayed[name] = patch_measures(schedule, facts, args.token_budget, args.max_patches)
@@ -250,7 +259,7 @@ def markdown(result: dict) -> str:
                          f"{row['dropped']} | {row['patch_violations']} | {row['max_patch_ratio']:.2f} |")
     if "training" in result:
         t = result["training"]
-        names = {"std": "Standard", "odb": "ODB", **{k: LABELS[k] + " (replayed)" for k in REFERENCE_BUFFERS}}
+        names = {"std": "Standard", "odb": "ODB", **{k: LABELS[k] + " (replayed)" for k in REPLAYED}}
         lines += ["", f"Training, W = 2: {t['samples']} samples, 1 epoch, hidden {t['hidden']}, Standard B = "
                   f"{t['standard_batch']}, median of {t['repeats']} repeats.\n",
                   "| method | samples/s | tokens/s | steps (rank 0, 1) | samples left out | vs Standard (median, "

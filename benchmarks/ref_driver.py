@@ -22,7 +22,9 @@ release's real `ODBDataLoader` (worker processes + collate process) at W = 1.
 
 stdin (`--serve`: one such request per line, one answer per line):
        {"lengths": [...], "streams": [[index, ...] per rank], "token_budget": L, "buffer_size": B or null,
-        "seed": 67108}
+        "seed": 67108, "patches": [...] (optional), "max_patches": P (optional, 0 = off, the release's default)}
+With "patches", each sample carries `odb_n_patches` (the field the release reads its vision-patch count from) and
+`grouping_data` gets `max_patches`, so that the release enforces its own patch cap.
 stdout: {"steps": [[[index, ...] per step] per rank], "rounds": n, "gathered_ints_per_round": k, "seconds": t}
 """
 
@@ -70,17 +72,21 @@ class DistShim:
         group.barrier.wait()
 
 
-def sample(index: int, length: int) -> dict:
-    # a zero-stride tensor: the release reads only input_ids' length
-    return {"input_ids": torch.zeros(1, dtype=torch.uint8).expand(length), "idx": index}
+def sample(index: int, length: int, patches: int = 0) -> dict:
+    # a zero-stride tensor: the release reads only input_ids' length (and odb_n_patches, when given)
+    out = {"input_ids": torch.zeros(1, dtype=torch.uint8).expand(length), "idx": index}
+    if patches:
+        out["odb_n_patches"] = patches
+    return out
 
 
 class RankFeeder:
     """One rank's side of the release's collate loop (see the module docstring)."""
 
     def __init__(self, stream: list[int], lengths: list[int], budget: int, buffer_size: int,
-                 group: VirtualGroup | None, seed: int) -> None:
+                 group: VirtualGroup | None, seed: int, patches: list[int] | None = None, max_patches: int = 0) -> None:
         self.stream, self.lengths, self.budget, self.buffer_size = stream, lengths, budget, buffer_size
+        self.patches, self.max_patches = patches or [0] * len(lengths), max_patches
         self.group, self.rng, self.seed = group, random.Random(seed), seed
         self.new: list[int] = []  # positions read since the last round (the release's idx_buffer)
         self.buffer: list[list[dict]] = []  # its data_buffer
@@ -91,8 +97,8 @@ class RankFeeder:
         budget = len(self.new)
         groups, overflow, all_finished, skip = ref_grouping.grouping_data(
             self.buffer, self.budget, self.group, is_finished=finished, idx_budget=budget,
-            join_mode=self.group is not None, max_groups=self.buffer_size, random_seed=self.seed,
-            grouping_round=self.rounds)
+            join_mode=self.group is not None, max_groups=self.buffer_size, max_patches=self.max_patches,
+            random_seed=self.seed, grouping_round=self.rounds)
         self.rounds += 1
         self.buffer = [[s] for s in overflow]
         if skip or (self.group is not None and finished and budget == 0):
@@ -107,7 +113,7 @@ class RankFeeder:
         done = False
         for position, index in enumerate(self.stream):
             self.new.append(position)
-            self.buffer.append([sample(index, self.lengths[index])])
+            self.buffer.append([sample(index, self.lengths[index], self.patches[index])])
             if len(self.new) >= int(self.buffer_size * warmup):
                 done = self.round(finished=False)
                 warmup = min(1.0, warmup + 0.05)
@@ -128,7 +134,8 @@ def drive(request: dict) -> dict:
     ref_grouping.dist = DistShim if world > 1 else ref_grouping.dist
     barrier, slots = threading.Barrier(world, timeout=300), [None] * world
     feeders = [RankFeeder(streams[r], lengths, request["token_budget"], buffer_size,
-                          VirtualGroup(barrier, slots, r) if world > 1 else None, seed) for r in range(world)]
+                          VirtualGroup(barrier, slots, r) if world > 1 else None, seed, request.get("patches"),
+                          request.get("max_patches", 0)) for r in range(world)]
     start = time.perf_counter()
     errors: list[BaseException] = []
 
@@ -153,27 +160,29 @@ def drive(request: dict) -> dict:
 
 
 class _Lengths(torch.utils.data.Dataset):
-    def __init__(self, lengths: list[int]) -> None:
-        self.lengths = lengths
+    def __init__(self, lengths: list[int], patches: list[int] | None = None) -> None:
+        self.lengths, self.patches = lengths, patches or [0] * len(lengths)
 
     def __len__(self) -> int:
         return len(self.lengths)
 
     def __getitem__(self, index: int) -> dict:
-        return sample(index, self.lengths[index])
+        return sample(index, self.lengths[index], self.patches[index])
 
 
 def _collate_ids(batch: list[dict]) -> dict:
     return {"input_ids": torch.ones(1), "ids": [s["idx"] for s in batch]}
 
 
-def validate(lengths: list[int], budget: int, buffer_size: int | None) -> dict:
-    """The release's real ODBDataLoader (W = 1) against this driver on the same stream, same buffer setting."""
-    loader = odb.ODBDataLoader(_Lengths(lengths), token_budget=budget, collate_fn=_collate_ids,
-                               buffer_size=buffer_size)
+def validate(lengths: list[int], budget: int, buffer_size: int | None, patches: list[int] | None = None,
+             max_patches: int = 0) -> dict:
+    """The release's real ODBDataLoader (W = 1) against this driver on the same stream, same buffer setting (and,
+    with `patches`, the same per-sample patch counts and `max_patches`)."""
+    loader = odb.ODBDataLoader(_Lengths(lengths, patches), token_budget=budget, collate_fn=_collate_ids,
+                               buffer_size=buffer_size, max_patches=max_patches or None)
     real = sorted(sorted(batch["ids"]) for batch in loader)
     driven = drive({"lengths": lengths, "streams": [list(range(len(lengths)))], "token_budget": budget,
-                    "buffer_size": buffer_size})
+                    "buffer_size": buffer_size, "patches": patches, "max_patches": max_patches})
     ours = sorted(sorted(step) for step in driven["steps"][0])
     return {"identical": real == ours, "real_steps": len(real), "driver_steps": len(ours),
             "real_samples": sum(map(len, real)), "samples": len(lengths)}
@@ -231,7 +240,8 @@ if __name__ == "__main__":
     if "--validate-two-ranks" in sys.argv:
         result = validate_two_ranks(payload["lengths"], payload["token_budget"], payload.get("buffer_size"))
     elif "--validate" in sys.argv:
-        result = validate(payload["lengths"], payload["token_budget"], payload.get("buffer_size"))
+        result = validate(payload["lengths"], payload["token_budget"], payload.get("buffer_size"),
+                          payload.get("patches"), payload.get("max_patches", 0))
     else:
         result = drive(payload)
     json.dump(result, sys.stdout)

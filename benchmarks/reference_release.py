@@ -80,20 +80,29 @@ class _Server:
         cls.process = None
 
 
-def run(setting: Setting, buffer_size: int | None) -> tuple[Schedule, dict]:
-    """The release's schedule (buffer_size None = its defaults) and the driver's facts (rounds, ints, time)."""
+def run(setting: Setting, buffer_size: int | None, patches: Sequence[int] | None = None,
+        max_patches: int = 0) -> tuple[Schedule, dict]:
+    """The release's schedule (buffer_size None = its defaults; with `patches` and `max_patches`, its own patch
+    cap) and the driver's facts (rounds, ints, time)."""
     streams = [[item.index for item in rank] for rank in shard(setting.lengths, setting.world_size, setting.seed)]
-    answer = _Server.ask({"lengths": list(map(int, setting.lengths)), "streams": streams,
-                          "token_budget": setting.token_budget, "buffer_size": buffer_size})
+    request = {"lengths": list(map(int, setting.lengths)), "streams": streams, "token_budget": setting.token_budget,
+               "buffer_size": buffer_size}
+    if patches is not None:
+        request.update(patches=list(map(int, patches)), max_patches=max_patches)
+    answer = _Server.ask(request)
     steps = [[tuple(group) for group in rank] for rank in answer.pop("steps")]
     return Schedule(steps), answer
 
 
 def validate(lengths: Sequence[int], token_budget: int) -> dict:
-    """Driver vs the release's real loader: W = 1 (default buffer and 64) and W = 2 over Gloo (default buffer)."""
+    """Driver vs the release's real loader: W = 1 (default buffer, buffer 64, buffer 64 with a patch cap) and W = 2
+    over Gloo (default buffer)."""
     request = {"lengths": list(map(int, lengths)), "token_budget": token_budget}
+    patches = [(7 * k) % 900 for k in range(len(lengths))]  # a spread of vision-patch counts
     out = {"w1_default": _call(request, "--validate"),
-           "w1_buffer64": _call({**request, "buffer_size": 64}, "--validate")}
+           "w1_buffer64": _call({**request, "buffer_size": 64}, "--validate"),
+           "w1_buffer64_patch_cap": _call({**request, "buffer_size": 64, "patches": patches, "max_patches": 2048},
+                                          "--validate")}
     two = _call(request, "--validate-two-ranks")
     out["w2_default_gloo"] = {k: v for k, v in two.items() if not k.endswith("_batches")}
     return out
