@@ -169,6 +169,8 @@ def main() -> None:
             first.setdefault(mode, {**facts, "repeats": []})["repeats"].append({k: facts[k] for k in TIMING})
     for facts in first.values():
         write(spec, facts)
+    dist.barrier()  # Gloo groups left to interpreter teardown can abort the process (pytorch/pytorch#190489)
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

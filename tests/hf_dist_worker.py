@@ -113,6 +113,9 @@ def main() -> None:
     dist.barrier()
     if os.environ.get("RANK") == "0":
         (ns.out / "done").write_text("ok")
+    # every rank passed the barrier: destroy the groups now, since Gloo groups left to interpreter teardown can
+    # abort the process (SIGABRT, "terminate called without an active exception"; pytorch/pytorch#190489)
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

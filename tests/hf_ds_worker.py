@@ -159,3 +159,6 @@ if __name__ == "__main__":
         traceback.print_exc()
         sys.stdout.flush()
         os._exit(1)  # do not wait in atexit handlers for a peer that will never arrive
+    # this rank finished: destroy its groups now, since Gloo groups left to interpreter teardown can abort the
+    # process (SIGABRT, "terminate called without an active exception"; pytorch/pytorch#190489)
+    dist.destroy_process_group()
