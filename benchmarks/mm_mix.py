@@ -26,6 +26,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+import chat_data  # a sibling module: benchmarks/ is on sys.path wherever mm_mix is imported
+
 IGNORE_INDEX = -100
 VOCAB = 1024
 PATCH, MERGE = 14, 2
@@ -42,17 +44,8 @@ CHAT_TEMPLATE = (
 
 
 def chitchat_turns(limit: int = 3000) -> list[list[str]]:
-    """Real conversations (ChitChat, MIT) as lists of turn texts."""
-    import chitchat_dataset
-
-    out = []
-    for record in chitchat_dataset.Dataset().values():
-        turns = [" ".join(m["text"] for m in turn) for turn in record["messages"]]
-        if len(turns) >= 2:
-            out.append(turns)
-        if len(out) >= limit:
-            break
-    return out
+    """Real conversations (ChitChat, MIT) with at least two turns, as lists of turn texts."""
+    return chat_data.turn_texts(2, limit)
 
 
 def build_tokenizer(folder: Path):

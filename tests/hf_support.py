@@ -9,27 +9,18 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from pathlib import Path
 
 import torch
 from transformers import TrainerCallback
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+import chat_data  # noqa: E402  (benchmarks/chat_data.py: the one ChitChat reader)
+
 VOCAB = 1024
 SPECIALS = ["<pad>", "<unk>", "<bos>", "<eos>", "<a>", "<b>"]
 PAD, BOS, EOS, SPEAKER_A, SPEAKER_B = 0, 2, 3, 4, 5
-
-
-def _conversations(limit: int) -> list[list[str]]:
-    import chitchat_dataset
-
-    out = []
-    for record in chitchat_dataset.Dataset().values():
-        turns = [" ".join(m["text"] for m in turn) for turn in record["messages"]]
-        if len(turns) >= 2:
-            out.append(turns)
-        if len(out) >= limit:
-            break
-    return out
 
 
 def train_tokenizer(path: Path, n_conversations: int = 1500) -> Path:
@@ -40,7 +31,7 @@ def train_tokenizer(path: Path, n_conversations: int = 1500) -> Path:
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=SPECIALS, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tokenizer.train_from_iterator((t for c in _conversations(n_conversations) for t in c), trainer)
+    tokenizer.train_from_iterator((t for c in chat_data.turn_texts(2, n_conversations) for t in c), trainer)
     tokenizer.save(str(path))
     return path
 
@@ -51,7 +42,7 @@ def chat_samples(tokenizer_path: Path, n: int, max_len: int, skip: int = 0) -> l
 
     tokenizer = Tokenizer.from_file(str(tokenizer_path))
     samples = []
-    for position, turns in enumerate(_conversations(skip + n)[skip:], start=skip):
+    for position, turns in enumerate(chat_data.turn_texts(2, skip + n)[skip:], start=skip):
         ids, labels = [BOS], [-100]
         for k, text in enumerate(turns[: 2 + position % 5]):  # varied conversation depth: varied lengths
             tokens = [SPEAKER_A if k % 2 == 0 else SPEAKER_B] + tokenizer.encode(text).ids + [EOS]

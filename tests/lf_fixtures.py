@@ -8,6 +8,7 @@ Built in the main test environment (transformers, tokenizers, chitchat_dataset) 
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 VOCAB = 1000
@@ -18,16 +19,10 @@ CHAT_TEMPLATE = ("{% for message in messages %}<|im_start|>{{ message['role'] }}
 
 def conversations(limit: int, skip: int = 0) -> list[list[str]]:
     """Real human-to-human conversations (one string per turn) with at least two turns."""
-    import chitchat_dataset
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import chat_data  # benchmarks/chat_data.py: the one ChitChat reader
 
-    out: list[list[str]] = []
-    for record in chitchat_dataset.Dataset().values():
-        turns = [" ".join(m["text"] for m in turn) for turn in record["messages"]]
-        if len(turns) >= 2:
-            out.append(turns)
-        if len(out) >= skip + limit:
-            break
-    return out[skip:]
+    return chat_data.turn_texts(2, skip + limit)[skip:]
 
 
 def build_tokenizer(folder: Path) -> int:
