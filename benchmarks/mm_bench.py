@@ -1,6 +1,6 @@
 """MM-Mix-like VLM benchmark: budget and patch utilization, and CPU training throughput at W = 2.
 
-    python benchmarks/mm_bench.py                                     # both parts (about 10 minutes, 2 cores)
+    python benchmarks/mm_bench.py                                     # both parts (about 3 minutes, 2 cores)
     python benchmarks/mm_bench.py --parts quality --samples 600 --worlds 1,2 --no-reference   # a quick look
 
 The samples are real processed VLM samples from benchmarks/mm_mix.py (chat template, `Qwen2VLImageProcessorPil`,
@@ -112,9 +112,8 @@ def config(token_budget: int, max_patches: int) -> ODBConfig:
 
 
 def standard(facts: np.ndarray, world: int, token_budget: int, max_patches: int) -> Schedule:
-    order = torch.randperm(len(facts), generator=torch.Generator().manual_seed(0)).tolist()
-    size = fixed_batch(facts, token_budget, max_patches)
-    return deal_round_robin([tuple(order[i: i + size]) for i in range(0, len(order), size)], world)
+    order = peers.permutation(len(facts), 0)
+    return deal_round_robin(peers.chunks(order, fixed_batch(facts, token_budget, max_patches)), world)
 
 
 def items(facts: np.ndarray) -> list[Item]:

@@ -68,25 +68,42 @@ def replay_batches(schedule: Path) -> tuple[list[list[int]], list[int]]:
     return ranks[dist.get_rank()][:steps], [i for rank in ranks for group in rank[:steps] for i in group]
 
 
-def train(mode: str, spec: RunSpec) -> dict:
+@dataclass(frozen=True, kw_only=True)
+class Data:
+    """What every mode and repeat trains and evaluates on, loaded once per process."""
+
+    processor: mm_mix.VisionTextProcessor
+    train_set: torch.utils.data.Dataset
+    eval_set: torch.utils.data.Dataset
+    tokens: list[int]  # input_ids length of each training sample (for tokens/s)
+
+    @classmethod
+    def load(cls, spec: RunSpec) -> "Data":
+        train_set = (Listed(torch.load(spec.samples_cache)[: spec.n_train]) if spec.samples_cache
+                     else mm_mix.MMMixDataset(spec.processor, mm_mix.mm_mix_specs(spec.n_train, seed=1)))
+        return cls(processor=mm_mix.VisionTextProcessor.load(spec.processor), train_set=train_set,
+                   eval_set=mm_mix.MMMixDataset(spec.processor, mm_mix.mm_mix_specs(spec.n_eval, seed=2)),
+                   tokens=[int(train_set[k]["input_ids"].numel()) for k in range(len(train_set))])
+
+
+def train(mode: str, spec: RunSpec, data: Data) -> dict:
     from transformers import Trainer, TrainingArguments
 
     from odb_core.collate import PadCollator
     from odb_hf import ODBCallback
 
     class ReplayTrainer(Trainer):
-        """Trains on fixed batches (`batches`, lists of dataset indices) instead of the Trainer's sampler."""
+        """Trains on fixed batches (lists of dataset indices) instead of the Trainer's sampler."""
 
-        batches: list[list[int]] = []
+        def __init__(self, *args, batches: list[list[int]], **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            self.batches = batches
 
         def get_train_dataloader(self) -> torch.utils.data.DataLoader:
             return torch.utils.data.DataLoader(self.train_dataset, batch_sampler=self.batches,
                                                collate_fn=self.data_collator)
 
-    processor = mm_mix.VisionTextProcessor.load(spec.processor)
-    train_set = (Listed(torch.load(spec.samples_cache)[: spec.n_train]) if spec.samples_cache
-                 else mm_mix.MMMixDataset(spec.processor, mm_mix.mm_mix_specs(spec.n_train, seed=1)))
-    eval_set = mm_mix.MMMixDataset(spec.processor, mm_mix.mm_mix_specs(spec.n_eval, seed=2))
+    processor, train_set = data.processor, data.train_set
     model = mm_mix.tiny_qwen2_vl(processor.tokenizer, seed=0, hidden=spec.hidden)
     vision = VisionCalls(model)
     infos: list[dict] = []
@@ -101,20 +118,20 @@ def train(mode: str, spec: RunSpec) -> dict:
                              warmup_steps=2, lr_scheduler_type="linear", weight_decay=0.0, max_grad_norm=1.0,
                              logging_steps=1, use_cpu=True, seed=0, report_to=[], disable_tqdm=True,
                              save_strategy="no", eval_strategy="no", dataloader_num_workers=0)
-    trainer_class, trained = Trainer, list(range(len(train_set)))
+    common = {"model": model, "args": args, "train_dataset": train_set, "eval_dataset": data.eval_set,
+              "callbacks": callbacks, "data_collator": PadCollator(pad_token_id=processor.tokenizer.pad_token_id)}
     if mode in dict(spec.replays):
-        trainer_class = ReplayTrainer
-        ReplayTrainer.batches, trained = replay_batches(dict(spec.replays)[mode])
-    trainer = trainer_class(model=model, args=args, train_dataset=train_set, eval_dataset=eval_set,
-                            callbacks=callbacks,
-                            data_collator=PadCollator(pad_token_id=processor.tokenizer.pad_token_id))
+        batches, trained = replay_batches(dict(spec.replays)[mode])
+        trainer = ReplayTrainer(**common, batches=batches)
+    else:
+        trainer, trained = Trainer(**common), list(range(len(train_set)))
     start = time.perf_counter()
     trainer.train()
     seconds = time.perf_counter() - start
     losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
     odb_logs = [{k: v for k, v in e.items() if k.startswith("odb/")} for e in trainer.state.log_history
                 if "odb/budget_utilization" in e]
-    tokens = sum(int(train_set[k]["input_ids"].numel()) for k in trained) * spec.epochs
+    tokens = sum(data.tokens[k] for k in trained) * spec.epochs
     return {"mode": mode, "steps": trainer.state.global_step, "losses": losses, "seconds": seconds,
             "samples_per_second": len(trained) * spec.epochs / seconds, "tokens_per_second": tokens / seconds,
             "eval_loss": trainer.evaluate()["eval_loss"], "vision_calls": vision.calls, "infos": infos,
@@ -162,10 +179,11 @@ TIMING = ("seconds", "samples_per_second", "tokens_per_second")
 def main() -> None:
     torch.set_num_threads(1)
     modes, repeats, spec = parse()
+    data = Data.load(spec)
     first: dict[str, dict] = {}
     for _ in range(repeats):
         for mode in modes:
-            facts = train(mode, spec)
+            facts = train(mode, spec, data)
             first.setdefault(mode, {**facts, "repeats": []})["repeats"].append({k: facts[k] for k in TIMING})
     for facts in first.values():
         write(spec, facts)

@@ -56,22 +56,22 @@ def fixed_batch(lengths: Sequence[int], token_budget: int) -> int:
     return max(token_budget // max(lengths), 1)
 
 
-def _chunks(order: Sequence[int], size: int) -> list[Group]:
+def chunks(order: Sequence[int], size: int) -> list[Group]:
     return [tuple(order[i : i + size]) for i in range(0, len(order), size)]
 
 
-def _permutation(n: int, seed: int) -> list[int]:
+def permutation(n: int, seed: int) -> list[int]:
     return torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 def standard(s: Setting) -> Schedule:
-    order = _permutation(len(s.lengths), s.seed)
-    return deal_round_robin(_chunks(order, fixed_batch(s.lengths, s.token_budget)), s.world_size)
+    order = permutation(len(s.lengths), s.seed)
+    return deal_round_robin(chunks(order, fixed_batch(s.lengths, s.token_budget)), s.world_size)
 
 
 def sorted_batches(s: Setting) -> Schedule:
     order = sorted(range(len(s.lengths)), key=lambda i: (-s.lengths[i], i))
-    batches = _chunks(order, fixed_batch(s.lengths, s.token_budget))
+    batches = chunks(order, fixed_batch(s.lengths, s.token_budget))
     random.Random(s.seed).shuffle(batches)
     return deal_round_robin(batches, s.world_size)
 
@@ -82,7 +82,7 @@ def group_by_length(s: Setting) -> Schedule:
     batch = fixed_batch(s.lengths, s.token_budget)
     sampler = LengthGroupedSampler(batch, lengths=list(s.lengths),
                                    generator=torch.Generator().manual_seed(s.seed))
-    return deal_round_robin(_chunks(list(iter(sampler)), batch), s.world_size)
+    return deal_round_robin(chunks(list(iter(sampler)), batch), s.world_size)
 
 
 def hf_batch_rebalance(s: Setting) -> Schedule | Unavailable:
@@ -157,7 +157,7 @@ def deepspeed(order: str) -> Callable[[Setting], Schedule | Unavailable]:
 
 # -- packing, oracle, ODB ----------------------------------------------------------------------------------------
 def packing(s: Setting) -> Schedule:
-    order = [(i, s.lengths[i]) for i in _permutation(len(s.lengths), s.seed)]
+    order = [(i, s.lengths[i]) for i in permutation(len(s.lengths), s.seed)]
     return deal_round_robin(next_fit_tokens(order, s.token_budget), s.world_size)
 
 

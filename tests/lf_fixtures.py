@@ -11,6 +11,9 @@ import json
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+import chat_data  # noqa: E402  (benchmarks/chat_data.py: the one ChitChat reader)
+
 VOCAB = 1000
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
@@ -19,9 +22,6 @@ CHAT_TEMPLATE = ("{% for message in messages %}<|im_start|>{{ message['role'] }}
 
 def conversations(limit: int, skip: int = 0) -> list[list[str]]:
     """Real human-to-human conversations (one string per turn) with at least two turns."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-    import chat_data  # benchmarks/chat_data.py: the one ChitChat reader
-
     return chat_data.turn_texts(2, skip + limit)[skip:]
 
 

@@ -1,5 +1,6 @@
 """The MM-Mix-like VLM benchmark (benchmarks/mm_bench.py) on a small sample: every method reported, ODB inside both
-limits and near the oracle, the reference release (where benchmarks/.venv-ref exists) blind to the patch cap."""
+limits and near the oracle and ahead of the reference release (where benchmarks/.venv-ref exists) under the same
+patch cap, and the release over the cap when left at its default (no cap)."""
 
 from __future__ import annotations
 
