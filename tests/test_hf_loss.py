@@ -82,7 +82,9 @@ def test_token_loss_scale_reproduces_the_global_token_mean_under_averaging(chat_
             for n, p in model.named_parameters():
                 total[n] += p.grad / 2  # DDP averages the two ranks
     reference = hf_support.reference_gradient(model, samples)
-    assert hf_support.max_relative_error(total, reference) <= 1e-9  # float64 end to end (padding reorders sums)
+    # Not float64 end to end: LlamaRMSNorm computes in float32 whatever the model dtype, so batch shapes that change
+    # the BLAS summation order (micro-batches vs one big batch) move results by ~1e-8 relative on some CPUs.
+    assert hf_support.max_relative_error(total, reference) <= TOLERANCE
 
 
 def test_idle_and_empty_steps_give_zero_loss_not_nan():
