@@ -16,7 +16,7 @@ every old rank's state, taken after the same step: `merge_states` checks that an
 
 A run at a different world size W' then continues the same epoch on the *remainder*: the old ranks' remaining
 lists interleaved round-robin in old-rank order (which restores the global shuffled order of the unread
-stream), dealt to new rank r' at positions r', r' + W', ... (`remainder_indices`). Each remaining index is
+stream), dealt to new rank r' at positions r', r' + W', ... (`RemainderSource.indices`). Each remaining index is
 dealt to exactly one new rank, so with join=True the epoch emits every index exactly once in total (old steps
 plus new steps); only the order differs from an uninterrupted run. Step numbers continue from the old run's
 consumed step count (so gradient-accumulation windows stay aligned) and the next epoch uses the normal sampler
@@ -34,68 +34,44 @@ Costs: the state holds O(window) ints per rank; an elastic load recomputes every
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-from odb_core.sources import ShardedSampler
+from odb_core.state import (MERGED_FORMAT, RECOMPUTABLE, STATE_VERSION, ElasticResumeError, LoaderIdentity,
+                            LoaderState, RemainderPart, RemainderSource, ShardedSource, StateError)
 
-MERGED_FORMAT = "merged"
-
-
-class ElasticResumeError(ValueError):
-    """A saved state cannot be continued at this world size without losing or repeating samples."""
+__all__ = ["ElasticResumeError", "MergedState", "merge_states", "remainder_plan"]
 
 
-def sharded_source(size: int, shuffle: bool, seed: int, world_size: int) -> dict[str, Any]:
-    """Descriptor of ODB's own `ShardedSampler` order (any rank, any epoch)."""
-    return {"kind": "sharded", "size": size, "shuffle": shuffle, "seed": seed, "world_size": world_size}
+@dataclass(frozen=True, slots=True)
+class MergedState:
+    """Every rank's state of one run, taken after the same step, in rank order (what `merge_states` returns)."""
+
+    world_size: int
+    states: tuple[LoaderState, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"version": STATE_VERSION, "format": MERGED_FORMAT, "world_size": self.world_size,
+                "states": [s.to_dict() for s in self.states]}
+
+    @classmethod
+    def from_dict(cls, merged: Mapping[str, Any]) -> MergedState:
+        """Re-validated (it may have been edited or truncated on disk)."""
+        unexpected = set(merged) - {"version", "format", "world_size", "states"}
+        if unexpected:
+            raise StateError(f"unexpected keys in merged loader state: {sorted(unexpected)}")
+        if not isinstance(merged.get("states"), list):
+            raise StateError("a merged loader state needs a 'states' list (from merge_states())")
+        again = _merge([LoaderState.from_dict(s) for s in merged["states"]])
+        if again.world_size != merged.get("world_size"):
+            raise ElasticResumeError(f"merged state says world_size={merged.get('world_size')} but holds states of "
+                                     f"a world of size {again.world_size}")
+        return again
 
 
-def source_indices(source: dict[str, Any], rank: int, epoch: int) -> list[int]:
-    """Rank `rank`'s index order for `epoch` under a source descriptor (sharded or remainder)."""
-    kind = source["kind"]
-    if kind == "sharded":
-        sampler = ShardedSampler(source["size"], rank=rank, world_size=source["world_size"],
-                                 shuffle=source["shuffle"], seed=source["seed"])
-        return sampler.with_epoch(epoch)
-    if kind == "remainder":
-        return remainder_indices(source, rank, epoch)
-    raise ElasticResumeError(f"an index source of kind {kind!r} cannot be recomputed for another rank; elastic "
-                             "resume needs a map-style dataset and ODB's own sampler")
-
-
-def remaining_of(part: dict[str, Any], epoch: int) -> list[int]:
-    """What one old rank had not emitted yet: buffer + unread source - emitted in the current round."""
-    pool = list(part["buffer"]) + source_indices(part["source"], part["rank"], epoch)[part["consumed"]:]
-    emitted = Counter(part["emitted"])
-    remaining = []
-    for index in pool:
-        if emitted[index] > 0:
-            emitted[index] -= 1
-        else:
-            remaining.append(index)
-    if +emitted:
-        raise ElasticResumeError(f"state of rank {part['rank']} is inconsistent: it emitted indices "
-                                 f"{sorted(+emitted)[:8]} that were neither buffered nor unread")
-    return remaining
-
-
-def remainder_indices(source: dict[str, Any], rank: int, epoch: int) -> list[int]:
-    """New rank `rank`'s share of a remainder: old ranks' remaining lists interleaved, dealt round-robin."""
-    lists = [remaining_of(part, epoch) for part in source["parts"]]
-    merged = [lst[k] for k in range(max(map(len, lists), default=0)) for lst in lists if k < len(lst)]
-    return merged[rank :: source["world_size"]]
-
-
-def progress(state: dict[str, Any]) -> tuple[int, int]:
-    """(epoch, steps consumed) of a rank state; a completed epoch counts as step 0 of the next one."""
-    position = state.get("position")
-    if position is None:
-        first = (state.get("plan") or {}).get("first_step", 0)
-        return int(state["epoch"]), int(first)
-    if position.get("epoch_complete", False):
-        return int(state["epoch"]) + 1, 0
-    return int(state["epoch"]), int(position["steps_consumed"])
+def is_merged(state: Any) -> bool:
+    return isinstance(state, Mapping) and state.get("format") == MERGED_FORMAT
 
 
 def merge_states(states: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -107,33 +83,40 @@ def merge_states(states: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """
     if not states:
         raise ElasticResumeError("merge_states() needs every rank's state; got none")
-    states = [dict(s) for s in states]
+    typed = []
     for s in states:
-        if s.get("format") == MERGED_FORMAT:
+        if is_merged(s):
             raise ElasticResumeError("merge_states() takes per-rank states, not an already merged state")
-        if s.get("version") != 2:
-            raise ElasticResumeError(f"a rank state has version {s.get('version')!r}; elastic resume needs "
-                                     "version 2 states (saved by this release)")
-    world_size = states[0]["world_size"]
+        if not isinstance(s, Mapping) or s.get("version") != STATE_VERSION:
+            version = s.get("version") if isinstance(s, Mapping) else None
+            raise ElasticResumeError(f"a rank state has version {version!r}; elastic resume needs "
+                                     f"version {STATE_VERSION} states (saved by this release)")
+        typed.append(LoaderState.from_dict(s))
+    return _merge(typed).to_dict()
+
+
+def _merge(states: list[LoaderState]) -> MergedState:
+    world_size = states[0].world_size
     _check_ranks(states, world_size)
-    states.sort(key=lambda s: s["rank"])
-    for key in ("config", "sampler", "world_size"):
-        values = [s[key] for s in states]
+    states = sorted(states, key=lambda s: s.rank)
+    for key, value in (("config", lambda s: dict(s.config)), ("sampler", lambda s: s.source),
+                       ("world_size", lambda s: s.world_size)):
+        values = [value(s) for s in states]
         if any(v != values[0] for v in values):
             raise ElasticResumeError(f"rank states disagree on {key}: {values}; they are not from the same run")
-    where = [progress(s) for s in states]
+    where = [s.progress() for s in states]
     if len(set(where)) != 1:
         raise ElasticResumeError("rank states were taken after different steps (epoch, step per rank: "
                                  f"{where}); save every rank's state after the same step")
-    plans = [s.get("plan") for s in states if progress(s)[0] == s["epoch"]]  # not yet past a finished epoch
+    plans = [s.plan for s in states if s.progress()[0] == s.epoch]  # not yet past a finished epoch
     if any(plan != plans[0] for plan in plans):
         raise ElasticResumeError("rank states disagree on the remainder of their epoch (plan); they are not from "
                                  "the same run")
-    return {"version": 2, "format": MERGED_FORMAT, "world_size": world_size, "states": states}
+    return MergedState(world_size=world_size, states=tuple(states))
 
 
-def _check_ranks(states: Sequence[dict[str, Any]], world_size: int) -> None:
-    ranks = [s["rank"] for s in states]
+def _check_ranks(states: Sequence[LoaderState], world_size: int) -> None:
+    ranks = [s.rank for s in states]
     missing = sorted(set(range(world_size)) - set(ranks))
     duplicate = sorted(r for r, n in Counter(ranks).items() if n > 1)
     extra = sorted(set(ranks) - set(range(world_size)))
@@ -142,59 +125,52 @@ def _check_ranks(states: Sequence[dict[str, Any]], world_size: int) -> None:
                                  f"once each; missing {missing}, duplicated {duplicate}, out of range {extra}")
 
 
-def check_merged(merged: dict[str, Any]) -> list[dict[str, Any]]:
-    """The rank states of a merged state, re-validated (it may have been edited or truncated on disk)."""
-    unexpected = set(merged) - {"version", "format", "world_size", "states"}
-    if unexpected:
-        raise ValueError(f"unexpected keys in merged loader state: {sorted(unexpected)}")
-    again = merge_states(merged["states"])
-    if again["world_size"] != merged["world_size"]:
-        raise ElasticResumeError(f"merged state says world_size={merged['world_size']} but holds states of a world "
-                                 f"of size {again['world_size']}")
-    return again["states"]
+def check_elastic(merged: MergedState, loader: LoaderIdentity) -> None:
+    """Refuse a merged state that another world size cannot continue: other config, dataset, or source kind."""
+    first = merged.states[0]
+    if dict(first.config) != dict(loader.config):
+        raise ValueError(f"loader states were saved with config={dict(first.config)!r} but this loader has "
+                         f"{dict(loader.config)!r}; resume needs the same batching config")
+    saved, mine = first.source, loader.source
+    change = f"from world size {merged.world_size} to {loader.world_size}"
+    if not isinstance(saved, ShardedSource) or not isinstance(mine, ShardedSource):
+        raise ElasticResumeError(
+            f"cannot resume {change}: the saved run read {saved.describe() if saved else 'an unknown source'} and "
+            f"this loader reads {mine.describe()}; only a map-style dataset with ODB's own sampler (no sampler= "
+            f"argument) has a per-rank order that can be recomputed at another world size. Resume at world size "
+            f"{merged.world_size}")
+    if (saved.size, saved.shuffle, saved.seed) != (mine.size, mine.shuffle, mine.seed):
+        raise ElasticResumeError(f"cannot resume {change}: it needs the same dataset and shuffle; the saved run "
+                                 f"read {saved.describe()}, this loader {mine.describe()}")
 
 
-def remainder_plan(states: Sequence[dict[str, Any]], new_world_size: int) -> dict[str, Any] | None:
+def remainder_plan(states: Sequence[LoaderState], new_world_size: int) -> RemainderSource | None:
     """The remainder descriptor continuing the old ranks' epoch at `new_world_size`, or None when the epoch
     is untouched or complete (the next `iter()` then runs a normal epoch at the new world size)."""
     first = states[0]
-    position = first["position"]
-    if position is None and first.get("plan") is None:
+    position = first.position
+    if (position is None and first.plan is None) or (position is not None and position.complete):
         return None
-    if position is not None and position.get("epoch_complete", False):
-        return None
-    accumulation = first["config"]["accumulation_steps"]
-    epoch, step = progress(first)
+    accumulation = first.config["accumulation_steps"]
+    epoch, step = first.progress()
     if step % accumulation:
         raise ElasticResumeError(f"the states were saved after step {step} of epoch {epoch}, inside a gradient-"
                                  f"accumulation window of {accumulation} steps; an elastic resume regroups the "
                                  "remaining samples, so save at an optimizer-step boundary")
-    parts = [_part(s) for s in states]
-    first_round = position["start"]["round"] + 1 if position is not None else first["plan"]["first_round"]
-    return {"kind": "remainder", "world_size": new_world_size, "first_step": step, "first_round": first_round,
-            "parts": parts}
+    first_round = position.point.start.round + 1 if position is not None else first.plan.first_round
+    return RemainderSource(world_size=new_world_size, first_step=step, first_round=first_round,
+                           parts=tuple(_part(s) for s in states))
 
 
-def _part(state: dict[str, Any]) -> dict[str, Any]:
-    source = state["plan"] if state.get("plan") is not None else state["sampler"]
-    if source.get("kind") not in ("sharded", "remainder"):
-        raise ElasticResumeError(f"rank {state['rank']} read its samples from {describe_source(source)}, whose "
-                                 "per-rank order cannot be recomputed at another world size; elastic resume needs a "
+def _part(state: LoaderState) -> RemainderPart:
+    source = state.plan if state.plan is not None else state.source
+    if not isinstance(source, RECOMPUTABLE):
+        raise ElasticResumeError(f"rank {state.rank} read its samples from {source.describe()}, whose per-rank "
+                                 "order cannot be recomputed at another world size; elastic resume needs a "
                                  "map-style dataset with ODB's own sampler (no sampler= argument). Resume at "
-                                 f"world size {state['world_size']} instead (exact)")
-    position = state["position"]
-    if position is None:
-        return {"rank": state["rank"], "source": source, "consumed": 0, "buffer": [], "emitted": []}
-    return {"rank": state["rank"], "source": source, "consumed": position["start"]["consumed"],
-            "buffer": list(position["start"]["buffer"]), "emitted": list(position["round_emitted"])}
-
-
-def describe_source(source: dict[str, Any]) -> str:
-    """A source descriptor in words, for error messages."""
-    if source.get("kind") == "sharded":
-        return f"ODB's own sampler over {source.get('size')} samples (shuffle={source.get('shuffle')})"
-    if source.get("kind") == "stream":
-        return "an IterableDataset stream"
-    if source.get("kind") == "custom":
-        return f"a user sampler ({source.get('type')})"
-    return f"a source of kind {source.get('kind')!r}"
+                                 f"world size {state.world_size} instead (exact)")
+    if state.position is None:
+        return RemainderPart(rank=state.rank, source=source, consumed=0, buffer=(), emitted=())
+    start = state.position.point.start
+    return RemainderPart(rank=state.rank, source=source, consumed=start.consumed, buffer=start.buffer,
+                         emitted=state.position.point.round_emitted)

@@ -14,6 +14,7 @@ from odb_core.alignment import Slot
 from odb_core.budget import Item
 from odb_core.config import ODBConfig
 from odb_core.engine import RankEngine
+from odb_core.step_info import STEP_SUM_FIELDS
 from odb_core.termination import STATE_FIELDS
 
 
@@ -71,7 +72,7 @@ def simulate_epoch(streams: Sequence[Sequence[Item]], config: ODBConfig, epoch: 
         plan.rounds += 1
         plan.targets.append(decision.target)
         plan.gathered_ints += world * world * STATE_FIELDS
-        plan.reduced_ints += world * decision.target * 5
+        plan.reduced_ints += world * decision.target * STEP_SUM_FIELDS
     for rank, engine in enumerate(engines):
         plan.not_emitted[rank] = [it.index for it in engine.items] + [it.index for it in streams[rank][cursors[rank]:]]
         plan.oversize += engine.oversize

@@ -6,6 +6,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+# Per step, one all_reduce sums these over ranks: samples, supervised tokens, input tokens, cost, cost^2, patches.
+STEP_SUM_FIELDS = 6
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StepInfo:

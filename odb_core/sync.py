@@ -3,7 +3,7 @@
 A `Transport` moves small int64 vectors between ranks with two collectives, always called in the same order on
 every rank (see NOTE [ Rounds and termination ]):
   * `all_gather(values)` once per round: each rank's `RankState` (5 ints), O(W) ints per rank;
-  * `all_reduce_sum(values)` once per round: 5 ints per step of the round, O(T) ints.
+  * `all_reduce_sum(values)` once per round: 6 ints per step of the round (`STEP_SUM_FIELDS`), O(T) ints.
 Three implementations: `LocalTransport` (one process), `GlooTransport` (a dedicated Gloo group, created
 collectively on the main thread with a timeout, isolated from the model's process group) and `VirtualTransport`
 (W ranks as threads of one process, for tests and simulation of the full loader).

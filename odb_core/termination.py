@@ -22,7 +22,7 @@ from every active rank. A rank whose stream ended is *closing*: all its buffered
 
 Bound: with n_r samples on rank r, an epoch takes at most max_r(n_r) + 1 rounds (each round before the last one
 consumes a sample from every active rank). Each round costs one all_gather of 5 int64 per rank and one
-all_reduce of 5 int64 per step.
+all_reduce of 6 int64 per step.
 """
 
 from __future__ import annotations

@@ -161,11 +161,9 @@ def test_dataset_error_names_the_index_and_keeps_the_original(num_workers, prefe
     assert "load_broken_record" in rendered
 
 
-# Proposed fix (odb_core/pipeline.py): give `EpochRun` a `close()` that drops `self.chunks` (the BackgroundIterator
-# already calls `source.close()` when its producer ends, and `_EpochIterator.close()` calls it inline), and in
-# `_fill` wrap `next(self.chunks, None)` in `except BaseException as exc: traceback.clear_frames(exc.__traceback__);
-# self.close(); raise`. Without it the DataLoader iterator is freed only by the cyclic GC, whose `__del__` waits
-# 5 s per worker before terminating it.
+# How workers exit promptly (odb_core/reader.py): when fetching a chunk raises, `SampleReader` clears the exception's
+# frames and drops the DataLoader iterator at once; otherwise it is freed only by the cyclic GC, whose `__del__`
+# waits 5 s per worker before terminating it.
 
 @pytest.mark.parametrize("failure", ["dataset_error", "sample_error"])
 def test_worker_processes_exit_promptly_after_an_error(failure):

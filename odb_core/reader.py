@@ -1,0 +1,116 @@
+"""Reading one epoch's samples into the window: the stream cursor, the payloads of buffered samples, the IDLE dummy.
+
+`SampleReader` is the part of an epoch that touches samples; the planning only sees `Item`s. It admits every
+sample it reads to the engine's window (checked by `inspect_sample`, which names the index of a bad sample),
+keeps the payload by dataset index until its group is collated, and picks the sample IDLE steps are built from.
+"""
+
+from __future__ import annotations
+
+import traceback
+from collections import defaultdict, deque
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from odb_core.engine import RankEngine
+from odb_core.sample import LengthFn, count_patches, inspect_sample
+from odb_core.sources import unpack_sample
+from odb_core.state import RoundStart
+from odb_core.stream import Chunk
+
+
+@dataclass(slots=True)
+class Payloads:
+    """Buffered sample payloads by dataset index (a multiset: samplers may repeat an index)."""
+
+    by_index: defaultdict[int, deque[Any]] = field(default_factory=lambda: defaultdict(deque))
+
+    def put(self, index: int, sample: Any) -> None:
+        self.by_index[index].append(sample)
+
+    def take(self, index: int) -> Any:
+        queue = self.by_index[index]
+        sample = queue.popleft()
+        if not queue:
+            del self.by_index[index]
+        return sample
+
+
+class SampleReader:
+    """This rank's stream of one epoch, read into a `RankEngine`'s window.
+
+    `consumed` counts the samples admitted so far (the resume offset included); `pending` holds samples of the
+    last fetched chunk that the window had no room for."""
+
+    def __init__(self, chunks: Iterator[Chunk], length_fn: LengthFn | None,
+                 fallback_dummy: Callable[[], Mapping[str, Any]]) -> None:
+        self.chunks, self.length_fn, self.fallback_dummy = chunks, length_fn, fallback_dummy
+        self.pending: deque[tuple[int, Any]] = deque()
+        self.payloads = Payloads()
+        self.stream_ended = False
+        self.consumed = 0
+        self.dummy_index: int | None = None
+        self.dummy: Mapping[str, Any] | None = None
+        self.dummy_patches = 0
+
+    def restore(self, start: RoundStart, engine: RankEngine, fetch: Callable[[int], Mapping[str, Any]]) -> None:
+        """Re-fetch the samples buffered at `start` (and the dummy) by index, as the saved round began."""
+        self.consumed = start.consumed
+        for index in start.buffer:
+            sample = fetch(index)
+            engine.admit(inspect_sample(index, sample, self.length_fn))
+            self.payloads.put(index, sample)
+        if start.dummy_index is not None:
+            self.dummy_index, self.dummy = start.dummy_index, fetch(start.dummy_index)
+            self.dummy_patches = count_patches(self.dummy)
+
+    def fill(self, engine: RankEngine) -> bool:
+        """Top the window up; returns whether this rank is still active (its stream may hold more)."""
+        while engine.space() > 0:
+            if not self.pending:
+                chunk = self._next_chunk()
+                if chunk is None:
+                    self.stream_ended = True
+                    return False
+                self.pending.extend(chunk)
+            index, sample = self.pending.popleft()
+            sample = unpack_sample(sample)
+            item = inspect_sample(index, sample, self.length_fn)
+            engine.admit(item)
+            self.payloads.put(index, sample)
+            self.consumed += 1
+            self._offer_dummy(index, sample, item.patches)
+        return not (self.stream_ended and not self.pending)
+
+    def _next_chunk(self) -> Chunk | None:
+        try:
+            return next(self.chunks, None)
+        except BaseException as exc:
+            # Free the worker iterator now (not at the next GC), so its processes exit at once.
+            traceback.clear_frames(exc.__traceback__)
+            self.close()
+            raise
+
+    def _offer_dummy(self, index: int, sample: Mapping[str, Any], patches: int) -> None:
+        """NOTE [ IDLE dummy ] The dummy is the first sample this rank read, replaced once by the first one with
+        vision patches: a VLM's IDLE step then runs the vision tower too, as every real step does, so sharded
+        engines (ZeRO-3, FSDP) that gather the vision parameters see the same collectives on every rank. The
+        choice depends only on the stream order, and `RoundStart.dummy_index` records it for resume."""
+        if self.dummy is None or (patches > 0 and self.dummy_patches == 0):
+            self.dummy_index, self.dummy, self.dummy_patches = index, sample, patches
+
+    def take(self, index: int) -> Any:
+        return self.payloads.take(index)
+
+    def dummy_sample(self) -> Mapping[str, Any]:
+        if self.dummy is None:
+            self.dummy = self.fallback_dummy()
+        return self.dummy
+
+    def pending_indices(self) -> list[int]:
+        return [index for index, _ in self.pending]
+
+    def close(self) -> None:
+        """Release the worker iterator (and with it the worker processes); called on errors and on shutdown."""
+        self.chunks = iter(())

@@ -1,0 +1,72 @@
+"""The typed pieces behind the loader's state: `LoaderState` round trips the saved JSON layout and names a bad
+field; `AccumulationWindow` releases whole optimizer steps with their exact token count; `RoundLog` answers the
+position after a consumed step."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from odb_core.accumulation import AccumulationWindow
+from odb_core.round_log import RoundLog
+from odb_core.state import LoaderState, RoundStart, StateError
+from odb_core.step_info import StepInfo
+
+V2_STATES = json.loads((Path(__file__).parent / "data" / "v2_states.json").read_text())
+
+
+def _info(step: int, round_: int, tokens: int, indices=(1,)) -> StepInfo:
+    return StepInfo(epoch=0, step=step, round=round_, indices=tuple(indices), is_idle=not indices, local_samples=1,
+                    global_samples=2, local_tokens=tokens, global_tokens=tokens, local_input_tokens=tokens,
+                    global_input_tokens=tokens, padded_tokens=tokens, cost=float(tokens), rank_imbalance=0.0,
+                    window_tokens=-1)
+
+
+@pytest.mark.parametrize("name", sorted(V2_STATES))
+def test_saved_states_round_trip_through_the_typed_state(name):
+    for state in V2_STATES[name]:
+        assert LoaderState.from_dict(state).to_dict() == state
+
+
+def test_a_truncated_or_mistyped_state_is_refused_with_the_field_named():
+    state = V2_STATES["w2_resume_mid_round"][0]
+    with pytest.raises(StateError, match="no 'epoch'"):
+        LoaderState.from_dict({k: v for k, v in state.items() if k != "epoch"})
+    with pytest.raises(StateError, match=r"position\.start\.buffer"):
+        LoaderState.from_dict({**state, "position": {**state["position"], "start": {
+            **state["position"]["start"], "buffer": ["7"]}}})
+    with pytest.raises(StateError, match="state.rank"):
+        LoaderState.from_dict({**state, "rank": True})
+    with pytest.raises(StateError, match="must be a dict"):
+        LoaderState.from_dict([state])
+
+
+def test_the_accumulation_window_releases_whole_steps_with_their_token_total():
+    window: AccumulationWindow[str] = AccumulationWindow(3)
+    assert window.stage("a", _info(0, 0, 5)) == []
+    assert window.stage("b", _info(1, 0, 7)) == []
+    released = window.stage("c", _info(2, 1, 11))
+    assert [p for p, _ in released] == ["a", "b", "c"] and {i.window_tokens for _, i in released} == {23}
+    assert window.open_count == 0
+    window.restore(2, 12)  # a resumed round inside a window: two earlier steps of 12 tokens, not replayed
+    [(payload, info)] = window.stage("d", _info(3, 2, 4))
+    assert payload == "d" and info.window_tokens == 16
+
+
+def test_the_round_log_points_at_the_round_of_the_last_consumed_step():
+    log = RoundLog(None)
+    start0 = RoundStart(round=0, steps_done=0, consumed=0, buffer=(), carry_count=0, carry_tokens=0, dummy_index=None)
+    log.begin_round(start0, {"steps": 0})
+    start1 = replace(start0, round=1, steps_done=2, consumed=8, buffer=(3, 4))
+    log.begin_round(start1, {"steps": 2})
+    log.consume(_info(0, 0, 5, indices=(9,)))
+    log.consume(_info(1, 0, 5, indices=(8,)))
+    assert log.position.point.start == start0 and log.position.point.round_emitted == (9, 8)
+    log.end_epoch(3, {"steps": 3})
+    log.consume(_info(2, 1, 5, indices=(3,)))
+    position = log.position
+    assert position.point.start == start1 and position.point.steps_consumed == 3
+    assert position.point.round_emitted == (3,) and position.complete and position.metrics == {"steps": 3}
