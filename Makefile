@@ -25,10 +25,10 @@ test: venv
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests
 
 demo: venv
-	$(BIN)/python benchmarks/demo.py
+	$(BIN)/python -m benchmarks.demo
 
 bench: venv
-	$(BIN)/python benchmarks/utilization.py
+	$(BIN)/python -m benchmarks.utilization
 
 clean:
 	rm -rf $(VENV)

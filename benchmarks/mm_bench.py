@@ -1,11 +1,11 @@
 """MM-Mix-like VLM benchmark: budget and patch utilization, and CPU training throughput at W = 2.
 
-    python benchmarks/mm_bench.py                                     # both parts (about 3 minutes, 2 cores)
-    python benchmarks/mm_bench.py --parts quality --samples 600 --worlds 1,2 --no-reference   # a quick look
+    python -m benchmarks.mm_bench                                     # both parts (about 3 minutes, 2 cores)
+    python -m benchmarks.mm_bench --parts quality --samples 600 --worlds 1,2 --no-reference   # a quick look
 
-The samples are real processed VLM samples from benchmarks/mm_mix.py (chat template, `Qwen2VLImageProcessorPil`,
-image-token expansion). What every batching method sees of a sample is what ODB observes after the pipeline:
-its token count (text + visual tokens) and its vision-patch rows.
+The samples are real processed VLM samples from benchmarks/data/mm_mix.py (chat template,
+`Qwen2VLImageProcessorPil`, image-token expansion). What every batching method sees of a sample is what ODB observes
+after the pipeline: its token count (text + visual tokens) and its vision-patch rows.
 
 Parts:
   quality   every method's schedule of one epoch on W ranks from the observed (tokens, patches) of `--samples`
@@ -13,8 +13,8 @@ Parts:
             patch utilization (patch rows / (steps x W x max_patches)), binding-limit utilization (per slot,
             the larger of the two shares), padding, steps, dropped samples and patch-cap violations (groups of
             two or more samples above `max_patches`). Deterministic.
-  training  the HF Trainer on 2 CPU gloo ranks (benchmarks/mm_train_worker.py under torchrun) trains the tiny
-            Qwen2-VL on the same processed samples, once per method and repeat, methods alternating; the
+  training  the HF Trainer on 2 CPU gloo ranks (benchmarks/workers/mm_train_worker.py under torchrun) trains the
+            tiny Qwen2-VL on the same processed samples, once per method and repeat, methods alternating; the
             samples are processed once before the launch, so the timed region is training only.
 Methods: Standard (the largest fixed batch that fits the longest sample under both limits, shuffled, padded),
 ODB (`odb_core.simulate.simulate_epoch`, default settings with `max_patches`; the HF run uses `ODBCallback`), the
@@ -45,22 +45,17 @@ from pathlib import Path
 import numpy as np
 import torch
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-sys.path.insert(0, str(HERE))
+from benchmarks import CACHE, REPO_ROOT, RESULTS
+from benchmarks.comparison import peers
+from benchmarks.comparison.schedule import CostModel, Schedule, deal_round_robin, measure
+from benchmarks.data import mm_mix
+from benchmarks.reference import reference_release
+from odb_core.budget import Item, build_budget
+from odb_core.cli import shard
+from odb_core.config import ODBConfig
+from odb_core.grouping import oracle_groups
+from odb_core.simulate import simulate_epoch
 
-import mm_mix  # noqa: E402
-import peers  # noqa: E402
-import reference_release  # noqa: E402
-from schedule import CostModel, Schedule, deal_round_robin, measure  # noqa: E402
-
-from odb_core.budget import Item, build_budget  # noqa: E402
-from odb_core.cli import shard  # noqa: E402
-from odb_core.config import ODBConfig  # noqa: E402
-from odb_core.grouping import oracle_groups  # noqa: E402
-from odb_core.simulate import simulate_epoch  # noqa: E402
-
-CACHE = HERE / ".cache"
 PARTS = ("quality", "training")
 # the release's runs: name -> (buffer_size, whether it is given the patch counts and max_patches)
 REFERENCE_RUNS = {"reference_default": (None, True), "reference_buffer512": (512, True),
@@ -184,7 +179,7 @@ def run_quality(facts: np.ndarray, worlds: Sequence[int], token_budget: int, max
 
 # -- training ----------------------------------------------------------------------------------------------------
 def run_training(args: argparse.Namespace, log: Callable[[str], None]) -> dict:
-    """Launch benchmarks/mm_train_worker.py on 2 gloo ranks; every method, `--train-repeats` times, alternating."""
+    """Launch `mm_train_worker` on 2 gloo ranks; every method, `--train-repeats` times, alternating."""
     with tempfile.TemporaryDirectory(prefix="mm_bench_") as tmp:
         work = Path(tmp)
         processor = work / "processor"
@@ -195,7 +190,7 @@ def run_training(args: argparse.Namespace, log: Callable[[str], None]) -> dict:
         facts = np.asarray(_facts_of(samples), dtype=np.int64)
         batch = fixed_batch(facts, args.token_budget, args.max_patches)
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                   str(HERE / "mm_train_worker.py"), "--processor", str(processor), "--out", str(work),
+                   "-m", "benchmarks.workers.mm_train_worker", "--processor", str(processor), "--out", str(work),
                    "--n-train", str(len(samples)), "--n-eval", str(args.train_eval_samples), "--epochs", "1",
                    "--token-budget", str(args.token_budget), "--max-patches", str(args.max_patches),
                    "--batch-size", str(batch), "--window", str(config(args.token_budget, args.max_patches).window),
@@ -211,9 +206,10 @@ def run_training(args: argparse.Namespace, log: Callable[[str], None]) -> dict:
                 replayed[name] = patch_measures(schedule, facts, args.token_budget, args.max_patches)
                 command += ["--replay", f"{name}={work / name}.json"]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-               "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+               "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
         log(f"  {len(samples)} samples, Standard B = {batch}, {args.train_repeats} repeats: {shlex.join(command[3:])}")
-        done = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=args.train_timeout)
+        done = subprocess.run(command, env=env, cwd=REPO_ROOT, capture_output=True, text=True,
+                              timeout=args.train_timeout)
         if done.returncode != 0:
             raise RuntimeError(f"mm_train_worker failed: {done.stdout[-2000:]}{done.stderr[-4000:]}")
         modes = ["std", "odb", *replayed]
@@ -284,7 +280,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--train-repeats", type=int, default=3)
     p.add_argument("--train-timeout", type=float, default=1800)
     p.add_argument("--hidden", type=int, default=64, help="hidden size of the trained model")
-    p.add_argument("--out", type=Path, default=HERE / "results")
+    p.add_argument("--out", type=Path, default=RESULTS)
     return p.parse_args(argv)
 
 
@@ -298,7 +294,7 @@ def main(argv: list[str] | None = None) -> dict:
         if missing is not None:
             raise SystemExit(f"reference release unavailable ({missing.reason}); pass --no-reference")
     given = argv if argv is not None else sys.argv[1:]
-    result: dict = {"command": ("python benchmarks/mm_bench.py " + shlex.join(given)).strip(),
+    result: dict = {"command": ("python -m benchmarks.mm_bench " + shlex.join(given)).strip(),
                     "token_budget": args.token_budget, "max_patches": args.max_patches}
     started = time.perf_counter()
     log = functools.partial(print, flush=True)

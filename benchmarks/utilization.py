@@ -7,25 +7,22 @@ real tokens / (W x max_r oracle_steps(rank r's lengths) x L_max).
 The W>1 runs use the real `ODBDataLoader` on W threads of one process with a `VirtualTransport` (the same round
 logic and collectives as Gloo) and a `DistributedSampler` for the even case.
 
-    python benchmarks/utilization.py [--json out.json]
+    python -m benchmarks.utilization [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 import threading
 from pathlib import Path
 
 from torch.utils.data import DistributedSampler
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from workloads import LengthsDataset, lognormal  # noqa: E402
-
-from odb_core import ODBConfig, ODBDataLoader, VirtualHub, VirtualTransport  # noqa: E402
-from odb_core.budget import Item, build_budget  # noqa: E402
-from odb_core.grouping import oracle_groups  # noqa: E402
+from benchmarks.data.workloads import LengthsDataset, lognormal
+from odb_core import ODBConfig, ODBDataLoader, VirtualHub, VirtualTransport
+from odb_core.budget import Item, build_budget
+from odb_core.grouping import oracle_groups
 
 L_MAX = 16384
 

@@ -9,14 +9,12 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
 
 import torch
 from transformers import TrainerCallback
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-import chat_data  # noqa: E402  (benchmarks/chat_data.py: the one ChitChat reader)
+from benchmarks.data import chat_data  # the one ChitChat reader
 
 VOCAB = 1024
 SPECIALS = ["<pad>", "<unk>", "<bos>", "<eos>", "<a>", "<b>"]

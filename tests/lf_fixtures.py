@@ -8,11 +8,9 @@ Built in the main test environment (transformers, tokenizers, chitchat_dataset) 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-import chat_data  # noqa: E402  (benchmarks/chat_data.py: the one ChitChat reader)
+from benchmarks.data import chat_data  # the one ChitChat reader
 
 VOCAB = 1000
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]

@@ -1,6 +1,6 @@
 """Offline LLaMA-Factory multimodal fixtures, and the run recorder that also checks what reached the vision model.
 
-Built in the main test environment (transformers, tokenizers, chitchat_dataset; benchmarks/mm_mix.py):
+Built in the main test environment (transformers, tokenizers, chitchat_dataset; benchmarks/data/mm_mix.py):
   * `build_model`: a tiny random Qwen2-VL (`mm_mix.tiny_qwen2_vl`) with a BPE vocabulary trained on real chitchat
     text and Qwen2-VL's vision special tokens, transformers' PIL image processor `Qwen2VLImageProcessorPil` (4..256
     visual tokens per image), and `Qwen2VLImageOnlyProcessor` as the folder's processor (NOTE below);
@@ -35,7 +35,6 @@ from odb_llamafactory.launcher import read_config, train
 
 from lf_train import Recorder
 
-ROOT = Path(__file__).resolve().parents[1]
 PROCESSOR_MODULE = '''"""Qwen2VLProcessor without its video processor (video processors need torchvision)."""
 
 from transformers import Qwen2VLProcessor
@@ -50,16 +49,10 @@ PROCESSOR_CONFIG = {"processor_class": "Qwen2VLImageOnlyProcessor",
 KINDS = ("thumb", "photo", "page", "receipt", "thumb", "chart", "photo")  # mm_mix.RESOLUTIONS kinds, cycled
 
 
-def _mm_mix():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import mm_mix
-
-    return mm_mix
-
-
 def build_model(folder: Path) -> None:
     """Tokenizer, image processor, image-only processor (NOTE above) and a tiny random Qwen2-VL in `folder`."""
-    mm_mix = _mm_mix()
+    from benchmarks.data import mm_mix  # here, not at the top: the recorder side runs in .venv-lf
+
     processor = mm_mix.build_processor(folder)
     mm_mix.tiny_qwen2_vl(processor.tokenizer).save_pretrained(folder)
     (folder / "processing_image_only.py").write_text(PROCESSOR_MODULE)
@@ -70,7 +63,8 @@ def build_dataset(folder: Path, n: int = 40, seed: int = 0) -> int:
     """`mm_chitchat` (sharegpt, `images` column) with `n` samples in `folder`; returns the number of images."""
     import numpy as np
 
-    mm_mix = _mm_mix()
+    from benchmarks.data import mm_mix
+
     rng = np.random.default_rng(seed)
     (folder / "images").mkdir(parents=True, exist_ok=True)
     records, n_images = [], 0

@@ -1,7 +1,8 @@
-"""The comparison harness (benchmarks/compare.py) on a small workload: every method reported, ODB near the oracle.
+"""The comparison harness (`python -m benchmarks.compare`) on a small workload: every method reported, ODB near the
+oracle.
 
-The reference release runs only where benchmarks/.venv-ref exists (bash benchmarks/setup_ref_env.sh); elsewhere
-its rows must say why they did not run, never vanish.
+The reference release runs only where benchmarks/.venv-ref exists (bash benchmarks/reference/setup_ref_env.sh);
+elsewhere its rows must say why they did not run, never vanish.
 """
 
 from __future__ import annotations
@@ -14,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.comparison import peers
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import peers  # noqa: E402
 
 REFERENCE_READY = (ROOT / "benchmarks" / ".venv-ref" / ".installed").exists()
 WORLDS = (1, 8)
@@ -25,7 +26,7 @@ WORLDS = (1, 8)
 @pytest.fixture(scope="module")
 def comparison(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("compare")
-    command = [sys.executable, str(ROOT / "benchmarks" / "compare.py"), "--parts", "quality", "--samples", "1500",
+    command = [sys.executable, "-m", "benchmarks.compare", "--parts", "quality", "--samples", "1500",
                "--worlds", ",".join(map(str, WORLDS)), "--no-real", "--workloads", "CV 0.5", "--out", str(out)]
     if not REFERENCE_READY:
         command.append("--no-reference")

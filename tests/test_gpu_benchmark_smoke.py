@@ -11,15 +11,14 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = ROOT / "benchmarks" / "gpu" / "train_throughput.py"
 
 
 @pytest.mark.timeout(120)
 def test_gpu_benchmark_cpu_smoke_writes_throughput_for_every_workload_and_method(tmp_path):
     out = tmp_path / "gpu_smoke.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    done = subprocess.run([sys.executable, str(SCRIPT), "--cpu-smoke", "--out", str(out)], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=110)
+    command = [sys.executable, "-m", "benchmarks.gpu.train_throughput", "--cpu-smoke", "--out", str(out)]
+    done = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=110)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     result = json.loads(out.read_text())
     runs = {(r["workload"], r["method"]): r for r in result["runs"]}

@@ -1,5 +1,6 @@
 """The HF Trainer on a VLM (tiny Qwen2-VL) on 2 CPU gloo ranks, ODB against Standard on the MM-Mix-like workload
-(benchmarks/mm_train_worker.py under torchrun): equal optimizer steps, loss going down, vision tower on every step."""
+(benchmarks/workers/mm_train_worker.py under torchrun): equal optimizer steps, loss going down, vision tower on every
+step."""
 
 from __future__ import annotations
 
@@ -12,13 +13,13 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.data import mm_mix
+
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import mm_mix  # noqa: E402
 
 
-# a schedule replayed as is (how mm_bench.py trains on the reference release's batches); rank 0 has one batch more
+# a schedule replayed as is (how mm_bench trains on the reference release's batches); rank 0 has one batch more
 FIXED_BATCHES = [[[0, 1], [2], [3, 4, 5]], [[6], [7, 8]]]
 
 
@@ -30,7 +31,7 @@ def runs(tmp_path_factory) -> Path:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               str(ROOT / "benchmarks" / "mm_train_worker.py"), "--processor", str(out / "processor"),
+               "-m", "benchmarks.workers.mm_train_worker", "--processor", str(out / "processor"),
                "--out", str(out), "--mode", "odb", "--mode", "std", "--replay", f"fixed={out / 'fixed.json'}",
                "--n-train", "48", "--epochs", "2"]
     result = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=420)

@@ -1,6 +1,6 @@
-"""The MM-Mix-like VLM benchmark (benchmarks/mm_bench.py) on a small sample: every method reported, ODB inside both
-limits and near the oracle and ahead of the reference release (where benchmarks/.venv-ref exists) under the same
-patch cap, and the release over the cap when left at its default (no cap)."""
+"""The MM-Mix-like VLM benchmark (`python -m benchmarks.mm_bench`) on a small sample: every method reported, ODB
+inside both limits and near the oracle and ahead of the reference release (where benchmarks/.venv-ref exists) under
+the same patch cap, and the release over the cap when left at its default (no cap)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ TOKEN_BUDGET, MAX_PATCHES = 2048, 4096
 @pytest.fixture(scope="module")
 def bench(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("mm_bench")
-    command = [sys.executable, str(ROOT / "benchmarks" / "mm_bench.py"), "--parts", "quality", "--samples", "400",
+    command = [sys.executable, "-m", "benchmarks.mm_bench", "--parts", "quality", "--samples", "400",
                "--worlds", ",".join(map(str, WORLDS)), "--token-budget", str(TOKEN_BUDGET), "--max-patches",
                str(MAX_PATCHES), "--out", str(out)]
     if not REFERENCE_READY:
@@ -56,7 +56,8 @@ def test_odb_keeps_both_limits_covers_every_sample_and_beats_standard(bench):
     assert table[(1, "odb")]["budget_utilization"] >= 0.95 * table[(1, "oracle")]["budget_utilization"]
 
 
-@pytest.mark.skipif(not REFERENCE_READY, reason="benchmarks/.venv-ref missing (bash benchmarks/setup_ref_env.sh)")
+@pytest.mark.skipif(not REFERENCE_READY,
+                    reason="benchmarks/.venv-ref missing (bash benchmarks/reference/setup_ref_env.sh)")
 def test_odb_beats_the_reference_release_under_the_same_patch_cap(bench):
     table = rows(bench)
     for world in WORLDS:

@@ -1,20 +1,15 @@
-"""VLM samples through the engine: the offline Qwen2-VL pipeline (benchmarks/mm_mix.py), the cost ODB observes
+"""VLM samples through the engine: the offline Qwen2-VL pipeline (benchmarks/data/mm_mix.py), the cost ODB observes
 (text + expanded visual tokens, patch rows), mixed text/image collation, and the patch cap with real workers."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
+from benchmarks.data import mm_mix
 from odb_core import ODBDataLoader
 from odb_core.collate import PadCollator
 from odb_core.sample import inspect_sample
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-import mm_mix  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
 """GPU training throughput and peak memory: Standard fixed batching against ODB, one script, one GPU.
 
-    python benchmarks/gpu/train_throughput.py                      # on a GPU: ~0.5B Qwen2-style model, bf16, SDPA
-    python benchmarks/gpu/train_throughput.py --cpu-smoke          # tiny model on CPU (the CI check)
+    python -m benchmarks.gpu.train_throughput                      # on a GPU: ~0.5B Qwen2-style model, bf16, SDPA
+    python -m benchmarks.gpu.train_throughput --cpu-smoke          # tiny model on CPU (the CI check)
 
 What it runs, for each workload (`sharegpt-like`: lognormal lengths CV 1.0, mean 1024, <= 8192; `mm-mix-like`:
 80% short (mean 384) + 20% long (mean 1536) with a tail to 8192; token ids are random, labels = inputs) and each
@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -30,13 +29,10 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent.parent
-sys.path[:0] = [str(ROOT), str(HERE.parent)]
-
-from odb_core import ODBDataLoader  # noqa: E402
-from odb_core.collate import PadCollator  # noqa: E402
-from workloads import bimodal, lognormal  # noqa: E402
+from benchmarks import RESULTS
+from benchmarks.data.workloads import bimodal, lognormal
+from odb_core import ODBDataLoader
+from odb_core.collate import PadCollator
 
 PAD = 0
 
@@ -186,7 +182,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     smoke = ns.cpu_smoke
     ns.warmup_steps = ns.warmup_steps if ns.warmup_steps is not None else (1 if smoke else 5)
     ns.max_seconds = ns.max_seconds if ns.max_seconds is not None else (20.0 if smoke else 75.0)
-    ns.out = ns.out or ROOT / "benchmarks" / "results" / ("gpu_smoke.json" if smoke else "gpu_throughput.json")
+    ns.out = ns.out or RESULTS / ("gpu_smoke.json" if smoke else "gpu_throughput.json")
     return ns
 
 
@@ -219,7 +215,7 @@ def main(argv: list[str] | None = None) -> dict:
             ratios[workload] = {"samples_per_s": by["odb"]["samples_per_s"] / by["standard"]["samples_per_s"],
                                 "tokens_per_s": by["odb"]["tokens_per_s"] / by["standard"]["tokens_per_s"]}
     n_params = sum(p.numel() for p in build_model(scale, torch.device("meta")).parameters())
-    result = {"command": "python benchmarks/gpu/train_throughput.py" + (" --cpu-smoke" if ns.cpu_smoke else ""),
+    result = {"command": "python -m benchmarks.gpu.train_throughput" + (" --cpu-smoke" if ns.cpu_smoke else ""),
               "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
               "torch": torch.__version__, "scale": asdict(scale), "parameters": n_params,
               "warmup_steps": ns.warmup_steps, "max_seconds": ns.max_seconds, "runs": runs,

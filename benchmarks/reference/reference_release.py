@@ -1,11 +1,12 @@
 """The reference release (`online-dynamic-batching` on PyPI) as a peer, run in its own environment.
 
 The release is never installed into the project's .venv: `setup_ref_env.sh` puts it (with torch pinned to the
-project's CPU build) into benchmarks/.venv-ref, and `ref_driver.py` runs there, driving the release's own
-`grouping_data` on the same per-rank streams as ODB. This module is the .venv side: it sends lengths and streams
-as JSON and turns the answer into a `Schedule`.
+project's CPU build) into benchmarks/.venv-ref, and `ref_driver` runs there (`python -m
+benchmarks.reference.ref_driver` from the repository root), driving the release's own `grouping_data` on the same
+per-rank streams as ODB. This module is the .venv side: it sends lengths and streams as JSON and turns the answer
+into a `Schedule`.
 
-    python benchmarks/reference_release.py --validate   # the driver against the release's real ODBDataLoader
+    python -m benchmarks.reference.reference_release --validate   # the driver against the release's real loader
 """
 
 from __future__ import annotations
@@ -19,26 +20,25 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+from benchmarks import REF_VENV, REPO_ROOT, RESULTS
+from benchmarks.comparison.peers import Setting, Unavailable
+from benchmarks.comparison.schedule import Schedule
+from odb_core.cli import shard
 
-from odb_core.cli import shard  # noqa: E402
-from peers import Setting, Unavailable  # noqa: E402
-from schedule import Schedule  # noqa: E402
-
-VENV_PYTHON = HERE / ".venv-ref" / "bin" / "python"
-SETUP = HERE / "setup_ref_env.sh"
-DRIVER = HERE / "ref_driver.py"
+VENV_PYTHON = REF_VENV / "bin" / "python"
+SETUP = Path(__file__).resolve().parent / "setup_ref_env.sh"
+# run with cwd = REPO_ROOT, which `-m` puts on .venv-ref's path (no PYTHONPATH: see CLEAN_ENV and ref_driver)
+DRIVER_COMMAND = [str(VENV_PYTHON), "-m", "benchmarks.reference.ref_driver"]
 # a clean environment: nothing of the caller's .venv (PYTHONPATH, VIRTUAL_ENV) may leak into .venv-ref
 CLEAN_ENV = {"OMP_NUM_THREADS": "1", "PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": os.environ.get("HOME", "/tmp")}
 
 
 def ensure_env(create: bool) -> Unavailable | None:
     """None when the reference environment is ready (creating it if `create`), else why it is not."""
-    if (HERE / ".venv-ref" / ".installed").exists():
+    if (REF_VENV / ".installed").exists():
         return None
     if not create:
-        return Unavailable("benchmarks/.venv-ref is missing: run `bash benchmarks/setup_ref_env.sh`")
+        return Unavailable("benchmarks/.venv-ref is missing: run `bash benchmarks/reference/setup_ref_env.sh`")
     done = subprocess.run(["bash", str(SETUP)], capture_output=True, text=True)
     if done.returncode != 0:
         return Unavailable(f"setup_ref_env.sh failed: {done.stderr[-500:]}")
@@ -46,8 +46,8 @@ def ensure_env(create: bool) -> Unavailable | None:
 
 
 def _call(request: dict, *flags: str, timeout: float = 900) -> dict:
-    done = subprocess.run([str(VENV_PYTHON), str(DRIVER), *flags], input=json.dumps(request), capture_output=True,
-                          text=True, timeout=timeout, env=CLEAN_ENV)
+    done = subprocess.run([*DRIVER_COMMAND, *flags], input=json.dumps(request), capture_output=True, text=True,
+                          timeout=timeout, env=CLEAN_ENV, cwd=REPO_ROOT)
     if done.returncode != 0:
         raise RuntimeError(f"ref_driver.py failed ({done.returncode}): {done.stderr[-2000:]}")
     return json.loads(done.stdout)
@@ -61,8 +61,8 @@ class _Server:
     @classmethod
     def ask(cls, request: dict) -> dict:
         if cls.process is None or cls.process.poll() is not None:
-            cls.process = subprocess.Popen([str(VENV_PYTHON), str(DRIVER), "--serve"], stdin=subprocess.PIPE,
-                                           stdout=subprocess.PIPE, text=True, env=CLEAN_ENV)
+            cls.process = subprocess.Popen([*DRIVER_COMMAND, "--serve"], stdin=subprocess.PIPE,
+                                           stdout=subprocess.PIPE, text=True, env=CLEAN_ENV, cwd=REPO_ROOT)
             atexit.register(cls.close)
         assert cls.process.stdin is not None and cls.process.stdout is not None
         cls.process.stdin.write(json.dumps(request) + "\n")
@@ -111,13 +111,13 @@ def validate(lengths: Sequence[int], token_budget: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--validate", action="store_true", help="check ref_driver.py against the real loader")
-    parser.add_argument("--json", type=Path, default=HERE / "results" / "reference_validation.json")
+    parser.add_argument("--json", type=Path, default=RESULTS / "reference_validation.json")
     args = parser.parse_args()
     missing = ensure_env(create=True)
     if missing is not None:
         sys.exit(missing.reason)
     if args.validate:
-        from workloads import lognormal
+        from benchmarks.data.workloads import lognormal
 
         result = validate(lognormal(600, 1.0, mean=128, hi=1024, seed=3), 2048)
         args.json.write_text(json.dumps(result, indent=2))

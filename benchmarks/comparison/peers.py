@@ -3,7 +3,7 @@
 All methods see the same lengths, world size, budget and seed. Online methods read the same per-rank streams
 (ODB's own sampler: one seeded permutation, rank r taking positions r, r+W, ...); methods that build a global list
 of batches are sharded fairly by dealing batch k to rank k mod W. The reference release runs in its own
-environment (`reference_release.py`); everything else runs here, from the installed packages:
+environment (`reference/reference_release.py`); everything else runs here, from the installed packages:
 
   standard          fixed batch B = L_max // longest sample, random order (the HF Trainer default)
   sorted            global sort by length, fixed batches of B, batch order shuffled
@@ -24,11 +24,11 @@ from dataclasses import dataclass
 
 import torch
 
+from benchmarks.comparison.schedule import CostModel, Group, Schedule, deal_round_robin
 from odb_core import ODBConfig, simulate_epoch
 from odb_core.budget import Item, build_budget
 from odb_core.cli import shard
 from odb_core.grouping import oracle_groups
-from schedule import CostModel, Group, Schedule, deal_round_robin
 
 DS_CHECK_SAMPLES = 600  # prefix on which our O(n) replay is checked against DeepSpeed's O(n^2) function
 

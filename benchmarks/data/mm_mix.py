@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-import chat_data  # a sibling module: benchmarks/ is on sys.path wherever mm_mix is imported
+from benchmarks.data import chat_data
 
 IGNORE_INDEX = -100
 VOCAB = 1024

@@ -1,6 +1,6 @@
 """One rank of a CPU HF Trainer run on the MM-Mix-like VLM workload (launched by torchrun).
 
-    torchrun --nproc_per_node 2 benchmarks/mm_train_worker.py --processor DIR --out DIR --mode odb --mode std
+    torchrun --nproc_per_node 2 -m benchmarks.workers.mm_train_worker --processor DIR --out DIR --mode odb --mode std
 
 Every mode trains the same tiny Qwen2-VL (`mm_mix.tiny_qwen2_vl`, seed 0) on the same samples for the same epochs
 with the same optimizer. `std` is the HF default: a fixed per-device batch, padded. `odb` is `ODBCallback` under
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,9 +24,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import mm_mix  # noqa: E402
-from train_worker import Listed  # noqa: E402
+from benchmarks.data import mm_mix
+from benchmarks.workers.train_worker import Listed
 
 
 @dataclass(frozen=True, kw_only=True)

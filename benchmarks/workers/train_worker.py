@@ -1,4 +1,4 @@
-"""One rank of the CPU training-throughput benchmark (launched by training.py under torchrun, gloo).
+"""One rank of the CPU training-throughput benchmark (launched by `training` under torchrun, gloo).
 
 Every method trains the same tiny Llama (from a config, fixed seed, SDPA attention) for one epoch over the same
 samples through the HF Trainer, under the same memory bound L_max, and the methods alternate within one launch
@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -27,10 +26,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-
-from workloads import lognormal  # noqa: E402
+from benchmarks.data.workloads import lognormal
 
 METHODS = ("standard", "odb", "packing", "odb_tokens")
 PAD = 0

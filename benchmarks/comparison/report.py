@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import peers
+from benchmarks.comparison import peers
 
 SHOWN_IN_PLOTS = ("standard", "group_by_length", "reference_default", "reference_buffer512", "deepspeed_seqlen",
                   "packing", "oracle_padded", "odb_padded", "odb_tokens")

@@ -1,0 +1,29 @@
+"""Benchmarks of odb against its peers, run from the repository root as modules: `python -m benchmarks.<module>`.
+
+  compare, mm_bench                  every peer on the same workloads (writes results/)
+  utilization, alignment,            single measures of odb's own loader
+  loader_throughput
+  demo                               `make demo`: CPU fine-tuning, Standard against ODB
+  gpu.train_throughput               training throughput and peak memory on one GPU
+  data/         the workloads: synthetic lengths, ChitChat, real-data lengths, the MM-Mix-like VLM pipeline
+  comparison/   the peers, the schedule every method produces, batch quality, the Markdown/PNG report
+  workers/      the torchrun ranks of the training benchmarks and their launcher
+  reference/    the reference release, run in its own environment (.venv-ref)
+
+Every module imports its siblings absolutely (`benchmarks.data.workloads`); the repository root must be on the
+path, which `python -m` from the root does. The locations below are the package's own, whatever the caller's
+working directory.
+
+NOTE [ Standard-library package inits ]
+`reference/ref_driver.py` runs as `python -m benchmarks.reference.ref_driver` inside .venv-ref, which has
+neither odb's packages nor their dependencies, so importing it runs this file and `reference/__init__.py` there:
+both import the standard library only.
+"""
+
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent
+REPO_ROOT = PACKAGE.parent
+RESULTS = PACKAGE / "results"  # committed outputs (JSON, Markdown, PNG)
+CACHE = PACKAGE / ".cache"  # git-ignored: token lengths and processed samples
+REF_VENV = PACKAGE / ".venv-ref"  # git-ignored: the reference release's environment (reference/setup_ref_env.sh)
