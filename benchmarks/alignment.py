@@ -29,6 +29,7 @@ import torch.multiprocessing as mp
 from benchmarks.data.workloads import LengthsDataset, lognormal
 from odb_core import ODBConfig, ODBDataLoader, VirtualHub, VirtualTransport, simulate_epoch
 from odb_core.cli import shard
+from odb_core.step_info import STEP_SUM_FIELDS
 from odb_core.termination import STATE_FIELDS
 
 PER_RANK = 512
@@ -68,7 +69,7 @@ def _summary(world: int, source: str, ranks: list[dict], received_per_round: flo
 
 def _received(world: int, steps: int, rounds: int) -> float:
     """Bytes one rank receives per round: W gathered states + the reduced vector of the round's steps."""
-    return 8 * (world * STATE_FIELDS + STATE_FIELDS * steps / rounds)
+    return 8 * (world * STATE_FIELDS + STEP_SUM_FIELDS * steps / rounds)
 
 
 def virtual(world: int) -> dict:
@@ -116,7 +117,7 @@ def gloo(world: int) -> dict:
 def simulated(world: int) -> dict:
     config = ODBConfig(token_budget=L_MAX, window=WINDOW)
     plan = simulate_epoch(shard(_lengths(world), world, config.seed), config)
-    sent = 8 * (plan.rounds * STATE_FIELDS + STATE_FIELDS * plan.n_steps) / plan.rounds
+    sent = 8 * (plan.rounds * STATE_FIELDS + STEP_SUM_FIELDS * plan.n_steps) / plan.rounds
     received = 8 * (plan.gathered_ints + plan.reduced_ints) / (world * plan.rounds)
     return {"world_size": world, "source": "simulated", "rounds": plan.rounds, "steps": plan.n_steps,
             "bytes_sent_per_round": sent, "bytes_received_per_round": received,
