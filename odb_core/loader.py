@@ -17,7 +17,7 @@ import dataclasses
 import itertools
 import weakref
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from torch.utils.data import DataLoader, DistributedSampler, Sampler
@@ -30,6 +30,7 @@ from odb_core.pipeline import Chunk, EpochReport, EpochRun, ResumePoint, RoundSt
 from odb_core.prefetch import BackgroundIterator
 from odb_core.budget import Item
 from odb_core.sample import LengthFn, inspect_sample
+from odb_core.settings import PASSED_ON, SettingsSource, split_keys
 from odb_core.simulate import simulate_epoch
 from odb_core.resume import (MERGED_FORMAT, ElasticResumeError, check_merged, describe_source, progress,
                              remainder_plan, sharded_source, source_indices)
@@ -40,19 +41,15 @@ from odb_core.sync import Transport, default_transport
 
 STATE_VERSION = 2
 READABLE_VERSIONS = (1, 2)
-CONFIG_FIELDS = frozenset(f.name for f in fields(ODBConfig))
 WORKER_OPTIONS = frozenset({"persistent_workers", "multiprocessing_context", "pin_memory", "prefetch_factor",
                             "worker_init_fn", "generator"})
+OPTIONS = SettingsSource(where="ODBDataLoader", noun="argument", key_error=TypeError,
+                         keys=dict.fromkeys(sorted(WORKER_OPTIONS), PASSED_ON))  # its **options: fields, workers
 
 
 def _split_options(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    unknown = set(options) - CONFIG_FIELDS - WORKER_OPTIONS
-    if unknown:
-        raise TypeError(f"ODBDataLoader got unknown arguments {sorted(unknown)}; ODB config fields are "
-                        f"{sorted(CONFIG_FIELDS)} and DataLoader worker options are {sorted(WORKER_OPTIONS)}")
-    config = {k: v for k, v in options.items() if k in CONFIG_FIELDS}
-    workers = {k: v for k, v in options.items() if k in WORKER_OPTIONS}
-    return config, workers
+    split = split_keys(options, OPTIONS)
+    return split.fields, split.extras
 
 
 @dataclass(frozen=True, slots=True)
