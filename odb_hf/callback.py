@@ -1,7 +1,7 @@
 """`ODBCallback`: turn ODB on in a `transformers.Trainer` (or a subclass such as TRL's SFTTrainer) with one line.
 
 The callback is ODB's state for one Trainer, `trainer.odb`: the settings (one `ODBConfig`, validated at
-construction by `odb_core.settings.read_settings`), the resume point and the current `ODBRun`. It maps the
+construction by `odb_core.settings.read_settings`), the data position and the current `ODBRun`. It maps the
 Trainer's events onto ODB; at `on_init_end` it attaches to the Trainer being built (NOTE [ Attaching ODB to a
 Trainer ] in attach.py, the one place a user's Trainer changes), which also reads the `odb` section of
 `TrainingArguments.deepspeed` (NOTE [ One DeepSpeed config for both adapters ] in ds_config.py). The Trainer methods
@@ -20,7 +20,7 @@ from odb_core.settings import ODBSettings, combine, read_settings
 from odb_hf import ds_config
 from odb_hf.arguments import CALLBACK, ODBSetupError
 from odb_hf.attach import attach_odb, initialising_trainer
-from odb_hf.checkpoint import save_loader_state
+from odb_hf.checkpoint import DataPosition, save_loader_state
 from odb_hf.trainer import ODBRun
 
 
@@ -47,8 +47,7 @@ class ODBCallback(TrainerCallback):
         self.settings = read_settings({"token_budget": token_budget, "estimate_sample_size": estimate_sample_size,
                                        "length_slack": length_slack, **options}, CALLBACK)
         self._trainer: weakref.ref[Trainer] | None = None
-        self.resume_from: str | None = None  # the checkpoint whose data position the current train() restores
-        self.flipped_data_skip = False  # ODB set args.ignore_data_skip: it restores the data position itself
+        self.position = DataPosition()  # where train() resumes the data from (checkpoint.py)
         self.run: ODBRun | None = None  # the latest get_train_dataloader()'s loader, view and meter
 
     @classmethod
@@ -71,8 +70,13 @@ class ODBCallback(TrainerCallback):
         return self.settings.enabled
 
     @property
+    def attached(self) -> bool:
+        """Whether the callback attached to a Trainer (which may be gone since): odb_llamafactory checks it."""
+        return self._trainer is not None
+
+    @property
     def trainer(self) -> Trainer | None:
-        """The Trainer this callback attached to; None before (odb_llamafactory checks that ODB took effect)."""
+        """The Trainer this callback attached to; None before, or once that Trainer is collected."""
         return self._trainer() if self._trainer is not None else None
 
     def attach(self, trainer: Trainer) -> Trainer:

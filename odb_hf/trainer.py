@@ -21,12 +21,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import Trainer
-from transformers.trainer_utils import get_last_checkpoint
 
 from odb_core.loader import ODBDataLoader
 from odb_core.loss import TokenLossScale, causal_lm_loss_sum, step_normalizer
 from odb_hf.arguments import ODBSetupError, build_loader, check_collator_keeps_labels
-from odb_hf.checkpoint import read_loader_state
 from odb_hf.epochs import TrainerEpochView, plan_epochs
 from odb_hf.metrics import StepMeter
 
@@ -57,7 +55,7 @@ class ODBTrainerMixin:
     """Put first in the bases of a Trainer class (`class T(ODBTrainerMixin, SFTTrainer)`), with an `ODBCallback`.
 
     `ODBCallback` mixes this class in by itself; subclass it only to make the ODB trainer class explicit. ODB's state
-    is `self.odb`, the attached `ODBCallback` (its settings, the resume point, the current `ODBRun`).
+    is `self.odb`, the attached `ODBCallback` (its settings, the data position, the current `ODBRun`).
     """
 
     odb: ODBCallback | None = None  # set on the instance when an ODBCallback attaches (attach.py)
@@ -73,18 +71,7 @@ class ODBTrainerMixin:
         return self.odb.run if self.odb is not None else None
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
-        # ignore_data_skip=False (the default) asks for the exact data position: ODB restores it from its own
-        # state, and the flag is flipped so that the Trainer does not skip batches a second time.
-        odb = self._odb()
-        restore = bool(resume_from_checkpoint) and (not self.args.ignore_data_skip or odb.flipped_data_skip)
-        if restore and not self.args.ignore_data_skip:
-            logger.warning("ODB restores the exact data position from the checkpoint's odb_loader_rank*.json; "
-                           "setting ignore_data_skip=True so the Trainer does not skip batches a second time")
-            self.args.ignore_data_skip = odb.flipped_data_skip = True
-        odb.resume_from = None
-        if restore:
-            odb.resume_from = (get_last_checkpoint(self.args.output_dir) if resume_from_checkpoint is True
-                               else str(resume_from_checkpoint))
+        self._odb().position.start(self.args, resume_from_checkpoint)  # checkpoint.py: ODB's data position
         return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def get_train_dataloader(self) -> TrainerEpochView:
@@ -98,12 +85,11 @@ class ODBTrainerMixin:
             collator = self._get_collator_with_removed_columns(collator, description="training")
         check_collator_keeps_labels(collator, dataset)
         loader = build_loader(self.args, dataset, collator, odb.settings)
-        if odb.resume_from is not None:
-            loader.load_state_dict(read_loader_state(odb.resume_from, loader.transport.rank))
+        resumed = odb.position.restore(loader)
         extras = odb.settings.extras
         plan = plan_epochs(loader, max_steps=self.args.max_steps, num_train_epochs=self.args.num_train_epochs,
                            slack=extras["length_slack"], sample_size=extras["estimate_sample_size"])
-        view = TrainerEpochView(loader, plan, resumed=odb.resume_from is not None)
+        view = TrainerEpochView(loader, plan, resumed=resumed)
         odb.run = ODBRun(loader=loader, view=view, meter=StepMeter(loader))
         return view
 

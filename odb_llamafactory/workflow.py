@@ -8,7 +8,7 @@ points to it (restored afterwards, also on error). The `ODBCallback` passed in t
 `ODBCallback.from_settings` from the validated `odb_*` keys (their `ODBConfig` is the one the loader gets), then
 attaches as in any Trainer (odb_hf NOTE [ Attaching ODB to a Trainer ]): ODB owns the training dataloader, and the
 loss is normalised by the step's supervised tokens over all ranks and accumulation micro-batches (odb_hf NOTE
-[ Exact loss under the HF Trainer ]). `callback.trainer` tells whether it attached.
+[ Exact loss under the HF Trainer ]). `callback.attached` tells whether it took effect.
 CustomSeq2SeqTrainer overrides `_get_train_sampler` only for `disable_shuffling`, which ODB honours itself
 (`train_sampling_strategy: sequential`, set by the launcher), so `ODBSeq2SeqTrainer` declares that ODB owns it
 (`odb_owns_data = True`).
@@ -77,5 +77,5 @@ def run(config: dict[str, Any], settings: ODBSettings | None, callbacks: Sequenc
     callback = build_callback(settings, observer)
     with odb_sft_trainer():
         run_exp(args=config, callbacks=[*callbacks, callback])
-    if callback.trainer is None:  # run_sft always builds the trainer, training or not
+    if not callback.attached:  # run_sft always builds the trainer, training or not
         raise RuntimeError("odb: true had no effect: LLaMA-Factory ran without building its SFT Trainer")
