@@ -19,6 +19,7 @@ import binascii
 import json
 import os
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from odb_core.settings import BOOL, COUNT, ODBSettings, SettingsSource, read_settings
@@ -61,18 +62,30 @@ def load_ds_config(ds_config: Any) -> dict[str, Any]:
     return dict(loaded)
 
 
+@dataclass(frozen=True, slots=True)
+class SplitConfig:
+    """A DeepSpeed config taken apart: DeepSpeed's own keys (a copy), and its validated `odb` section."""
+
+    deepspeed: dict[str, Any]
+    odb: ODBSettings | None  # None: the config has no `odb` section
+
+
+def split_ds_config(ds_config: Any) -> SplitConfig:
+    """Load a DeepSpeed config (dict or path) once and validate its `odb` section (see `parse_odb_section`)."""
+    config = load_ds_config(ds_config)
+    section = config.pop(SECTION, None)
+    if section is not None and not isinstance(section, Mapping):
+        raise ValueError(f"the DeepSpeed config's 'odb' section must be an object, got {section!r}")
+    return SplitConfig(deepspeed=config, odb=read_settings(section, DEEPSPEED_SECTION) if section is not None else None)
+
+
 def parse_odb_section(ds_config: Any) -> ODBSettings | None:
     """Validate the `odb` section of a DeepSpeed config (dict or path); None when the config has none.
 
     Raises `ValueError` for a missing or non-bool `enabled`, an unknown key, a missing `token_budget` or any
     value `ODBConfig` rejects; a disabled section is validated too, so a typo never hides.
     """
-    section = load_ds_config(ds_config).get(SECTION)
-    if section is None:
-        return None
-    if not isinstance(section, Mapping):
-        raise ValueError(f"the DeepSpeed config's 'odb' section must be an object, got {section!r}")
-    return read_settings(section, DEEPSPEED_SECTION)
+    return split_ds_config(ds_config).odb
 
 
 def without_odb_section(ds_config: Any) -> dict[str, Any]:

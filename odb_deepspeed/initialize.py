@@ -2,7 +2,7 @@
 
 Without an enabled `odb` section every argument goes to `deepspeed.initialize` untouched and its result comes
 back as is. With `"odb": {"enabled": true, ...}`:
-  1. the section is validated before DeepSpeed starts (`odb_core.ds_section.parse_odb_section`), into one
+  1. the section is validated before DeepSpeed starts (`odb_core.ds_section.split_ds_config`), into one
      `ODBConfig` (`ODBSettings.config`);
   2. DeepSpeed gets a copy of the config *without* the section (DeepSpeed ignores unknown keys today; removing
      it keeps `engine.config` DeepSpeed's own and survives a stricter DeepSpeed), and no `training_data`;
@@ -22,7 +22,7 @@ from typing import Any
 from torch.utils.data import DataLoader
 
 from odb_core import ODBDataLoader
-from odb_core.ds_section import load_ds_config, parse_odb_section, without_odb_section
+from odb_core.ds_section import load_ds_config, split_ds_config
 from odb_core.settings import ODBSettings
 from odb_deepspeed.accounting import DeepSpeedODBLoader
 
@@ -60,7 +60,8 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
                        lr_scheduler=lr_scheduler, distributed_port=distributed_port, mpu=mpu,
                        dist_init_required=dist_init_required, mesh_param=mesh_param)
     loaded = _load_or_none(_resolve_config(args, config, config_params))
-    section = parse_odb_section(loaded) if loaded is not None else None
+    split = split_ds_config(loaded) if loaded is not None else None  # validates the odb section
+    section = split.odb if split is not None else None
     if section is not None and section.enabled:
         _check_data(training_data, collate_fn)
     import deepspeed  # here, not at module level: the config parsing stays importable without deepspeed
@@ -74,8 +75,7 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
     if config is None and config_params is None and getattr(args, "deepspeed_config", None) is not None:
         passthrough["args"] = copy.copy(args)  # the config came from args; DeepSpeed refuses it next to config=
         passthrough["args"].deepspeed_config = None
-    engine, optimizer, _, scheduler = deepspeed.initialize(**passthrough,
-                                                           config=without_odb_section(loaded))
+    engine, optimizer, _, scheduler = deepspeed.initialize(**passthrough, config=split.deepspeed)
     loader = _build_loader(training_data, section, engine, collate_fn)
     return engine, optimizer, DeepSpeedODBLoader(loader, engine), scheduler
 
