@@ -13,7 +13,9 @@ the adapter's own keys with their `Rule`s. The rules are the same for every sour
   * every value is checked now, by `ODBConfig` itself or by the key's `Rule`; the error (`error`) names the key as
     the user wrote it (`odb_window=0 is invalid: ...`). A switched-off source is checked too: a typo never hides;
   * the result holds one `ODBConfig`; values the framework derives later (accumulation_steps, a seed) enter with
-    `ODBSettings.derive`, a `dataclasses.replace` that never overrides a field the user set.
+    `ODBSettings.derive`, a `dataclasses.replace` that never overrides a field the user set;
+  * settings given in two places (an `ODBCallback` and a DeepSpeed `odb` section) are joined by `combine`: a field
+    is set in one of them, or in both with the same value (there is no precedence to guess).
 """
 
 from __future__ import annotations
@@ -109,16 +111,16 @@ class ODBSettings:
         return dataclasses.replace(self.config, **unset) if unset else self.config
 
 
-def _unknown(keys: list[str], source: SettingsSource) -> Exception:
+def _unknown_keys(keys: list[str], source: SettingsSource) -> Exception:
     allowed = source.allowed_keys
     close = {k: difflib.get_close_matches(str(k), allowed, n=1) for k in keys}
     if len(keys) == 1:
         hint = f" (did you mean {close[keys[0]][0]!r}?)" if close[keys[0]] else ""
-        what = f"unknown {source.noun} {keys[0]!r} in {source.where}{hint}"
+        what = f"unknown {source.noun} {keys[0]!r}{hint}"
     else:
         hints = ", ".join(f"{c[0]!r} for {k!r}" for k, c in close.items() if c)
-        what = f"unknown {source.noun}s {keys} in {source.where}" + (f" (did you mean {hints}?)" if hints else "")
-    return source.key_error(f"{what}; the allowed {source.noun}s are {list(allowed)}")
+        what = f"unknown {source.noun}s {keys}" + (f" (did you mean {hints}?)" if hints else "")
+    return source.key_error(f"{what} in {source.where}; the allowed {source.noun}s are {list(allowed)}")
 
 
 def split_keys(values: Mapping[str, Any], source: SettingsSource) -> SplitKeys:
@@ -129,7 +131,7 @@ def split_keys(values: Mapping[str, Any], source: SettingsSource) -> SplitKeys:
             raise source.key_error(f"{source.shown}{key} {source.refused[by_key[key]]}")
     unknown = sorted(str(key) for key in values if key not in by_key)
     if unknown:
-        raise _unknown(unknown, source)
+        raise _unknown_keys(unknown, source)
     named = {by_key[key]: value for key, value in values.items()}
     return SplitKeys(fields={k: v for k, v in named.items() if k in CONFIG_FIELDS},
                      extras={k: v for k, v in named.items() if k not in CONFIG_FIELDS})
