@@ -112,7 +112,7 @@ def train_one(method: str, data: dict, args: argparse.Namespace) -> dict:
     result = trainer.train()
     seconds = time.perf_counter() - start
     if method == "odb":
-        summary = trainer._odb_run.loader.metrics.summary()
+        summary = trainer.odb.run.loader.metrics.summary()
         padding, utilization, idle = summary["padding_ratio"], summary["budget_utilization"], summary["idle_steps"]
     else:
         counts = torch.tensor([collator.real, collator.padded], dtype=torch.float64)

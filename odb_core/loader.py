@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import weakref
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import fields
 from typing import Any
 
 from torch.utils.data import Sampler
@@ -32,6 +31,7 @@ from odb_core.prefetch import BackgroundIterator
 from odb_core.resume import MergedState, check_elastic, is_merged, remainder_plan
 from odb_core.round_log import RoundLog
 from odb_core.sample import LengthFn
+from odb_core.settings import PASSED_ON, SettingsSource, split_keys
 from odb_core.state import LoaderIdentity, LoaderState, RemainderSource
 from odb_core.step_info import ODBBatch, StepInfo
 from odb_core.stream import DatasetFetchError, SampleStream, StreamOptions
@@ -39,21 +39,17 @@ from odb_core.sync import Transport, default_transport
 
 __all__ = ["DatasetFetchError", "ODBDataLoader"]
 
-CONFIG_FIELDS = frozenset(f.name for f in fields(ODBConfig))
 WORKER_OPTIONS = frozenset({"persistent_workers", "multiprocessing_context", "pin_memory", "prefetch_factor",
                             "worker_init_fn", "generator"})
+OPTIONS = SettingsSource(where="ODBDataLoader", noun="argument", key_error=TypeError,
+                         keys=dict.fromkeys(sorted(WORKER_OPTIONS), PASSED_ON))  # its **options: fields, workers
 FINGERPRINT = ("token_budget", "cost", "attention_alpha", "max_patches", "max_batch_size", "window", "join",
                "accumulation_steps", "seed", "shuffle_steps")
 
 
 def _split_options(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    unknown = set(options) - CONFIG_FIELDS - WORKER_OPTIONS
-    if unknown:
-        raise TypeError(f"ODBDataLoader got unknown arguments {sorted(unknown)}; ODB config fields are "
-                        f"{sorted(CONFIG_FIELDS)} and DataLoader worker options are {sorted(WORKER_OPTIONS)}")
-    config = {k: v for k, v in options.items() if k in CONFIG_FIELDS}
-    workers = {k: v for k, v in options.items() if k in WORKER_OPTIONS}
-    return config, workers
+    split = split_keys(options, OPTIONS)
+    return split.fields, split.extras
 
 
 def _config(token_budget: int | None, config: ODBConfig | None, fields_given: dict[str, Any]) -> ODBConfig:

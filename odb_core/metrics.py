@@ -1,9 +1,9 @@
-"""Loader metrics, per step (on `StepInfo`) and cumulative (here).
+"""Step counts and the ratios derived from them: one counter type for the loader, the HF logs and DeepSpeed's.
 
-Definitions:
-  * budget utilization = real input tokens / (steps x L_max), over every rank (IDLE steps count as steps);
-  * patch utilization = vision patches / (steps x max_patches), over every rank, when `max_patches` is set;
-  * padding ratio = 1 - real input tokens / padded token slots, over non-IDLE steps;
+Definitions (every adapter reports these, computed here only):
+  * budget utilization = real input tokens / (steps x world size x L_max), over every rank (IDLE steps count);
+  * patch utilization = vision patches / (steps x world size x max_patches), when `max_patches` is set;
+  * padding ratio = 1 - real input tokens / padded token slots, on this rank, over non-IDLE steps;
   * rank imbalance of a step = coefficient of variation of the group cost across ranks (IDLE costs 0);
   * alignment bytes/latency = what this rank sent in the metadata collectives, and their wall time.
 """
@@ -11,18 +11,20 @@ Definitions:
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, fields, replace
 
 from odb_core.step_info import StepInfo
 
 
-@dataclass(slots=True)
-class LoaderMetrics:
-    """Cumulative counters for this rank's loader; `summary()` returns the derived ratios."""
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StepCounts:
+    """Sums over a run of steps, from their `StepInfo`s: `counts.add(info)` is the run one step longer, and
+    `later - earlier` the steps in between (a per-log or per-optimizer-step delta).
 
-    token_budget: int
-    world_size: int
-    patch_budget: int = 0  # max_patches, or 0 without a patch cap
+    `global_*` add each step's all-rank totals; `local_input_tokens` and `padded_tokens` are this rank's, over
+    non-IDLE steps only (an IDLE dummy is padding that nobody trains on).
+    """
+
     steps: int = 0
     idle_steps: int = 0
     local_samples: int = 0
@@ -32,45 +34,29 @@ class LoaderMetrics:
     global_supervised_tokens: int = 0
     global_patches: int = 0
     padded_tokens: int = 0
-    oversize_samples: int = 0
-    splits: int = 0
-    pushed_back_groups: int = 0
-    rounds: int = 0
     imbalance_sum: float = 0.0
-    sync_bytes: int = 0
-    sync_seconds: float = 0.0
 
-    def snapshot(self) -> dict[str, float | int]:
-        """Raw counters, for a loader state dict."""
-        return asdict(self)
+    def add(self, info: StepInfo) -> StepCounts:
+        real = not info.is_idle
+        return StepCounts(steps=self.steps + 1, idle_steps=self.idle_steps + int(info.is_idle),
+                          local_samples=self.local_samples + info.local_samples,
+                          global_samples=self.global_samples + info.global_samples,
+                          local_input_tokens=self.local_input_tokens + (info.local_input_tokens if real else 0),
+                          global_input_tokens=self.global_input_tokens + info.global_input_tokens,
+                          global_supervised_tokens=self.global_supervised_tokens + info.global_tokens,
+                          global_patches=self.global_patches + info.global_patches,
+                          padded_tokens=self.padded_tokens + (info.padded_tokens if real else 0),
+                          imbalance_sum=self.imbalance_sum + info.rank_imbalance)
 
-    def restore(self, counters: dict[str, float | int]) -> None:
-        for name, value in counters.items():
-            if name not in self.__slots__:  # type: ignore[attr-defined]
-                raise ValueError(f"unknown metrics counter {name!r} in loader state")
-            setattr(self, name, value)
+    def __sub__(self, earlier: StepCounts) -> StepCounts:
+        return StepCounts(**{f.name: getattr(self, f.name) - getattr(earlier, f.name) for f in fields(self)})
 
-    def record_step(self, info: StepInfo) -> None:
-        self.steps += 1
-        self.idle_steps += int(info.is_idle)
-        self.local_samples += info.local_samples
-        self.global_samples += info.global_samples
-        self.global_input_tokens += info.global_input_tokens
-        self.global_supervised_tokens += info.global_tokens
-        self.global_patches += info.global_patches
-        self.imbalance_sum += info.rank_imbalance
-        if not info.is_idle:
-            self.local_input_tokens += info.local_input_tokens
-            self.padded_tokens += info.padded_tokens
-
-    @property
-    def budget_utilization(self) -> float:
-        slots = self.steps * self.world_size * self.token_budget
+    def budget_utilization(self, token_budget: int, world_size: int) -> float:
+        slots = self.steps * world_size * token_budget
         return self.global_input_tokens / slots if slots else 0.0
 
-    @property
-    def patch_utilization(self) -> float:
-        slots = self.steps * self.world_size * self.patch_budget
+    def patch_utilization(self, max_patches: int, world_size: int) -> float:
+        slots = self.steps * world_size * max_patches
         return self.global_patches / slots if slots else 0.0
 
     @property
@@ -81,12 +67,65 @@ class LoaderMetrics:
     def mean_imbalance(self) -> float:
         return self.imbalance_sum / self.steps if self.steps else 0.0
 
+
+STEP_FIELDS = tuple(f.name for f in fields(StepCounts))
+
+
+@dataclass(slots=True)
+class LoaderMetrics:
+    """Cumulative counters of this rank's loader: the yielded steps' `StepCounts` and the per-round counters the
+    pipeline adds to; `summary()` returns them flat with the derived ratios, `snapshot()` flat for a state dict."""
+
+    token_budget: int
+    world_size: int
+    patch_budget: int = 0  # max_patches, or 0 without a patch cap
+    counts: StepCounts = field(default_factory=StepCounts)
+    oversize_samples: int = 0
+    splits: int = 0
+    pushed_back_groups: int = 0
+    rounds: int = 0
+    sync_bytes: int = 0
+    sync_seconds: float = 0.0
+
+    def snapshot(self) -> dict[str, float | int]:
+        """Raw counters, for a loader state dict (flat: the step counts beside the round counters)."""
+        own = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "counts"}
+        return {**own, **asdict(self.counts)}
+
+    def restore(self, counters: dict[str, float | int]) -> None:
+        """Set the counters of a `snapshot()` (a partial one leaves the others as they are)."""
+        for name in counters:
+            if name == "counts" or (name not in STEP_FIELDS and name not in self.__slots__):  # type: ignore[attr-defined]
+                raise ValueError(f"unknown metrics counter {name!r} in loader state")
+        self.counts = replace(self.counts, **{k: v for k, v in counters.items() if k in STEP_FIELDS})
+        for name, value in counters.items():
+            if name not in STEP_FIELDS:
+                setattr(self, name, value)
+
+    def record_step(self, info: StepInfo) -> None:
+        self.counts = self.counts.add(info)
+
+    @property
+    def budget_utilization(self) -> float:
+        return self.counts.budget_utilization(self.token_budget, self.world_size)
+
+    @property
+    def patch_utilization(self) -> float:
+        return self.counts.patch_utilization(self.patch_budget, self.world_size)
+
+    @property
+    def padding_ratio(self) -> float:
+        return self.counts.padding_ratio
+
+    @property
+    def mean_imbalance(self) -> float:
+        return self.counts.mean_imbalance
+
     def summary(self) -> dict[str, float | int]:
-        out = asdict(self)
+        out = self.snapshot()
         out.pop("imbalance_sum")
         out.update(budget_utilization=self.budget_utilization, patch_utilization=self.patch_utilization,
-                   padding_ratio=self.padding_ratio,
-                   mean_rank_imbalance=self.mean_imbalance)
+                   padding_ratio=self.padding_ratio, mean_rank_imbalance=self.mean_imbalance)
         return out
 
 

@@ -10,12 +10,13 @@
 See docs/guides/deepspeed.md. Importing this package does not import deepspeed (only `initialize()` does).
 """
 
+from odb_core.ds_section import load_ds_config, parse_odb_section, without_odb_section
+from odb_core.settings import ODBSettings
 from odb_deepspeed.accounting import ConsumedCounts, DeepSpeedODBLoader
-from odb_core.ds_section import ODBSection, load_ds_config, parse_odb_section, without_odb_section
 from odb_deepspeed.initialize import initialize
 from odb_deepspeed.loss import loss_scale, token_weighted_loss
 
 __all__ = [
-    "ConsumedCounts", "DeepSpeedODBLoader", "ODBSection", "initialize", "load_ds_config", "loss_scale",
+    "ConsumedCounts", "DeepSpeedODBLoader", "ODBSettings", "initialize", "load_ds_config", "loss_scale",
     "parse_odb_section", "token_weighted_loss", "without_odb_section",
 ]

@@ -13,28 +13,25 @@ window produces (`engine.global_steps + 1`). Costs nothing: the global counts ar
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from odb_core import ODBBatch, ODBDataLoader, StepInfo
+from odb_core.metrics import StepCounts
 
 STATE_VERSION = 1
+WINDOW_KEYS = {"samples": "global_samples", "supervised_tokens": "global_supervised_tokens",
+               "input_tokens": "global_input_tokens"}  # state "window" key -> StepCounts field
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class ConsumedCounts:
-    """What the training loop received so far. `samples`/`*_tokens` sum over all ranks; the rest is this rank."""
+    """What the training loop received so far. `samples`/`*_tokens` sum over all ranks and complete optimizer
+    steps; `micro_batches`/`idle_micro_batches` are this rank's, every micro-batch."""
 
     optimizer_steps: int = 0
     micro_batches: int = 0
     idle_micro_batches: int = 0
-    samples: int = 0
-    supervised_tokens: int = 0
-    input_tokens: int = 0
-
-
-@dataclass(slots=True)
-class _Window:
     samples: int = 0
     supervised_tokens: int = 0
     input_tokens: int = 0
@@ -46,14 +43,23 @@ class DeepSpeedODBLoader:
     It also checks, at the first micro-batch of every accumulation window, that DeepSpeed's own window starts
     there too (`engine.micro_steps % G == 0`); a loop that skipped `engine.step()` for a batch would otherwise
     mix two windows' normalisers silently. Everything else is on `.odb`, the wrapped `ODBDataLoader`.
+    The counts are `odb_core.metrics.StepCounts`: `_seen` over every yielded micro-batch, `_stepped` up to the
+    last complete optimizer step; their difference is the open window.
     """
 
     def __init__(self, loader: ODBDataLoader, engine: Any) -> None:
         self.odb = loader
         self.engine = engine
         self.accumulation_steps = loader.config.accumulation_steps
-        self.consumed = ConsumedCounts()
-        self._window = _Window()
+        self._seen = self._stepped = StepCounts()
+        self._optimizer_steps = 0
+
+    @property
+    def consumed(self) -> ConsumedCounts:
+        done = self._stepped
+        return ConsumedCounts(optimizer_steps=self._optimizer_steps, micro_batches=self._seen.steps,
+                              idle_micro_batches=self._seen.idle_steps, samples=done.global_samples,
+                              supervised_tokens=done.global_supervised_tokens, input_tokens=done.global_input_tokens)
 
     def __iter__(self) -> Iterator[ODBBatch]:
         for batch in self.odb:
@@ -75,34 +81,28 @@ class DeepSpeedODBLoader:
                                "yielded batch, IDLE batches included")
 
     def _count(self, info: StepInfo) -> None:
-        counts, window = self.consumed, self._window
-        counts.micro_batches += 1
-        counts.idle_micro_batches += int(info.is_idle)
-        window.samples += info.global_samples
-        window.supervised_tokens += info.global_tokens
-        window.input_tokens += info.global_input_tokens
+        self._seen = self._seen.add(info)
         if info.step % self.accumulation_steps == self.accumulation_steps - 1:
-            counts.optimizer_steps += 1
-            counts.samples += window.samples
-            counts.supervised_tokens += window.supervised_tokens
-            counts.input_tokens += window.input_tokens
+            window = self._seen - self._stepped
+            self._stepped = self._seen
+            self._optimizer_steps += 1
             self._report(window)
-            self._window = _Window()
 
-    def _report(self, window: _Window) -> None:
+    def _report(self, window: StepCounts) -> None:
         monitor = getattr(self.engine, "monitor", None)
         if monitor is None or not monitor.enabled:
             return
         step = self.engine.global_steps + 1
-        monitor.write_events([("Train/ODB/samples", window.samples, step),
-                              ("Train/ODB/supervised_tokens", window.supervised_tokens, step),
-                              ("Train/ODB/input_tokens", window.input_tokens, step),
-                              ("Train/ODB/total_samples", self.consumed.samples, step)])
+        monitor.write_events([("Train/ODB/samples", window.global_samples, step),
+                              ("Train/ODB/supervised_tokens", window.global_supervised_tokens, step),
+                              ("Train/ODB/input_tokens", window.global_input_tokens, step),
+                              ("Train/ODB/total_samples", self._stepped.global_samples, step)])
 
     def state_dict(self) -> dict[str, Any]:
         """The ODB loader's state and the counts (take it at an optimizer-step boundary, like DeepSpeed's)."""
+        window = self._seen - self._stepped
         return {"version": STATE_VERSION, "odb": self.odb.state_dict(), "consumed": asdict(self.consumed),
-                "window": asdict(self._window)}
+                "window": {key: getattr(window, name) for key, name in WINDOW_KEYS.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         state = dict(state)
@@ -111,7 +111,14 @@ class DeepSpeedODBLoader:
             raise ValueError(f"DeepSpeedODBLoader state version {version!r} is not supported "
                              f"(expected {STATE_VERSION})")
         self.odb.load_state_dict(state.pop("odb"))
-        self.consumed = ConsumedCounts(**state.pop("consumed"))
-        self._window = _Window(**state.pop("window"))
-        if state:
-            raise ValueError(f"unexpected keys in DeepSpeedODBLoader state: {sorted(state)}")
+        consumed, window = ConsumedCounts(**state.pop("consumed")), state.pop("window")
+        unexpected = sorted(state) + [f"window.{key}" for key in window if key not in WINDOW_KEYS]
+        if unexpected:
+            raise ValueError(f"unexpected keys in DeepSpeedODBLoader state: {unexpected}")
+        self._stepped = StepCounts(steps=consumed.micro_batches, idle_steps=consumed.idle_micro_batches,
+                                   global_samples=consumed.samples, global_supervised_tokens=consumed.supervised_tokens,
+                                   global_input_tokens=consumed.input_tokens)
+        # the open window's sums (its micro-batch count is not saved: only its sums are ever reported)
+        self._seen = replace(self._stepped, **{name: getattr(self._stepped, name) + window.get(key, 0)
+                                               for key, name in WINDOW_KEYS.items()})
+        self._optimizer_steps = consumed.optimizer_steps

@@ -2,11 +2,13 @@
 
 Without an enabled `odb` section every argument goes to `deepspeed.initialize` untouched and its result comes
 back as is. With `"odb": {"enabled": true, ...}`:
-  1. the section is validated before DeepSpeed starts (`odb_core.ds_section.parse_odb_section`);
+  1. the section is validated before DeepSpeed starts (`odb_core.ds_section.split_ds_config`), into one
+     `ODBConfig` (`ODBSettings.config`);
   2. DeepSpeed gets a copy of the config *without* the section (DeepSpeed ignores unknown keys today; removing
      it keeps `engine.config` DeepSpeed's own and survives a stricter DeepSpeed), and no `training_data`;
-  3. the ODB loader is built from `training_data` (a dataset, with `collate_fn`) or checked if it already is an
-     `ODBDataLoader`, with `accumulation_steps` = the engine's `gradient_accumulation_steps()`;
+  3. the ODB loader is built from `training_data` (a dataset, with `collate_fn`) with that config and
+     `accumulation_steps` = the engine's `gradient_accumulation_steps()` (`ODBSettings.derive`), or checked
+     against them if it already is an `ODBDataLoader`;
   4. it returns `(engine, optimizer, DeepSpeedODBLoader, lr_scheduler)`.
 Cost: one Gloo group for ODB's metadata (created collectively, so call this on every rank in the same order).
 """
@@ -20,8 +22,9 @@ from typing import Any
 from torch.utils.data import DataLoader
 
 from odb_core import ODBDataLoader
+from odb_core.ds_section import load_ds_config, split_ds_config
+from odb_core.settings import ODBSettings
 from odb_deepspeed.accounting import DeepSpeedODBLoader
-from odb_core.ds_section import ODBSection, load_ds_config, parse_odb_section, without_odb_section
 
 DEFAULT_PORT = 29500  # deepspeed.constants.TORCH_DISTRIBUTED_DEFAULT_PORT
 
@@ -57,7 +60,8 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
                        lr_scheduler=lr_scheduler, distributed_port=distributed_port, mpu=mpu,
                        dist_init_required=dist_init_required, mesh_param=mesh_param)
     loaded = _load_or_none(_resolve_config(args, config, config_params))
-    section = parse_odb_section(loaded) if loaded is not None else None
+    split = split_ds_config(loaded) if loaded is not None else None  # validates the odb section
+    section = split.odb if split is not None else None
     if section is not None and section.enabled:
         _check_data(training_data, collate_fn)
     import deepspeed  # here, not at module level: the config parsing stays importable without deepspeed
@@ -71,8 +75,7 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
     if config is None and config_params is None and getattr(args, "deepspeed_config", None) is not None:
         passthrough["args"] = copy.copy(args)  # the config came from args; DeepSpeed refuses it next to config=
         passthrough["args"].deepspeed_config = None
-    engine, optimizer, _, scheduler = deepspeed.initialize(**passthrough,
-                                                           config=without_odb_section(loaded))
+    engine, optimizer, _, scheduler = deepspeed.initialize(**passthrough, config=split.deepspeed)
     loader = _build_loader(training_data, section, engine, collate_fn)
     return engine, optimizer, DeepSpeedODBLoader(loader, engine), scheduler
 
@@ -89,16 +92,18 @@ def _check_data(training_data: Any, collate_fn: Callable | None) -> None:
         raise ValueError("collate_fn= was given with a ready ODBDataLoader; pass it to ODBDataLoader instead")
 
 
-def _build_loader(training_data: Any, section: ODBSection, engine: Any, collate_fn: Callable | None) -> ODBDataLoader:
-    accumulation = engine.gradient_accumulation_steps()
+def _build_loader(training_data: Any, section: ODBSettings, engine: Any, collate_fn: Callable | None) -> ODBDataLoader:
+    config = section.derive(accumulation_steps=engine.gradient_accumulation_steps())
     if engine.sequence_parallel_size != 1:
         raise NotImplementedError("odb with sequence parallelism is not supported (ranks of one sequence-parallel "
                                   "group must see the same batch)")
     if isinstance(training_data, ODBDataLoader):
-        _check_user_loader(training_data, section, accumulation)
+        _check_user_loader(training_data, section, config.accumulation_steps)
         loader = training_data
     else:
-        loader = ODBDataLoader(training_data, collate_fn=collate_fn, **section.loader_kwargs(accumulation))
+        loader = ODBDataLoader(training_data, config=config, collate_fn=collate_fn,
+                               shuffle=section.extras.get("shuffle", False),
+                               num_workers=section.extras.get("num_workers", 0))
     if loader.transport.world_size != engine.dp_world_size:
         raise ValueError(f"the ODB loader spans {loader.transport.world_size} ranks but DeepSpeed's data-parallel "
                          f"group has {engine.dp_world_size}; with model parallelism pass an ODBDataLoader whose "
@@ -106,15 +111,15 @@ def _build_loader(training_data: Any, section: ODBSection, engine: Any, collate_
     return loader
 
 
-def _check_user_loader(loader: ODBDataLoader, section: ODBSection, accumulation: int) -> None:
+def _check_user_loader(loader: ODBDataLoader, section: ODBSettings, accumulation: int) -> None:
     """A ready loader must agree with the config: never silently prefer one over the other."""
     if loader.config.accumulation_steps != accumulation:
         raise ValueError(f"your ODBDataLoader has accumulation_steps={loader.config.accumulation_steps} but the "
                          f"engine's gradient_accumulation_steps is {accumulation}; they must be equal")
-    for key, value in section.config.items():
+    for key, value in section.given.items():
         if getattr(loader.config, key) != value:
             raise ValueError(f"odb.{key}={value!r} in the DeepSpeed config but your ODBDataLoader has "
                              f"{key}={getattr(loader.config, key)!r}; keep one of them")
-    if section.shuffle is not None or section.num_workers is not None:
+    if section.extras:  # shuffle / num_workers
         raise ValueError("odb.shuffle / odb.num_workers only apply when odb_deepspeed builds the loader; set them "
                          "on your ODBDataLoader")

@@ -1,12 +1,14 @@
-"""Translate a Trainer's settings into `ODBDataLoader` arguments, and refuse settings that ODB cannot honour.
+"""The Trainer's side of ODB's settings: what `ODBCallback` takes, how the Trainer completes it, what it refuses.
 
-Nothing here changes a user setting: a setting ODB makes meaningless gets a warning, a setting that would make
-the run wrong (or hang) raises `ODBSetupError` naming the setting and the fix.
+`CALLBACK` is the `odb_core.settings` source of `ODBCallback(**options)`: ODBConfig fields, the epoch-length keys
+and the loader arguments it passes on; the settings that the Trainer already holds are refused (`DERIVED`).
+`build_loader` completes the callback's `ODBConfig` with what the Trainer derives (`ODBSettings.derive`:
+gradient accumulation, and the seed unless the user set one). Nothing here changes a user setting: a setting ODB
+makes meaningless gets a warning, one that would make the run wrong (or hang) raises `ODBSetupError`.
 """
 
 from __future__ import annotations
 
-import logging
 import warnings
 from collections.abc import Mapping
 from dataclasses import fields
@@ -14,44 +16,36 @@ from typing import Any
 
 from transformers import Trainer, TrainingArguments
 
-from odb_core.config import ODBConfig
-from odb_core.loader import CONFIG_FIELDS, WORKER_OPTIONS
+from odb_core.loader import WORKER_OPTIONS, ODBDataLoader
+from odb_core.settings import EPOCH_LENGTH_KEYS, PASSED_ON, ODBSettings, SettingsSource
 
-logger = logging.getLogger(__name__)
 DERIVED = {"accumulation_steps": "TrainingArguments.gradient_accumulation_steps",
            "shuffle": "TrainingArguments.train_sampling_strategy ('random' or 'sequential')",
-           "num_workers": "TrainingArguments.dataloader_num_workers",
-           "collate_fn": "the Trainer's data_collator"}
-LOADER_ARGS = frozenset({"length_fn", "observer", "idle_sample", "shard_iterable"})
-OWNED_METHODS = ("get_train_dataloader", "_get_train_sampler")
+           "num_workers": "TrainingArguments.dataloader_num_workers", "collate_fn": "the Trainer's data_collator"}
+LOADER_ARGS = ("length_fn", "observer", "idle_sample", "shard_iterable", *sorted(WORKER_OPTIONS))
 
 
 class ODBSetupError(ValueError):
-    """A Trainer setting conflicts with ODB; the message names the setting and the fix."""
+    """A Trainer setting, or a setting of ODB under the Trainer, that ODB cannot run with; the message names the
+    setting and the fix."""
+
+
+CALLBACK = SettingsSource(
+    where="ODBCallback", noun="option", budget="optional", error=ODBSetupError, key_error=TypeError,
+    refused={name: f"is not an ODBCallback option: it comes from {source}" for name, source in DERIVED.items()},
+    keys={**EPOCH_LENGTH_KEYS, **dict.fromkeys(LOADER_ARGS, PASSED_ON)})
+OWNED_METHODS = ("get_train_dataloader", "_get_train_sampler")
 
 
 def _default(name: str) -> Any:
     return next(f.default for f in fields(TrainingArguments) if f.name == name)
 
 
-def validate_options(token_budget: int, options: Mapping[str, Any]) -> None:
-    """Check `ODBCallback(**options)` now, at construction, with ODBConfig's own validation."""
-    derived = sorted(set(options) & set(DERIVED))
-    if derived:
-        raise TypeError(f"ODBCallback does not take {derived}: they come from {[DERIVED[k] for k in derived]}")
-    unknown = set(options) - CONFIG_FIELDS - WORKER_OPTIONS - LOADER_ARGS
-    if unknown:
-        raise TypeError(f"ODBCallback got unknown options {sorted(unknown)}; it takes ODB config fields "
-                        f"{sorted(CONFIG_FIELDS - set(DERIVED) - {'token_budget'})}, loader arguments "
-                        f"{sorted(LOADER_ARGS)} and worker options {sorted(WORKER_OPTIONS)}")
-    ODBConfig(token_budget=token_budget, **{k: v for k, v in options.items() if k in CONFIG_FIELDS})
-
-
 def check_trainer(trainer: Trainer) -> None:
     """Refuse Trainer classes and arguments that conflict with ODB (called when ODB attaches)."""
     for name in OWNED_METHODS:
         owner = next(c for c in type(trainer).__mro__ if name in vars(c))
-        if owner is not Trainer and "_odb_owns_data" not in vars(owner):
+        if owner is not Trainer and not vars(owner).get("odb_owns_data", False):
             raise ODBSetupError(f"{owner.__name__}.{name} is overridden, but ODB builds the training batches "
                                 "itself and would silently bypass it; remove the override (ODB shards, shuffles "
                                 "and batches the data) or do not use ODB with this Trainer")
@@ -76,28 +70,26 @@ def check_trainer(trainer: Trainer) -> None:
         # (under DeepSpeed the Trainer requires it to equal train_micro_batch_size_per_gpu: set for that, not ODB)
         warnings.warn(f"per_device_train_batch_size={args.per_device_train_batch_size} is ignored: ODB sizes "
                       "each batch by ODBCallback(token_budget=...); use max_batch_size=... to cap samples",
-                      stacklevel=3)
+                      stacklevel=4)
     if args.dataloader_drop_last:
         warnings.warn("dataloader_drop_last=True is ignored: ODB drops no sample (every rank drains its data)",
-                      stacklevel=3)
+                      stacklevel=4)
 
 
-def loader_kwargs(args: TrainingArguments, token_budget: int, options: Mapping[str, Any]) -> dict[str, Any]:
-    """ODBDataLoader keyword arguments from the TrainingArguments plus the callback's options."""
-    kwargs: dict[str, Any] = {
-        "token_budget": token_budget,
-        "accumulation_steps": args.gradient_accumulation_steps,
-        "shuffle": getattr(args, "train_sampling_strategy", "random") != "sequential",
-        "seed": args.data_seed if args.data_seed is not None else args.seed,
-        "num_workers": args.dataloader_num_workers,
-        "pin_memory": args.dataloader_pin_memory,
-    }
+def build_loader(args: TrainingArguments, dataset: Any, collate_fn: Any, settings: ODBSettings) -> ODBDataLoader:
+    """The training loader: the settings' `ODBConfig` with the Trainer's accumulation (and seed, unless the user set
+    one), the Trainer's sampling strategy, workers and collator, then the callback's own loader arguments."""
+    config = settings.derive(accumulation_steps=args.gradient_accumulation_steps,
+                             seed=args.data_seed if args.data_seed is not None else args.seed)
+    workers: dict[str, Any] = {"pin_memory": args.dataloader_pin_memory}
     if args.dataloader_num_workers > 0:
-        kwargs["persistent_workers"] = args.dataloader_persistent_workers
+        workers["persistent_workers"] = args.dataloader_persistent_workers
         if args.dataloader_prefetch_factor is not None:
-            kwargs["prefetch_factor"] = args.dataloader_prefetch_factor
-    kwargs.update(options)
-    return kwargs
+            workers["prefetch_factor"] = args.dataloader_prefetch_factor
+    passed = {k: v for k, v in settings.extras.items() if k not in EPOCH_LENGTH_KEYS}
+    return ODBDataLoader(dataset, config=config, collate_fn=collate_fn, num_workers=args.dataloader_num_workers,
+                         shuffle=getattr(args, "train_sampling_strategy", "random") != "sequential",
+                         **{**workers, **passed})
 
 
 def check_collator_keeps_labels(collate_fn: Any, dataset: Any) -> None:

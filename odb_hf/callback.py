@@ -1,58 +1,32 @@
 """`ODBCallback`: turn ODB on in a `transformers.Trainer` (or a subclass such as TRL's SFTTrainer) with one line.
 
-NOTE [ How the callback takes effect ]
-A callback only observes events, but ODB must own `get_train_dataloader`, `get_batch_samples`, `compute_loss`,
-`create_scheduler`, `train` and `log`, which run before or between events. At `on_init_end`, which
-`Trainer.__init__` dispatches after building its callback handler, the callback finds the Trainer being built:
-the nearest caller frame whose `self` is a Trainer holding this callback (`inspect`'s public frame API; subclasses
-such as SFTTrainer reach it through `super().__init__`). It then sets that instance's class to a subclass
-`ODB<Class>(ODBTrainerMixin, <Class>)`, created once per class. Only this instance changes; the user's overrides
-stay in the MRO below the mixin, which calls them through `super()`; isinstance checks still hold. A callback
-added after construction (`trainer.add_callback`) misses `on_init_end`: call `ODBCallback.attach(trainer)`, or
-training refuses to start. Subclasses may instead inherit `ODBTrainerMixin` (or use `ODBTrainer`) themselves.
-Attaching also reads the `odb` section of `TrainingArguments.deepspeed` (NOTE [ One DeepSpeed config for both
-adapters ] in ds_config.py); a callback that it turns off leaves the Trainer as is, and its events do nothing.
+The callback is ODB's state for one Trainer, `trainer.odb`: the settings (one `ODBConfig`, validated at
+construction by `odb_core.settings.read_settings`), the data position and the current `ODBRun`. It maps the
+Trainer's events onto ODB; at `on_init_end` it attaches to the Trainer being built (NOTE [ Attaching ODB to a
+Trainer ] in attach.py, the one place a user's Trainer changes), which also reads the `odb` section of
+`TrainingArguments.deepspeed` (NOTE [ One DeepSpeed config for both adapters ] in ds_config.py). The Trainer methods
+that ODB owns are in trainer.py.
 """
 
 from __future__ import annotations
 
 import functools
-import inspect
 import weakref
 from typing import Any
 
 from transformers import Trainer, TrainerCallback
 
+from odb_core.settings import ODBSettings, combine, read_settings
 from odb_hf import ds_config
-from odb_hf.arguments import ODBSetupError, check_trainer, validate_options
-from odb_hf.checkpoint import save_loader_state
-from odb_hf.trainer import ODBRun, ODBTrainerMixin
-
-
-@functools.cache
-def with_odb(base: type) -> type:
-    """`base` with `ODBTrainerMixin` first in its MRO (one class per base, so repeated use adds no classes)."""
-    return type(f"ODB{base.__name__}", (ODBTrainerMixin, base), {"__module__": __name__})
+from odb_hf.arguments import CALLBACK, ODBSetupError
+from odb_hf.attach import attach_odb, initialising_trainer
+from odb_hf.checkpoint import DataPosition, save_loader_state
+from odb_hf.trainer import ODBRun
 
 
 def _when_on(event: Any) -> Any:
     """The event, or nothing when the DeepSpeed config's `odb.enabled` turned the callback off."""
     return functools.wraps(event)(lambda self, *args, **kwargs: event(self, *args, **kwargs) if self.enabled else None)
-
-
-def _initialising_trainer(callback: TrainerCallback) -> Trainer | None:
-    """The Trainer whose `__init__` is dispatching an event to `callback`, found up the call stack."""
-    frame = inspect.currentframe()
-    try:
-        while frame is not None:
-            owner = frame.f_locals.get("self")
-            handler = getattr(owner, "callback_handler", None)
-            if isinstance(owner, Trainer) and handler is not None and callback in handler.callbacks:
-                return owner
-            frame = frame.f_back
-        return None
-    finally:
-        del frame
 
 
 class ODBCallback(TrainerCallback):
@@ -70,49 +44,63 @@ class ODBCallback(TrainerCallback):
 
     def __init__(self, token_budget: int, *, estimate_sample_size: int = 512, length_slack: float = 0.25,
                  **options: Any) -> None:
-        validate_options(token_budget, options)
-        if not length_slack >= 0 or estimate_sample_size < 1:
-            raise ValueError(f"length_slack={length_slack} must be >= 0 and estimate_sample_size="
-                             f"{estimate_sample_size} >= 1")
-        self.token_budget, self.options = token_budget, dict(options)
-        self.estimate_sample_size, self.length_slack = estimate_sample_size, length_slack
-        self.enabled = True  # False only from a DeepSpeed config with odb.enabled=false (from_deepspeed_config)
+        self.settings = read_settings({"token_budget": token_budget, "estimate_sample_size": estimate_sample_size,
+                                       "length_slack": length_slack, **options}, CALLBACK)
         self._trainer: weakref.ref[Trainer] | None = None
+        self.position = DataPosition()  # where train() resumes the data from (checkpoint.py)
+        self.run: ODBRun | None = None  # the latest get_train_dataloader()'s loader, view and meter
+
+    @classmethod
+    def from_settings(cls, settings: ODBSettings, **options: Any) -> ODBCallback:
+        """A callback for settings read elsewhere (a DeepSpeed `odb` section, LLaMA-Factory's `odb_*` keys) plus
+        `ODBCallback` options; a field set in both must be equal. Their `ODBConfig` is the one the loader gets."""
+        callback = cls(**{"token_budget": settings.config.token_budget, **options})
+        callback.settings = combine(callback.settings, settings)
+        return callback
 
     @classmethod
     def from_deepspeed_config(cls, source: Any, **kwargs: Any) -> ODBCallback:
         """The settings of the `odb` section of `source` (TrainingArguments, or a DeepSpeed config dict or path);
         `kwargs`: other `ODBCallback` arguments. `"enabled": false` gives a callback that leaves the Trainer as is."""
-        found = ds_config.callback_arguments(source, kwargs)
-        callback = cls(**found.kwargs)
-        callback.enabled = found.enabled
-        return callback
+        return cls.from_settings(ds_config.read_section(source, required=True), **kwargs)
+
+    @property
+    def enabled(self) -> bool:
+        """False only for a callback from a DeepSpeed config with `odb.enabled=false`: it changes nothing."""
+        return self.settings.enabled
+
+    @property
+    def attached(self) -> bool:
+        """Whether the callback attached to a Trainer (which may be gone since): odb_llamafactory checks it."""
+        return self._trainer is not None
+
+    @property
+    def trainer(self) -> Trainer | None:
+        """The Trainer this callback attached to; None before, or once that Trainer is collected."""
+        return self._trainer() if self._trainer is not None else None
 
     def attach(self, trainer: Trainer) -> Trainer:
         """Make `trainer` use ODB (done automatically when passed in `Trainer(callbacks=[...])`)."""
         self._trainer = weakref.ref(trainer)
-        if not ds_config.resolve(self, trainer):
+        settings = ds_config.resolve(self.settings, trainer)
+        if settings is None:
             return trainer  # odb.enabled is false in the DeepSpeed config: ODB is off
-        check_trainer(trainer)
-        if not isinstance(trainer, ODBTrainerMixin):
-            trainer.__class__ = with_odb(type(trainer))
-        trainer._odb_callback = self
+        self.settings = settings
+        attach_odb(trainer, self)
         if self not in trainer.callback_handler.callbacks:
             trainer.add_callback(self)
         return trainer
 
     def _run(self) -> ODBRun:
-        trainer = self._trainer() if self._trainer is not None else None
-        run = getattr(trainer, "_odb_run", None)
-        if run is None:
+        if self.run is None:
             raise ODBSetupError("ODBCallback is not attached to this Trainer (added after construction?); pass it "
                                 "in Trainer(callbacks=[...]) or call ODBCallback(...).attach(trainer) before train()")
-        return run
+        return self.run
 
     # -- events --------------------------------------------------------------------------------------------
     def on_init_end(self, args, state, control, **kwargs):
         if self._trainer is None:
-            trainer = _initialising_trainer(self)
+            trainer = initialising_trainer(self)
             if trainer is None:
                 raise ODBSetupError("ODBCallback could not find the Trainer being built; call "
                                     "ODBCallback(...).attach(trainer) after constructing it")
@@ -121,7 +109,7 @@ class ODBCallback(TrainerCallback):
     @_when_on
     def on_train_begin(self, args, state, control, **kwargs):
         planned = self._run().view.plan.planned_steps
-        trainer = self._trainer()
+        trainer = self.trainer
         ds_config.check_engine(trainer)
         if args.world_size > 1 and not trainer.is_fsdp_enabled and trainer.model_wrapped is trainer.model:
             raise ODBSetupError("the model is not wrapped for data-parallel training, so gradients would not be "
@@ -134,7 +122,7 @@ class ODBCallback(TrainerCallback):
     @_when_on
     def on_step_end(self, args, state, control, **kwargs):
         run = self._run()
-        info, estimate = run.last, run.view.plan.estimate
+        info, estimate = run.meter.last, run.view.plan.estimate
         if info is None or estimate is None:
             return
         state.epoch = info.epoch + min((info.step + 1) / estimate, 1.0)

@@ -1,20 +1,60 @@
 """ODB's data position in Trainer checkpoints: `odb_loader_rank{r}.json` (the loader's `state_dict()`) per rank.
 
-Written at every save beside the Trainer's own files; read before the first batch of a resumed `train()`.
+Written at every save beside the Trainer's own files; read before the first batch of a resumed `train()`. With
+`ignore_data_skip=False` (the default) the Trainer asks for the exact data position: ODB restores it from its own
+state and sets `ignore_data_skip=True`, with a warning, so that the Trainer does not skip batches a second time.
+A user's own `ignore_data_skip=True` is honoured: no restore, the checkpoint's epoch restarts from its beginning.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
+from dataclasses import dataclass
 from typing import Any
 
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+from transformers import TrainingArguments
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
 from odb_core.loader import ODBDataLoader
 from odb_hf.arguments import ODBSetupError
 
 LOADER_STATE = "odb_loader_rank{rank}.json"
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class DataPosition:
+    """Where the current `train()` resumes the data from (`resume_from`, None: the start), per Trainer."""
+
+    resume_from: str | None = None
+    flipped_data_skip: bool = False  # ODB set args.ignore_data_skip (a later resume still restores)
+
+    def start(self, args: TrainingArguments, resume_from_checkpoint: str | bool | None) -> None:
+        """At `train(resume_from_checkpoint)`, before the Trainer builds the dataloader."""
+        restore = bool(resume_from_checkpoint) and (not args.ignore_data_skip or self.flipped_data_skip)
+        if restore and not args.ignore_data_skip:
+            logger.warning("ODB restores the exact data position from the checkpoint's odb_loader_rank*.json; "
+                           "setting ignore_data_skip=True so the Trainer does not skip batches a second time")
+            args.ignore_data_skip = self.flipped_data_skip = True
+        self.resume_from = None
+        if restore:
+            self.resume_from = (get_last_checkpoint(args.output_dir) if resume_from_checkpoint is True
+                                else str(resume_from_checkpoint))
+
+    def restore(self, loader: ODBDataLoader) -> bool:
+        """Load the saved position into a new `loader`; False when this `train()` does not resume."""
+        if self.resume_from is None:
+            return False
+        path = os.path.join(self.resume_from, LOADER_STATE.format(rank=loader.transport.rank))
+        if not os.path.isfile(path):
+            raise ODBSetupError(f"{path} is missing: the checkpoint was not written by an ODB run with this world "
+                                "size, so the data position cannot be restored; pass ignore_data_skip=True to "
+                                "restart the checkpoint's epoch from its beginning instead")
+        with open(path) as f:
+            loader.load_state_dict(json.load(f))
+        return True
 
 
 def save_loader_state(loader: ODBDataLoader, output_dir: str, global_step: int) -> None:
@@ -22,13 +62,3 @@ def save_loader_state(loader: ODBDataLoader, output_dir: str, global_step: int) 
     os.makedirs(folder, exist_ok=True)
     with open(os.path.join(folder, LOADER_STATE.format(rank=loader.transport.rank)), "w") as f:
         json.dump(loader.state_dict(), f)
-
-
-def read_loader_state(checkpoint: str, rank: int) -> dict[str, Any]:
-    path = os.path.join(checkpoint, LOADER_STATE.format(rank=rank))
-    if not os.path.isfile(path):
-        raise ODBSetupError(f"{path} is missing: the checkpoint was not written by an ODB run with this world "
-                            "size, so the data position cannot be restored; pass ignore_data_skip=True to "
-                            "restart the checkpoint's epoch from its beginning instead")
-    with open(path) as f:
-        return json.load(f)

@@ -17,19 +17,19 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import Trainer
-from transformers.trainer_utils import get_last_checkpoint
 
 from odb_core.loader import ODBDataLoader
 from odb_core.loss import TokenLossScale, causal_lm_loss_sum, step_normalizer
-from odb_core.step_info import StepInfo
-from odb_hf.arguments import ODBSetupError, check_collator_keeps_labels, loader_kwargs
-from odb_hf.checkpoint import read_loader_state
+from odb_hf.arguments import ODBSetupError, build_loader, check_collator_keeps_labels
 from odb_hf.epochs import TrainerEpochView, plan_epochs
 from odb_hf.metrics import StepMeter
+
+if TYPE_CHECKING:
+    from odb_hf.callback import ODBCallback
 
 logger = logging.getLogger(__name__)
 
@@ -44,42 +44,34 @@ def _is_arrow_dataset(dataset: Any) -> bool:
 
 @dataclass(slots=True)
 class ODBRun:
-    """One `train()` call's ODB objects."""
+    """One `get_train_dataloader()`'s ODB objects: the loader, the Trainer's view of it, and the log meter."""
 
     loader: ODBDataLoader
     view: TrainerEpochView
     meter: StepMeter
-    last: StepInfo | None = None
 
 
 class ODBTrainerMixin:
     """Put first in the bases of a Trainer class (`class T(ODBTrainerMixin, SFTTrainer)`), with an `ODBCallback`.
 
-    `ODBCallback` mixes this class in by itself; subclass it only to make the ODB trainer class explicit.
+    `ODBCallback` mixes this class in by itself; subclass it only to make the ODB trainer class explicit. ODB's state
+    is `self.odb`, the attached `ODBCallback` (its settings, the data position, the current `ODBRun`).
     """
 
-    _odb_owns_data = True  # arguments.check_trainer: these overrides of the data methods are ODB's own
+    odb: ODBCallback | None = None  # set on the instance when an ODBCallback attaches (attach.py)
+    odb_owns_data = True  # arguments.check_trainer: this class's overrides of the data methods are ODB's own
 
-    def _odb(self) -> Any:
-        callback = getattr(self, "_odb_callback", None)
-        if callback is None:
+    def _odb(self) -> ODBCallback:
+        if self.odb is None:
             raise ODBSetupError(f"{type(self).__name__} mixes in ODB but has no ODBCallback; pass "
                                 "callbacks=[ODBCallback(token_budget=...)] to the Trainer")
-        return callback
+        return self.odb
+
+    def _odb_run(self) -> ODBRun | None:
+        return self.odb.run if self.odb is not None else None
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
-        # ignore_data_skip=False (the default) asks for the exact data position: ODB restores it from its own
-        # state, and the flag is flipped so that the Trainer does not skip batches a second time.
-        restore = bool(resume_from_checkpoint) and (not self.args.ignore_data_skip
-                                                    or getattr(self, "_odb_flipped_data_skip", False))
-        if restore and not self.args.ignore_data_skip:
-            logger.warning("ODB restores the exact data position from the checkpoint's odb_loader_rank*.json; "
-                           "setting ignore_data_skip=True so the Trainer does not skip batches a second time")
-            self.args.ignore_data_skip = self._odb_flipped_data_skip = True
-        self._odb_resume_dir = None
-        if restore:
-            self._odb_resume_dir = (get_last_checkpoint(self.args.output_dir) if resume_from_checkpoint is True
-                                    else str(resume_from_checkpoint))
+        self._odb().position.start(self.args, resume_from_checkpoint)  # checkpoint.py: ODB's data position
         return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def get_train_dataloader(self) -> TrainerEpochView:
@@ -92,21 +84,18 @@ class ODBTrainerMixin:
         else:
             collator = self._get_collator_with_removed_columns(collator, description="training")
         check_collator_keeps_labels(collator, dataset)
-        loader = ODBDataLoader(dataset, collate_fn=collator, **loader_kwargs(self.args, odb.token_budget, odb.options))
-        resumed = getattr(self, "_odb_resume_dir", None) is not None
-        if resumed:
-            loader.load_state_dict(read_loader_state(self._odb_resume_dir, loader.transport.rank))
+        loader = build_loader(self.args, dataset, collator, odb.settings)
+        resumed = odb.position.restore(loader)
+        extras = odb.settings.extras
         plan = plan_epochs(loader, max_steps=self.args.max_steps, num_train_epochs=self.args.num_train_epochs,
-                           slack=odb.length_slack, sample_size=odb.estimate_sample_size)
-        meter = StepMeter(token_budget=odb.token_budget, world_size=loader.transport.world_size,
-                          accumulation_steps=self.args.gradient_accumulation_steps,
-                          patch_budget=loader.config.max_patches or 0)
-        self._odb_run = ODBRun(loader=loader, view=TrainerEpochView(loader, plan, resumed=resumed), meter=meter)
-        return self._odb_run.view
+                           slack=extras["length_slack"], sample_size=extras["estimate_sample_size"])
+        view = TrainerEpochView(loader, plan, resumed=resumed)
+        odb.run = ODBRun(loader=loader, view=view, meter=StepMeter(loader))
+        return view
 
     def get_batch_samples(self, epoch_iterator: Iterator[Any], num_batches: int,
                           device: torch.device) -> tuple[list, torch.Tensor | None]:
-        run = getattr(self, "_odb_run", None)
+        run = self._odb_run()
         if run is None:
             return super().get_batch_samples(epoch_iterator, num_batches, device)
         batches = [batch for _, batch in zip(range(num_batches), epoch_iterator)]
@@ -120,12 +109,11 @@ class ODBTrainerMixin:
                                f"{self.args.gradient_accumulation_steps}; the loader and the Trainer disagree")
         for info in infos:
             run.meter.add(info)
-        run.last = infos[-1]
         return batches, torch.tensor(step_normalizer(infos[0].window_tokens), device=device)
 
     def compute_loss(self, model: torch.nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
                      num_items_in_batch: torch.Tensor | int | None = None) -> Any:
-        if getattr(self, "_odb_run", None) is None or not model.training or num_items_in_batch is None:
+        if self._odb_run() is None or not model.training or num_items_in_batch is None:
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         if "labels" not in inputs:
             raise ODBSetupError(f"a training batch has no 'labels' (keys {sorted(inputs)}); ODB's exact loss "
@@ -140,7 +128,7 @@ class ODBTrainerMixin:
         return (loss, outputs) if return_outputs else loss
 
     def create_scheduler(self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None) -> Any:
-        run = getattr(self, "_odb_run", None)
+        run = self._odb_run()
         planned = run.view.plan.planned_steps if run is not None else None
         if planned is not None and self.lr_scheduler is None:
             logger.info(f"ODB: LR schedule over the estimated {planned} optimizer steps (the Trainer's "
@@ -149,7 +137,7 @@ class ODBTrainerMixin:
         return super().create_scheduler(num_training_steps, optimizer)
 
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
-        run = getattr(self, "_odb_run", None)
+        run = self._odb_run()
         if run is not None and "loss" in logs:
             logs = {**logs, **run.meter.flush()}
         super().log(logs, *args, **kwargs)

@@ -5,21 +5,21 @@
     odb_join: true            # any other ODBConfig field as odb_<field>, e.g. odb_cost, odb_window, odb_max_batch_size
     odb_length_slack: 0.25    # ODBCallback's estimate_sample_size / length_slack
 
-LLaMA-Factory's parser rejects keys it does not know, so they must be gone before it runs. Settings that have
-a LLaMA-Factory/Trainer source keep that one source (one name per concept): gradient_accumulation_steps,
-seed/data_seed, disable_shuffling, dataloader_num_workers. `odb_max_patches` is refused: it could not act here
-(NO_EFFECT says why). This module imports only odb_core.
+LLaMA-Factory's parser rejects keys it does not know, so they must be gone before it runs. They are validated by
+the core's settings parser (`odb_core.settings.read_settings` with `LLAMAFACTORY` below) into `ODBSettings`, whose
+`ODBConfig` the workflow hands to `ODBCallback.from_settings`. Settings that have a LLaMA-Factory/Trainer source
+keep that one source (one name per concept): gradient_accumulation_steps, seed/data_seed, disable_shuffling,
+dataloader_num_workers. `odb_max_patches` is refused: it could not act here (NO_EFFECT says why). This module
+imports only odb_core.
 """
 
 from __future__ import annotations
 
-import difflib
 import warnings
 from collections.abc import Mapping, MutableMapping
-from dataclasses import dataclass, fields
 from typing import Any
 
-from odb_core.config import ODBConfig
+from odb_core.settings import EPOCH_LENGTH_KEYS, ODBSettings, SettingsSource, read_settings
 
 PREFIX = "odb_"
 SWITCH = "odb"
@@ -29,38 +29,19 @@ OWNED_ELSEWHERE = {"accumulation_steps": "gradient_accumulation_steps", "seed": 
 NO_EFFECT = {"max_patches": "LLaMA-Factory's samples hold image paths and its collator computes pixel_values only "
                             "after ODB has grouped them, so ODB sees no patches to cap. The template expands each "
                             "image into its visual tokens in input_ids, so odb_token_budget counts them already"}
-CONFIG_KEYS = tuple(f.name for f in fields(ODBConfig) if f.name not in OWNED_ELSEWHERE and f.name not in NO_EFFECT)
-CALLBACK_KEYS = ("estimate_sample_size", "length_slack")
-ALLOWED_KEYS = (SWITCH, *(PREFIX + k for k in CONFIG_KEYS + CALLBACK_KEYS))
 
 
 class ODBConfigError(ValueError):
     """An `odb*` key, or a LLaMA-Factory setting combined with `odb: true`, that ODB cannot run with."""
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class ODBSettings:
-    """Validated `odb*` keys. `config` holds the ODBConfig fields set (token_budget included)."""
-
-    enabled: bool
-    config: Mapping[str, Any]
-    callback: Mapping[str, Any]
-
-    @property
-    def token_budget(self) -> int:
-        return self.config["token_budget"]
-
-
-def _unknown_key_error(key: str) -> ODBConfigError:
-    field = key.removeprefix(PREFIX)
-    if field in OWNED_ELSEWHERE:
-        return ODBConfigError(f"{key} is not an odb key: LLaMA-Factory's {OWNED_ELSEWHERE[field]} sets it, so that "
-                              "both always agree; remove it")
-    if field in NO_EFFECT:
-        return ODBConfigError(f"{key} would have no effect under LLaMA-Factory: {NO_EFFECT[field]}; remove it")
-    close = difflib.get_close_matches(key, ALLOWED_KEYS, n=1)
-    hint = f" (did you mean {close[0]!r}?)" if close else ""
-    return ODBConfigError(f"unknown key {key!r}{hint}; the allowed odb keys are {list(ALLOWED_KEYS)}")
+LLAMAFACTORY = SettingsSource(
+    where="the LLaMA-Factory config", prefix=PREFIX, switch=SWITCH, keys=EPOCH_LENGTH_KEYS,
+    refused={**{field: f"is not an odb key: LLaMA-Factory's {owner} sets it, so that both always agree; remove it"
+                for field, owner in OWNED_ELSEWHERE.items()},
+             **{field: f"would have no effect under LLaMA-Factory: {why}; remove it" for field, why in NO_EFFECT.items()}},
+    error=ODBConfigError, key_error=ODBConfigError)
+ALLOWED_KEYS = LLAMAFACTORY.allowed_keys
 
 
 def pop_odb_settings(config: MutableMapping[str, Any]) -> ODBSettings | None:
@@ -72,40 +53,11 @@ def pop_odb_settings(config: MutableMapping[str, Any]) -> ODBSettings | None:
     keys = [k for k in config if k == SWITCH or str(k).startswith(PREFIX)]
     if not keys:
         return None
-    raw = {k: config.pop(k) for k in keys}
-    for key in raw:
-        if key not in ALLOWED_KEYS:
-            raise _unknown_key_error(key)
-    if SWITCH not in raw:
-        raise ODBConfigError(f"{sorted(raw)} given without 'odb': add odb: true to train with ODB "
-                             "(or odb: false to keep the settings and train without it)")
-    if not isinstance(raw[SWITCH], bool):
-        raise ODBConfigError(f"odb={raw[SWITCH]!r} is invalid: set it to true or false")
-    values = {k.removeprefix(PREFIX): v for k, v in raw.items() if k != SWITCH}
-    if raw[SWITCH] and "token_budget" not in values:
-        raise ODBConfigError("odb_token_budget is required with odb: true: the token budget of one micro-batch "
-                             "on one rank, e.g. odb_token_budget: 8192")
-    config_values = {k: v for k, v in values.items() if k in CONFIG_KEYS}
-    try:  # with odb: false and no budget, a placeholder budget lets the other values be checked
-        ODBConfig(**{"token_budget": 1, **config_values})
-    except ValueError as exc:
-        raise ODBConfigError(PREFIX + str(exc).removeprefix("ODBConfig.")) from exc
-    callback = {k: v for k, v in values.items() if k in CALLBACK_KEYS}
-    _check_callback_values(callback)
-    return ODBSettings(enabled=raw[SWITCH], config=config_values, callback=callback)
-
-
-def _check_callback_values(callback: Mapping[str, Any]) -> None:
-    size = callback.get("estimate_sample_size", 1)
-    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
-        raise ODBConfigError(f"odb_estimate_sample_size={size!r} is invalid: it must be an int >= 1")
-    slack = callback.get("length_slack", 0.0)
-    if not isinstance(slack, int | float) or isinstance(slack, bool) or slack < 0:
-        raise ODBConfigError(f"odb_length_slack={slack!r} is invalid: it must be a number >= 0")
+    return read_settings({k: config.pop(k) for k in keys}, LLAMAFACTORY)
 
 
 def check_compatible(config: Mapping[str, Any], settings: ODBSettings) -> None:
-    """Refuse LLaMA-Factory settings that ODB cannot honour (config is the dict without odb keys)."""
+    """Refuse LLaMA-Factory settings that ODB cannot honour (config is the dict without odb keys; settings enabled)."""
     stage = config.get("stage", "sft")
     if stage != "sft":
         raise ODBConfigError(f"odb: true supports stage: sft only (got stage: {stage}); ODB's exact loss and "
@@ -125,9 +77,8 @@ def check_compatible(config: Mapping[str, Any], settings: ODBSettings) -> None:
     if config.get("disable_shuffling") and config.get("train_sampling_strategy", "sequential") != "sequential":
         raise ODBConfigError(f"disable_shuffling: true contradicts train_sampling_strategy: "
                              f"{config['train_sampling_strategy']}; keep one of them")
-    cutoff = config.get("cutoff_len", 2048)  # LLaMA-Factory's default
-    if isinstance(cutoff, int) and cutoff > settings.token_budget:
-        policy = settings.config.get("oversize", "alone")
-        warnings.warn(f"odb_token_budget={settings.token_budget} is below cutoff_len={cutoff}: a sample longer than "
+    cutoff, budget, policy = config.get("cutoff_len", 2048), settings.config.token_budget, settings.config.oversize
+    if isinstance(cutoff, int) and cutoff > budget:  # 2048: LLaMA-Factory's default cutoff_len
+        warnings.warn(f"odb_token_budget={budget} is below cutoff_len={cutoff}: a sample longer than "
                       f"the budget {'runs alone in its own micro-batch' if policy == 'alone' else 'raises'} "
                       f"(odb_oversize: {policy})", stacklevel=2)

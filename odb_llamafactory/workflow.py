@@ -4,11 +4,14 @@ NOTE [ Which trainer LLaMA-Factory builds ]
 `llamafactory/train/sft/workflow.py::run_sft` builds `CustomSeq2SeqTrainer` by its module-global name, with the
 template's collator and the tokenized dataset. `ODBSeq2SeqTrainer` below is that class with odb_hf's
 `ODBTrainerMixin` first in its MRO; for the duration of one `run_exp` call the workflow module's global name
-points to it (restored afterwards, also on error). The `ODBCallback` passed in the callbacks then attaches as in
-any Trainer: ODB owns the training dataloader, and the loss is normalised by the step's supervised tokens over
-all ranks and accumulation micro-batches (odb_hf NOTE [ Exact loss under the HF Trainer ]).
+points to it (restored afterwards, also on error). The `ODBCallback` passed in the callbacks, built by
+`ODBCallback.from_settings` from the validated `odb_*` keys (their `ODBConfig` is the one the loader gets), then
+attaches as in any Trainer (odb_hf NOTE [ Attaching ODB to a Trainer ]): ODB owns the training dataloader, and the
+loss is normalised by the step's supervised tokens over all ranks and accumulation micro-batches (odb_hf NOTE
+[ Exact loss under the HF Trainer ]). `callback.attached` tells whether it took effect.
 CustomSeq2SeqTrainer overrides `_get_train_sampler` only for `disable_shuffling`, which ODB honours itself
-(`train_sampling_strategy: sequential`, set by the launcher), so `ODBSeq2SeqTrainer` declares that ODB owns it.
+(`train_sampling_strategy: sequential`, set by the launcher), so `ODBSeq2SeqTrainer` declares that ODB owns it
+(`odb_owns_data = True`).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from llamafactory.train.tuner import run_exp
 from transformers import TrainerCallback
 
 from odb_hf import ODBCallback, ODBTrainerMixin
-from odb_llamafactory.settings import ODBSettings
+from odb_core.settings import ODBSettings
 
 PAD_MULTIPLE = 8  # run_sft builds its collator with pad_to_multiple_of=8 when training
 
@@ -32,7 +35,7 @@ PAD_MULTIPLE = 8  # run_sft builds its collator with pad_to_multiple_of=8 when t
 class ODBSeq2SeqTrainer(ODBTrainerMixin, CustomSeq2SeqTrainer):
     """LLaMA-Factory's SFT trainer with ODB batches and exact token-weighted loss (needs an `ODBCallback`)."""
 
-    _odb_owns_data = True  # odb_hf.arguments.check_trainer: this class's data-method overrides are ODB's own
+    odb_owns_data = True  # odb_hf.arguments.check_trainer: this class's data-method overrides are ODB's own
 
     def _get_train_sampler(self, *args: Any, **kwargs: Any) -> None:
         raise RuntimeError("ODB shards and orders the training data itself; no training sampler is used")
@@ -60,11 +63,9 @@ def odb_sft_trainer() -> Iterator[None]:
 
 
 def build_callback(settings: ODBSettings, observer: Any = None) -> ODBCallback:
-    """The `ODBCallback` for validated settings; `observer` receives every yielded `StepInfo`."""
-    config = dict(settings.config)
-    token_budget = config.pop("token_budget")
-    length_fn = CollatorPaddedLength() if config.get("cost", "padded") != "tokens" else None
-    return ODBCallback(token_budget, **settings.callback, **config, length_fn=length_fn, observer=observer)
+    """The `ODBCallback` for validated, enabled settings; `observer` receives every yielded `StepInfo`."""
+    length_fn = CollatorPaddedLength() if settings.config.cost != "tokens" else None
+    return ODBCallback.from_settings(settings, **settings.extras, length_fn=length_fn, observer=observer)
 
 
 def run(config: dict[str, Any], settings: ODBSettings | None, callbacks: Sequence[TrainerCallback] = (),
@@ -76,5 +77,5 @@ def run(config: dict[str, Any], settings: ODBSettings | None, callbacks: Sequenc
     callback = build_callback(settings, observer)
     with odb_sft_trainer():
         run_exp(args=config, callbacks=[*callbacks, callback])
-    if getattr(callback, "_trainer", None) is None:  # run_sft always builds the trainer, training or not
+    if not callback.attached:  # run_sft always builds the trainer, training or not
         raise RuntimeError("odb: true had no effect: LLaMA-Factory ran without building its SFT Trainer")

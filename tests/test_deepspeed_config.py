@@ -27,9 +27,9 @@ def _config(**odb) -> dict:
 def test_example_config_parses_to_a_valid_odb_config():
     section = parse_odb_section(str(EXAMPLE))
     assert section is not None and section.enabled
-    config = section.odb_config(accumulation_steps=2)
+    config = section.derive(accumulation_steps=2)
     assert isinstance(config, ODBConfig) and config.token_budget == 16384 and config.accumulation_steps == 2
-    assert section.loader_kwargs(2)["shuffle"] is True
+    assert section.extras["shuffle"] is True
 
 
 def test_misspelled_key_is_rejected_naming_the_key_and_the_allowed_keys():
@@ -75,7 +75,7 @@ def test_config_loads_from_a_file_path_and_base64_like_deepspeed(tmp_path):
     path.write_text(json.dumps(_config(cost="tokens")))
     encoded = base64.urlsafe_b64encode(json.dumps(_config(cost="tokens")).encode()).decode()
     for source in (path, str(path), encoded):
-        assert parse_odb_section(source).config == {"token_budget": 4096, "cost": "tokens"}
+        assert parse_odb_section(source).given == {"token_budget": 4096, "cost": "tokens"}
 
 
 def test_odb_section_is_removed_from_a_copy_only():

@@ -115,7 +115,7 @@ def test_loader_counts_real_samples_and_tokens_and_writes_them_to_the_monitor(sm
         assert isinstance(batch, ODBBatch)
         seen += batch.info.indices
         engine.step()
-    counts, metrics = loader.consumed, loader.odb.metrics
+    counts, metrics = loader.consumed, loader.odb.metrics.counts
     assert sorted(seen) == list(range(len(small_dataset))) and counts.samples == len(small_dataset)
     assert counts.optimizer_steps == engine.global_steps == counts.micro_batches // 2
     assert (counts.supervised_tokens, counts.input_tokens) == (metrics.global_supervised_tokens,
@@ -134,3 +134,31 @@ def test_loader_refuses_to_continue_when_deepspeed_window_is_out_of_step(small_d
     next(batches)  # the loop forgot engine.step() for this micro-batch
     with pytest.raises(RuntimeError, match="engine.step\\(\\) once per yielded batch"):
         next(batches)
+
+
+def test_counts_resume_from_a_version_1_state_and_are_saved_in_the_same_format(small_dataset):
+    """A state written before the counts were `StepCounts` (version 1: these keys) loads, and is written back the same."""
+    def fresh() -> DeepSpeedODBLoader:
+        return DeepSpeedODBLoader(ODBDataLoader(small_dataset, token_budget=2048, accumulation_steps=2),
+                                  StubEngine(dp_world_size=1))
+
+    loader = fresh()
+    batches = iter(loader)
+    for _ in range(3):  # one optimizer step and one micro-batch of the next
+        next(batches)
+        loader.engine.step()
+    state = loader.state_dict()
+    assert state["version"] == 1 and set(state) == {"version", "odb", "consumed", "window"}
+    assert state["window"]["samples"] > 0 and state["consumed"]["optimizer_steps"] == 1
+    old = {"version": 1, "odb": state["odb"],
+           "consumed": {"optimizer_steps": 3, "micro_batches": 7, "idle_micro_batches": 1, "samples": 20,
+                        "supervised_tokens": 500, "input_tokens": 600},
+           "window": {"samples": 2, "supervised_tokens": 30, "input_tokens": 40}}
+    for saved in (state, old):
+        resumed = fresh()
+        resumed.load_state_dict(saved)
+        assert dataclasses.asdict(resumed.consumed) == saved["consumed"]
+        assert {k: v for k, v in resumed.state_dict().items() if k != "odb"} == {k: v for k, v in saved.items()
+                                                                                 if k != "odb"}
+    with pytest.raises(ValueError, match="unexpected keys"):
+        fresh().load_state_dict({**old, "extra": 1})

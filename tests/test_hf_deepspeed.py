@@ -70,8 +70,9 @@ def test_misspelled_key_in_the_odb_section_of_training_arguments_raises_before_t
 
 def test_from_deepspeed_config_takes_the_shipped_config_file_settings(tmp_path):
     callback = ODBCallback.from_deepspeed_config(str(CONFIG))
-    assert callback.enabled and callback.token_budget == 16384
-    assert callback.options == {"cost": "padded", "join": True, "seed": 0}  # shuffle/num_workers: loader keys
+    assert callback.enabled and callback.settings.config.token_budget == 16384
+    assert callback.settings.given == {"token_budget": 16384, "cost": "padded", "join": True, "seed": 0}
+    assert not callback.settings.extras.keys() & {"shuffle", "num_workers"}  # the section's loader keys
     args = make_args(tmp_path, str(CONFIG))
     trainer = build(args, ODBCallback.from_deepspeed_config(args))
     assert trainer.is_deepspeed_enabled and isinstance(trainer, ODBTrainerMixin)
@@ -81,7 +82,7 @@ def test_callback_adopts_the_section_settings_it_leaves_unset(tmp_path):
     callback = ODBCallback(token_budget=16384, window=32)
     trainer = build(make_args(tmp_path, ds_config(cost="tokens")), callback)
     assert isinstance(trainer, ODBTrainerMixin)
-    assert callback.options == {"cost": "tokens", "join": True, "seed": 0, "window": 32}
+    assert callback.settings.given == {"token_budget": 16384, "cost": "tokens", "join": True, "seed": 0, "window": 32}
 
 
 def test_a_setting_in_both_the_callback_and_the_section_must_be_equal(tmp_path):
@@ -90,7 +91,7 @@ def test_a_setting_in_both_the_callback_and_the_section_must_be_equal(tmp_path):
         build(args, ODBCallback(token_budget=1024))
     with pytest.raises(ODBSetupError, match=r"window=8 in ODBCallback but odb.window=16"):
         ODBCallback.from_deepspeed_config(args, window=8)
-    assert ODBCallback.from_deepspeed_config(args, window=16, observer=print).options["window"] == 16
+    assert ODBCallback.from_deepspeed_config(args, window=16, observer=print).settings.given["window"] == 16
 
 
 def test_section_shuffle_and_num_workers_must_agree_with_training_arguments(tmp_path):
@@ -107,7 +108,7 @@ def test_disabled_section_turns_odb_off_for_a_callback_built_from_the_config(tmp
     callback = ODBCallback.from_deepspeed_config(args)
     with caplog.at_level(logging.WARNING, logger="odb_hf.ds_config"):
         trainer = build(args, callback)
-    assert type(trainer) is Trainer and not hasattr(trainer, "_odb_callback") and not callback.enabled
+    assert type(trainer) is Trainer and not hasattr(trainer, "odb") and not callback.enabled
     assert "ODB is off: odb.enabled is false" in caplog.text
     control = SimpleNamespace(should_training_stop=False, should_epoch_stop=False)
     for event in ("on_train_begin", "on_step_end", "on_epoch_end", "on_save", "on_train_end"):

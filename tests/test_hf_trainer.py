@@ -186,7 +186,7 @@ def test_custom_sampler_and_odb_owned_options_raise(chat_data, tmp_path):
         make_trainer(tmp_path, chat_data.train[:8], [ODBCallback(token_budget=512)], SamplerTrainer)
     with pytest.raises(TypeError, match="gradient_accumulation_steps"):
         ODBCallback(token_budget=512, accumulation_steps=4)
-    with pytest.raises(TypeError, match="unknown options"):
+    with pytest.raises(TypeError, match="unknown option 'batch_size'"):
         ODBCallback(token_budget=512, batch_size=4)
     with pytest.raises(ValueError, match="token_budget"):
         ODBCallback(token_budget=0)
@@ -205,4 +205,4 @@ def test_collator_that_drops_labels_is_refused(chat_data, tmp_path):
 def test_ignored_batch_settings_warn(chat_data, tmp_path):
     with pytest.warns(UserWarning, match="per_device_train_batch_size=4 is ignored"):
         make_trainer(tmp_path, chat_data.train[:8], [ODBCallback(token_budget=512)], per_device_train_batch_size=4)
-    assert math.isclose(ODBCallback(token_budget=512).length_slack, 0.25)
+    assert math.isclose(ODBCallback(token_budget=512).settings.extras["length_slack"], 0.25)

@@ -15,9 +15,9 @@ def test_odb_keys_are_removed_so_llamafactory_never_sees_them():
               "odb_length_slack": 0.5}
     settings = pop_odb_settings(config)
     assert config == BASE
-    assert settings.enabled and settings.token_budget == 4096
-    assert settings.config == {"token_budget": 4096, "join": False, "cost": "tokens"}
-    assert settings.callback == {"length_slack": 0.5}
+    assert settings.enabled and settings.config.token_budget == 4096
+    assert settings.given == {"token_budget": 4096, "join": False, "cost": "tokens"}
+    assert settings.extras == {"length_slack": 0.5}
 
 
 def test_config_without_odb_keys_is_plain_llamafactory():
