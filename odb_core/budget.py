@@ -14,11 +14,13 @@ from odb_core.config import ODBConfig
 
 @dataclass(frozen=True, slots=True)
 class Item:
-    """What the planner knows of one buffered sample: its dataset index and observed cost facts."""
+    """What the planner knows of one buffered sample: its dataset index, observed cost facts, and the rank whose
+    stream read it (`owner`; global planning pools every rank's items, see NOTE [ Pooled rounds ])."""
 
     index: int
     length: int
     patches: int = 0
+    owner: int = 0
 
 
 class Constraint(ABC):

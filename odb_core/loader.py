@@ -24,13 +24,13 @@ from torch.utils.data import Sampler
 from odb_core.collate import CollateFn, PadCollator
 from odb_core.config import ODBConfig
 from odb_core.cursor import EpochCursor
-from odb_core.engine import RankEngine
 from odb_core.estimate import estimate_steps
 from odb_core.metrics import LoaderMetrics
 from odb_core.pipeline import EpochReport, EpochRun, RunContext
 from odb_core.prefetch import BackgroundIterator
 from odb_core.resume import MergedState, check_elastic, is_merged, remainder_plan
 from odb_core.round_log import RoundLog
+from odb_core.rounds import RoundsFactory, move_mode
 from odb_core.sample import LengthFn
 from odb_core.state import LoaderIdentity, LoaderState, RemainderSource
 from odb_core.step_info import ODBBatch, StepInfo
@@ -43,7 +43,7 @@ CONFIG_FIELDS = frozenset(f.name for f in fields(ODBConfig))
 WORKER_OPTIONS = frozenset({"persistent_workers", "multiprocessing_context", "pin_memory", "prefetch_factor",
                             "worker_init_fn", "generator"})
 FINGERPRINT = ("token_budget", "cost", "attention_alpha", "max_patches", "max_batch_size", "window", "join",
-               "accumulation_steps", "seed", "shuffle_steps")
+               "accumulation_steps", "planning", "seed", "shuffle_steps")
 
 
 def _split_options(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -121,7 +121,10 @@ class ODBDataLoader:
         self._stream = SampleStream(dataset, stream_options, rank=self.transport.rank,
                                     world_size=self.transport.world_size)
         self.sampler = self._stream.sampler
-        self._ctx = RunContext(engine_factory=lambda epoch: RankEngine(config, epoch), transport=self.transport,
+        move_mode(config, map_style=self._stream.size is not None)  # refuses move='fetch' for a stream, now
+        rounds = RoundsFactory(config=config, transport=self.transport, fetch=_LoaderCall(self._stream.fetch),
+                               map_style=self._stream.size is not None)
+        self._ctx = RunContext(rounds_factory=rounds, transport=self.transport,
                                collate_fn=collate_fn if collate_fn is not None else PadCollator(),
                                length_fn=length_fn, metrics=self.metrics,
                                fallback_dummy=_LoaderCall(self._stream.fallback_dummy),

@@ -2,7 +2,9 @@
 
 NOTE [ One round ]
   1. fill: read tagged samples until the window is full or the stream ends; check each (`SampleReader`);
-  2. plan + all_gather(RankState) + decide + adjust (`RankEngine`): exactly T ordered slots;
+  2. plan (`rounds.py`): rank-local, all_gather(RankState) + decide + adjust (`RankEngine`); global, also the
+     pooled items, the shared plan (`PooledEngine`, NOTE [ Pooled rounds ]) and the moved samples: exactly T
+     ordered slots on every rank;
   3. collate each slot (IDLE: the cached zero-weight dummy) and count its supervised/input tokens;
   4. all_reduce_sum of 6 ints per slot: global samples, supervised tokens, input tokens, cost, cost^2 and vision
      patches;
@@ -21,16 +23,15 @@ from typing import Any
 from odb_core.accumulation import AccumulationWindow
 from odb_core.alignment import Slot
 from odb_core.collate import CollateFn, padded_tokens, run_collate, supervised_tokens
-from odb_core.engine import RankEngine
 from odb_core.metrics import LoaderMetrics, cost_cv
 from odb_core.reader import SampleReader
 from odb_core.round_log import RoundLog
+from odb_core.rounds import RankRound, Rounds, sample_of
 from odb_core.sample import LengthFn, as_dummy, input_tokens
 from odb_core.state import ResumePoint, RoundStart
 from odb_core.step_info import STEP_SUM_FIELDS, ODBBatch, StepInfo
 from odb_core.stream import Chunk
 from odb_core.sync import Transport
-from odb_core.termination import RankState
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,7 +50,7 @@ class EpochReport:
 class RunContext:
     """Everything an epoch needs besides its data; shared by the epochs of one loader."""
 
-    engine_factory: Callable[[int], RankEngine]
+    rounds_factory: Callable[[int], Rounds]
     transport: Transport
     collate_fn: CollateFn
     length_fn: LengthFn | None
@@ -93,7 +94,8 @@ class EpochRun(Iterator[ODBBatch]):
     def __init__(self, ctx: RunContext, epoch: int, chunks: Iterator[Chunk], log: RoundLog,
                  resume: ResumePoint | None = None) -> None:
         self.ctx, self.epoch, self.log = ctx, epoch, log
-        self.engine = ctx.engine_factory(epoch)
+        self.rounds = ctx.rounds_factory(epoch)
+        self.engine = self.rounds.engine
         self.reader = SampleReader(chunks, ctx.length_fn, ctx.fallback_dummy)
         self.window: AccumulationWindow[_Built] = AccumulationWindow(self.engine.config.accumulation_steps)
         self.ready: deque[ODBBatch] = deque()
@@ -130,30 +132,32 @@ class EpochRun(Iterator[ODBBatch]):
         stats = self.ctx.transport.stats
         bytes_before, seconds_before = stats.bytes_sent, stats.seconds
         active = self.reader.fill(self.engine)
-        local = self.engine.start_round(active)
-        gathered = self.ctx.transport.all_gather(local.state.to_ints())
-        decision = self.engine.decide([RankState.from_ints(v) for v in gathered])
-        round_index = self.engine.round
-        adjustment = self.engine.finish_round(local, decision)
-        built = [self._build(slot) for slot in adjustment.slots]
+        first_step = self.engine.steps_done
+        planned = self.rounds.plan(active, self.reader.take)
+        if planned.owned_by_step is not None:
+            self.log.record_owned(first_step, planned.owned_by_step)
+        built = [self._build(slot, planned) for slot in planned.slots]
         reduced = self.ctx.transport.all_reduce_sum([x for b in built for x in b.as_ints()])
+        moved = planned.arrivals
         metrics.rounds += 1
-        metrics.splits += adjustment.n_split
-        metrics.pushed_back_groups += adjustment.n_pushed_back
-        metrics.sync_bytes += stats.bytes_sent - bytes_before
+        metrics.splits += planned.n_split
+        metrics.pushed_back_groups += planned.n_pushed_back
+        metrics.moved_samples += moved.samples if moved else 0
+        metrics.moved_bytes += moved.bytes_in if moved else 0
+        metrics.sync_bytes += stats.bytes_sent - bytes_before - (moved.bytes_out if moved else 0)
         metrics.sync_seconds += stats.seconds - seconds_before
-        first_step = self.engine.steps_done - len(built)
         for k, b in enumerate(built):
             totals = reduced[k * STEP_SUM_FIELDS : (k + 1) * STEP_SUM_FIELDS]
-            self._stage(b, totals, round_index, first_step + k)
+            self._stage(b, totals, planned.index, first_step + k)
         if self.engine.finished:
             self.log.end_epoch(self.engine.steps_done, metrics.snapshot())
 
-    def _build(self, slot: Slot) -> _Built:
+    def _build(self, slot: Slot, planned: RankRound) -> _Built:
         if slot is None:
             batch = run_collate(self.ctx.collate_fn, [as_dummy(self.reader.dummy_sample())], ())
             return _Built(batch=batch, indices=(), samples=0, tokens=0, input_tokens=0, padded=0, cost=0, patches=0)
-        samples = [self.reader.take(index) for index in slot.indices]
+        rank = self.ctx.transport.rank
+        samples = [sample_of(item, planned, rank, self.reader.take) for item in slot.items]
         batch = run_collate(self.ctx.collate_fn, samples, slot.indices)
         real = sum(input_tokens(s) for s in samples)
         return _Built(batch=batch, indices=slot.indices, samples=slot.size, tokens=supervised_tokens(batch, samples),

@@ -136,6 +136,7 @@ class Case:
     fault_after: int = 3
     stall_s: float = 30.0
     first_image: int | None = None  # an ImagesFromDataset from this index on (None: a plain LengthDataset)
+    planning: str = "global"
 
     def save(self, path: Path) -> None:
         path.write_text(json.dumps(asdict(self)))
@@ -162,7 +163,7 @@ def build_loader(case: Case, rank: int) -> Any:
         worker_options = {"multiprocessing_context": case.context, "persistent_workers": case.persistent_workers}
     return ODBDataLoader(dataset, token_budget=case.token_budget, join=case.join, num_workers=case.num_workers,
                          sampler=sampler, shuffle=case.shuffle, accumulation_steps=case.accumulation_steps,
-                         window=case.window, prefetch_steps=case.prefetch_steps,
+                         window=case.window, prefetch_steps=case.prefetch_steps, planning=case.planning,
                          sync_timeout_s=case.sync_timeout_s, **worker_options)
 
 
@@ -194,7 +195,8 @@ def _epochs(loader: Any, case: Case) -> list[dict[str, Any]]:
         report = loader.last_report
         epochs.append({"steps": steps, "sampler": [int(i) for i in loader.sampler],
                        "not_emitted": list(report.not_emitted), "report_steps": report.steps,
-                       "unread_chunks_remaining": report.unread_chunks_remaining})
+                       "unread_chunks_remaining": report.unread_chunks_remaining,
+                       "moved_samples": loader.metrics.moved_samples})
     return epochs
 
 

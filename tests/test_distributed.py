@@ -78,12 +78,15 @@ def emitted(rank_epoch: dict[str, Any]) -> list[int]:
 
 
 def assert_join_coverage(case: Case, ranks: list[dict[str, Any]]) -> None:
-    """G3: each rank emits exactly its sampler output (as a multiset) and reports nothing left behind."""
+    """G3: rank-local, each rank emits exactly its sampler output (as a multiset); global, the ranks together emit
+    exactly the union of their sampler outputs (samples move between ranks). Join reports nothing left behind."""
     for rank, r in enumerate(ranks):
-        assert Counter(emitted(r)) == Counter(r["sampler"]), f"rank {rank}: emitted != its sampler output"
+        if case.planning == "local":
+            assert Counter(emitted(r)) == Counter(r["sampler"]), f"rank {rank}: emitted != its sampler output"
         assert r["not_emitted"] == [], f"rank {rank}: join left {r['not_emitted']} behind"
+    everything = [i for r in ranks for i in emitted(r)]
+    assert Counter(everything) == Counter(i for r in ranks for i in r["sampler"]), "emitted != the sampler outputs"
     if case.sampler == "odb":  # disjoint shards: every dataset index once, on exactly one rank
-        everything = [i for r in ranks for i in emitted(r)]
         assert sorted(everything) == list(range(len(case.lengths)))
 
 
@@ -94,8 +97,13 @@ class UnreportedIndices(AssertionError):
 
 def assert_quota_closure(case: Case, ranks: list[dict[str, Any]]) -> None:
     """G4: nothing emitted twice; what was read is a prefix of the sampler output; emitted + not_emitted is
-    exactly the rank's sampler output (the last check raises `UnreportedIndices`)."""
-    for rank, r in enumerate(ranks):
+    exactly the sampler output (the last check raises `UnreportedIndices`). Per rank under rank-local planning;
+    under global planning a rank emits others' samples, so the checks run on the union of the ranks."""
+    views = ranks if case.planning == "local" else [{
+        "sampler": [i for r in ranks for i in r["sampler"]], "not_emitted": [i for r in ranks for i in r["not_emitted"]],
+        "steps": [s for r in ranks for s in r["steps"]], "unread_chunks_remaining": any(
+            r["unread_chunks_remaining"] for r in ranks)}]
+    for rank, r in enumerate(views):
         sampled, shipped = Counter(r["sampler"]), Counter(emitted(r))
         assert not shipped - sampled, f"rank {rank}: emitted an index more often than sampled"
         assert not shipped & Counter(r["not_emitted"]), f"rank {rank}: an index is both emitted and not_emitted"
@@ -104,13 +112,13 @@ def assert_quota_closure(case: Case, ranks: list[dict[str, Any]]) -> None:
     if case.sampler == "odb":
         everything = [i for r in ranks for i in emitted(r)]
         assert len(everything) == len(set(everything)), "an index was emitted on two ranks"
-    for rank, r in enumerate(ranks):
+    for rank, r in enumerate(views):
         missing = Counter(r["sampler"]) - Counter(emitted(r)) - Counter(r["not_emitted"])
         n_missing = missing.total()
         suffix = r["sampler"][len(r["sampler"]) - n_missing :] if n_missing else []
         assert Counter(suffix) == missing, f"rank {rank}: unreported indices {sorted(missing)} are not a suffix"
         assert r["unread_chunks_remaining"] or not n_missing, f"rank {rank}: indices missing, nothing unread"
-    for rank, r in enumerate(ranks):
+    for rank, r in enumerate(views):
         missing = Counter(r["sampler"]) - Counter(emitted(r)) - Counter(r["not_emitted"])
         if missing:
             raise UnreportedIndices(f"rank {rank}: {missing.total()} never-read sampler indices (e.g. "
@@ -139,6 +147,8 @@ def _idle_steps(ranks: list[dict[str, Any]]) -> int:
 UNEVEN_JOIN = {
     "env-w2-short-vs-long-rank": ("env", Case(world_size=2, lengths=rank_skewed_lengths(240, 2))),
     "spawn-w4-skewed-ranks": ("spawn", Case(world_size=4, lengths=rank_skewed_lengths(240, 4))),
+    "env-w2-short-vs-long-rank-local": ("env", Case(world_size=2, lengths=rank_skewed_lengths(240, 2),
+                                                    planning="local")),
 }
 
 
@@ -148,7 +158,12 @@ def test_join_aligns_steps_and_covers_every_index_once_with_uneven_ranks(tmp_pat
     records = _run(case, launcher, tmp_path)
     _check_epochs(case, records)
     ranks = _epoch(records, 0)
-    assert _idle_steps(ranks) > 0, "the short rank should have run out and gone IDLE"
+    if case.planning == "local":
+        assert _idle_steps(ranks) > 0, "the short rank should have run out and gone IDLE"
+    else:  # the long ranks' samples move to the short ones; only the epoch's last step can hold IDLE slots
+        assert _idle_steps(ranks) <= case.world_size - 1
+        assert all(s["is_idle"] is False for r in ranks for s in r["steps"][:-1])
+        assert sum(r["moved_samples"] for r in ranks) > 0, "global planning moved no sample between ranks"
     for rank, r in enumerate(ranks):
         assert any(s["global_samples"] > s["local_samples"] for s in r["steps"]), (
             f"rank {rank}: no step counted another rank's samples; were the ranks synced at all?")
@@ -162,13 +177,19 @@ def test_join_covers_a_dataset_size_not_divisible_by_world_size_under_torchrun(t
 
 
 # --- a rank without data ------------------------------------------------------------------------------------------
-def test_rank_without_data_runs_idle_dummies_while_others_drain_under_join(tmp_path):
-    case = Case(world_size=4, lengths=[30, 200, 90])
+@pytest.mark.parametrize("planning", ["local", "global"])
+def test_rank_without_data_steps_with_the_others_under_join(tmp_path, planning):
+    """Rank-local: the empty rank runs IDLE dummies while the others drain. Global: it gets groups of the
+    pooled samples (moved to it), IDLE only where fewer groups than ranks are left."""
+    case = Case(world_size=4, lengths=[30, 200, 90], planning=planning)
     records = _run(case, "env", tmp_path)
     _check_epochs(case, records)
     empty = _epoch(records, 0)[3]
     assert empty["sampler"] == [] and empty["steps"], "rank 3 has no data but must still step with the others"
-    assert all(s["is_idle"] for s in empty["steps"])
+    if planning == "local":
+        assert all(s["is_idle"] for s in empty["steps"])
+    else:
+        assert emitted(empty) or all(s["is_idle"] for s in empty["steps"])
 
 
 def test_rank_without_data_ends_the_non_join_epoch_with_everything_reported(tmp_path):
@@ -182,10 +203,22 @@ def test_rank_without_data_ends_the_non_join_epoch_with_everything_reported(tmp_
 
 # --- G4 non-join --------------------------------------------------------------------------------------------------
 def test_non_join_stops_at_the_shortest_rank_and_reports_what_it_did_not_emit(tmp_path):
-    case = Case(world_size=2, lengths=rank_skewed_lengths(240, 2), join=False)
+    case = Case(world_size=2, lengths=rank_skewed_lengths(240, 2), join=False, planning="local")
     records = _run(case, "env", tmp_path)
     _check_epochs(case, records)
     assert any(r["not_emitted"] for r in _epoch(records, 0)), "the long rank should have samples left over"
+
+
+def test_global_non_join_drains_every_rank_and_drops_less_than_one_step(tmp_path):
+    """Global planning: a rank that runs dry keeps receiving pooled groups, so non-join reads every stream and
+    leaves out at most the last, partial band of groups (fewer than W groups) and never runs IDLE."""
+    case = Case(world_size=2, lengths=rank_skewed_lengths(240, 2), join=False)
+    records = _run(case, "env", tmp_path)
+    _check_epochs(case, records)
+    ranks = _epoch(records, 0)
+    assert not any(r["unread_chunks_remaining"] for r in ranks)
+    left = [i for r in ranks for i in r["not_emitted"]]
+    assert len(left) < max(s["local_samples"] for r in ranks for s in r["steps"]) * case.world_size
 
 
 # --- DistributedSampler (pads with repeated indices when W does not divide the size) ---------------------------
@@ -234,7 +267,8 @@ def test_idle_dummy_carries_an_image_and_patch_counts_sum_over_ranks(tmp_path):
     """Rank 0 gets 7 budget-filling samples, rank 1 six short ones whose first has no image: rank 1 goes IDLE, and
     its dummy is its first sample *with* an image, so a VLM's IDLE step runs the vision tower like every real step
     (NOTE [ IDLE dummy ]). `local_patches` are the batch's pixel rows; `global_patches` sum them over the ranks."""
-    case = Case(world_size=2, lengths=[2000 if i % 2 == 0 else 20 for i in range(13)], first_image=3)
+    case = Case(world_size=2, lengths=[2000 if i % 2 == 0 else 20 for i in range(13)], first_image=3,
+                planning="local")  # rank-local: the short rank runs out and IDLEs (global moves samples instead)
     records = _run(case, "env", tmp_path)
     _check_epochs(case, records)
     ranks = _epoch(records, 0)
