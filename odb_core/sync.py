@@ -31,10 +31,11 @@ class PeerError(RuntimeError):
 
 @dataclass(slots=True)
 class TransportStats:
-    """Cumulative traffic and latency of the metadata collectives (bytes this rank sent)."""
+    """Cumulative traffic and latency of the collectives: bytes this rank sent and received, wall seconds."""
 
     calls: int = 0
     bytes_sent: int = 0
+    bytes_received: int = 0
     seconds: float = 0.0
 
 
@@ -51,14 +52,14 @@ class Transport(ABC):
         """Every rank's `values` (same length on every rank), in rank order."""
         start = time.perf_counter()
         gathered = self._all_gather(values)
-        self._account(len(values), start)
+        self._account(len(values), len(values) * self.world_size, start)
         return gathered
 
     def all_reduce_sum(self, values: list[int]) -> list[int]:
         """Element-wise sum of `values` over ranks (same length on every rank)."""
         start = time.perf_counter()
         reduced = self._all_reduce_sum(values) if values else []
-        self._account(len(values), start)
+        self._account(len(values), len(values), start)
         return reduced
 
     def all_to_all_bytes(self, chunks: list[bytes]) -> list[bytes]:
@@ -69,12 +70,14 @@ class Transport(ABC):
         received = self._all_to_all_bytes(chunks)
         self.stats.calls += 1
         self.stats.bytes_sent += sum(len(c) for r, c in enumerate(chunks) if r != self.rank)
+        self.stats.bytes_received += sum(len(c) for r, c in enumerate(received) if r != self.rank)
         self.stats.seconds += time.perf_counter() - start
         return received
 
-    def _account(self, n_ints: int, start: float) -> None:
+    def _account(self, n_sent: int, n_received: int, start: float) -> None:
         self.stats.calls += 1
-        self.stats.bytes_sent += n_ints * INT64_BYTES
+        self.stats.bytes_sent += n_sent * INT64_BYTES
+        self.stats.bytes_received += n_received * INT64_BYTES
         self.stats.seconds += time.perf_counter() - start
 
     @abstractmethod

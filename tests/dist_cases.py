@@ -137,6 +137,8 @@ class Case:
     stall_s: float = 30.0
     first_image: int | None = None  # an ImagesFromDataset from this index on (None: a plain LengthDataset)
     planning: str = "global"
+    move: str = "auto"
+    workers_by_rank: list[int] | None = None  # per-rank num_workers (overrides num_workers)
 
     def save(self, path: Path) -> None:
         path.write_text(json.dumps(asdict(self)))
@@ -158,10 +160,11 @@ def build_loader(case: Case, rank: int) -> Any:
     sampler = None
     if case.sampler == "distributed":
         sampler = DistributedSampler(dataset, num_replicas=case.world_size, rank=rank, shuffle=True, seed=3)
+    workers = case.workers_by_rank[rank] if case.workers_by_rank is not None else case.num_workers
     worker_options: dict[str, Any] = {}
-    if case.num_workers > 0:
+    if workers > 0:
         worker_options = {"multiprocessing_context": case.context, "persistent_workers": case.persistent_workers}
-    return ODBDataLoader(dataset, token_budget=case.token_budget, join=case.join, num_workers=case.num_workers,
+    return ODBDataLoader(dataset, token_budget=case.token_budget, join=case.join, num_workers=workers, move=case.move,
                          sampler=sampler, shuffle=case.shuffle, accumulation_steps=case.accumulation_steps,
                          window=case.window, prefetch_steps=case.prefetch_steps, planning=case.planning,
                          sync_timeout_s=case.sync_timeout_s, **worker_options)

@@ -7,6 +7,7 @@ records as JSON; every assertion runs here, on what all ranks reported.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -174,6 +175,21 @@ def test_join_covers_a_dataset_size_not_divisible_by_world_size_under_torchrun(t
     records = _run(case, "torchrun", tmp_path)
     _check_epochs(case, records)
     assert [len(r["sampler"]) for r in _epoch(records, 0)] == [151, 150]
+
+
+@pytest.mark.parametrize("join", [True, False], ids=["join", "non-join"])
+def test_global_batches_do_not_depend_on_workers_per_rank_or_how_samples_move(tmp_path, join):
+    """G7 under global planning: 3 skewed ranks, each with its own num_workers, moving samples by `send` in one
+    run and by `fetch` in the other, yield the same batches on every rank."""
+    first = Case(world_size=3, lengths=rank_skewed_lengths(300, 3), join=join, shuffle=True,
+                 workers_by_rank=[0, 2, 1], context="fork", move="send")
+    second = dataclasses.replace(first, workers_by_rank=[1, 0, 0], move="fetch")
+    runs = [_run(case, "env", tmp_path / name) for case, name in ((first, "a"), (second, "b"))]
+    for case, records in zip((first, second), runs):
+        _check_epochs(case, records)
+    assert [[s["indices"] for s in r["steps"]] for r in _epoch(runs[0], 0)] == \
+        [[s["indices"] for s in r["steps"]] for r in _epoch(runs[1], 0)]
+    assert sum(r["moved_samples"] for r in _epoch(runs[0], 0)) > 0
 
 
 # --- a rank without data ------------------------------------------------------------------------------------------
