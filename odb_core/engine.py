@@ -40,6 +40,7 @@ class WindowEngine:
         self.budget = build_budget(config)
         self.termination = build_termination(config.join)
         self.items: list[Item] = []
+        self.n_carried = 0  # the first n_carried items were buffered before the current round began
         self.round = 0
         self.steps_done = 0
         self.oversize = 0
@@ -59,6 +60,16 @@ class WindowEngine:
             self.oversize += 1
         self.items.append(item)
 
+    def leaving_state(self) -> RankState:
+        """What a rank reports when its consumer abandoned the epoch (NOTE [ Leaving an epoch ])."""
+        return RankState(active=False, n_ready=0, n_groups=0, n_samples=len(self.items), steps_done=self.steps_done,
+                         epoch=self.epoch, round=self.round, leaving=True)
+
+    def end_early(self) -> None:
+        """Some rank left the epoch: this rank's epoch ends here, after the steps already planned."""
+        self.round += 1
+        self.finished = True
+
 
 class RankEngine(WindowEngine):
     """Rank-local planning: this rank's window is planned alone, and alignment equalises the step counts.
@@ -71,7 +82,7 @@ class RankEngine(WindowEngine):
         """Plan the window. `active` is False once this rank's stream has ended (the rank is closing)."""
         plan = plan_window(self.items, self.budget, closing=not active)
         state = RankState(active=active, n_ready=plan.n_ready, n_groups=len(plan.groups),
-                          n_samples=len(self.items), steps_done=self.steps_done)
+                          n_samples=len(self.items), steps_done=self.steps_done, epoch=self.epoch, round=self.round)
         return LocalRound(plan=plan, state=state)
 
     def decide(self, states: Sequence[RankState]) -> Decision:

@@ -14,6 +14,7 @@ is how Python and the HF Trainer recognise a loader without a length.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import fields
@@ -38,6 +39,7 @@ from odb_core.stream import DatasetFetchError, SampleStream, StreamOptions
 from odb_core.sync import Transport, default_transport
 
 __all__ = ["DatasetFetchError", "ODBDataLoader"]
+logger = logging.getLogger(__name__)
 
 CONFIG_FIELDS = frozenset(f.name for f in fields(ODBConfig))
 WORKER_OPTIONS = frozenset({"persistent_workers", "multiprocessing_context", "pin_memory", "prefetch_factor",
@@ -240,14 +242,17 @@ class ODBDataLoader:
         return self._length
 
     def close(self) -> None:
-        """Stop the current epoch's producer thread and workers, if any."""
+        """Stop the current epoch's producer thread and workers, if any. An epoch left before its end is left in
+        step with the other ranks (NOTE [ Leaving an epoch ] in pipeline.py): this waits, at most
+        `sync_timeout_s`, until every rank continued or left it too, so the next epoch starts aligned."""
         if self._current is not None:
-            self._current.close()
+            self._current.close(leave=True)
             self._current = None
 
     def __del__(self) -> None:
         if getattr(self, "_current", None) is not None:  # __init__ may have raised before setting it
-            self.close()
+            self._current.close(leave=False)  # no collective from a finalizer
+            self._current = None
 
 
 class _EpochIterator(Iterator[ODBBatch]):
@@ -274,7 +279,16 @@ class _EpochIterator(Iterator[ODBBatch]):
         self.log.consume(batch.info)
         return batch
 
-    def close(self) -> None:
-        close = getattr(self.source, "close", None)
-        if close is not None:
-            close()
+    def close(self, leave: bool) -> None:
+        """Stop the epoch; with `leave` (an explicit close before the end), leave it with the other ranks."""
+        leave = leave and not self.finished
+        if isinstance(self.source, BackgroundIterator):
+            self.source.close(leave=leave, timeout_s=self.loader.config.sync_timeout_s + 5.0)
+            return
+        try:
+            if leave:
+                self.run.leave()
+        except Exception as exc:  # noqa: BLE001 - the next epoch's first exchange reports the same peer problem
+            logger.warning("ODB: leaving the epoch early failed (%s: %s)", type(exc).__name__, exc)
+        finally:
+            self.run.close()

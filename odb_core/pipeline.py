@@ -44,6 +44,7 @@ class EpochReport:
     not_emitted: tuple[int, ...]
     unread_chunks_remaining: bool
     stream_position: int = 0  # samples read from this rank's stream (admitted + pending), resume offset included
+    abandoned: bool = False  # a consumer left the epoch early (NOTE [ Leaving an epoch ])
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +108,7 @@ class EpochRun(Iterator[ODBBatch]):
             self.skip_below = resume.steps_consumed
             self.window.restore(start.carry_count, start.carry_tokens)
             self.reader.restore(start, self.engine, ctx.fetch)
+            self.engine.n_carried = len(start.buffer)  # what the saved round began with
 
     def __next__(self) -> ODBBatch:
         while not self.ready:
@@ -119,6 +121,20 @@ class EpochRun(Iterator[ODBBatch]):
     def close(self) -> None:
         """Release the worker iterator (and with it the worker processes); called on errors and on shutdown."""
         self.reader.close()
+
+    def leave(self) -> None:
+        """NOTE [ Leaving an epoch ]
+        A consumer that stops iterating an epoch before its end (a `break`, `set_epoch`, a new `iter()`) must not
+        leave its peers inside a collective that it never joins, nor let the next epoch's first collective pair
+        up with a peer's last one of this epoch. So the rank that leaves takes part in exactly one more state
+        exchange, flagged `leaving`, at the position of the next round, instead of that round; every rank that
+        sees the flag ends its epoch right after the steps it already planned (`EpochReport.abandoned`), and runs
+        no more collectives for it. The rounds are lockstep, so a peer is either in that same exchange (as a
+        normal round or leaving too) or reaches it when its own consumer takes the next step or leaves. Called
+        once, on the thread that runs the rounds, between rounds; a finished epoch needs nothing."""
+        if not self.engine.finished:
+            self.rounds.leave()
+            self.report = self._report(abandoned=True)
 
     def _round_start(self) -> RoundStart:
         return RoundStart(round=self.engine.round, steps_done=self.engine.steps_done, consumed=self.reader.consumed,
@@ -134,6 +150,10 @@ class EpochRun(Iterator[ODBBatch]):
         active = self.reader.fill(self.engine)
         first_step = self.engine.steps_done
         planned = self.rounds.plan(active, self.reader.take)
+        if planned.abandoned:
+            self.report = self._report(abandoned=True)
+            self.log.end_epoch(self.engine.steps_done, metrics.snapshot())
+            return
         if planned.owned_by_step is not None:
             self.log.record_owned(first_step, planned.owned_by_step)
         built = [self._build(slot, planned) for slot in planned.slots]
@@ -186,7 +206,10 @@ class EpochRun(Iterator[ODBBatch]):
             return
         assert not self.window.open_count, "an epoch must end on an accumulation-window boundary"
         self.ctx.metrics.oversize_samples += self.engine.oversize
+        self.report = self._report(abandoned=False)
+
+    def _report(self, abandoned: bool) -> EpochReport:
         leftover = [item.index for item in self.engine.items] + self.reader.pending_indices()
-        self.report = EpochReport(epoch=self.epoch, steps=self.engine.steps_done, rounds=self.engine.round,
-                                  not_emitted=tuple(leftover), unread_chunks_remaining=not self.reader.stream_ended,
-                                  stream_position=self.reader.consumed + len(self.reader.pending))
+        return EpochReport(epoch=self.epoch, steps=self.engine.steps_done, rounds=self.engine.round,
+                           not_emitted=tuple(leftover), unread_chunks_remaining=not self.reader.stream_ended,
+                           stream_position=self.reader.consumed + len(self.reader.pending), abandoned=abandoned)

@@ -7,16 +7,26 @@ round's plan is computed over the *pool*, the union of every rank's buffered ite
 pool, so every rank computes the same plan:
   1. sort the pool by (length, patches) descending, then (owner, index): a total order;
   2. cut it with the rank-local greedy (`pack_sorted`); unless every stream has ended, the last group (the
-     *tail*) stays buffered, as in rank-local mode, to be re-planned with the next round's samples;
+     *tail*) stays buffered, as in rank-local mode, to be re-planned with the next round's samples, unless all
+     its samples were already carried over from an earlier round (it would not grow: see NOTE [ No starving ]);
   3. the termination strategy picks T (`decide_pooled`): while a stream is active, the number of full bands
      (at least one); in the final round, every group (join) or the full bands only (non-join); then T is rounded
      up to a multiple of the accumulation steps;
-  4. the T x W fullest ready groups are emitted (the others, and the tail, stay in their owners' buffers); when
-     fewer groups than T x W exist, the widest are split, then IDLE fills the rest;
+  4. T x W ready groups are emitted, those holding a carried-over sample first, then the fullest (the others, and
+     the tail, stay in their owners' buffers); when fewer groups than T x W exist, the widest are split, then IDLE
+     fills the rest;
   5. the emitted groups, by cost, are cut into T bands of W: a band is one step, one group per rank, so groups
      of similar cost run side by side;
   6. in each band a group goes to the rank that holds most of its samples (greedy on the overlap counts), the
      rest to the remaining ranks in rank order; the bands run in the round's shared permutation.
+NOTE [ No starving ] A rank reads only as much as its window has room for, and its window empties only when its
+samples are emitted. Were the fullest groups always chosen, a rank whose samples form low-cost groups (all short,
+say) could keep its window full of pushed-back samples round after round, read nothing, and see its whole stream
+pushed to the end of the epoch (or dropped, under non-join). So a sample carried over from an earlier round gives
+its group priority, and a tail made only of carried-over samples is not held again: what waited once goes next.
+`carried` is part of the plan's input: each rank reports how many of its buffered items it carried into the
+round (`RankState.n_carried`, the buffer at the round start), which a resumed rank restores with its buffer.
+
 Every pooled item is either in exactly one emitted group or kept in its owner's buffer: nothing is lost or
 duplicated (G3), and every rank emits exactly T steps (G2). The samples of a group that lands on another rank
 than their owner *move* (NOTE [ Moving samples ] in moves.py); kept samples never move.
@@ -62,6 +72,11 @@ class PooledRound:
         """Per step, the indices of `owner`'s items emitted by any rank (what elastic resume subtracts)."""
         return [tuple(it.index for slot in step if slot is not None for it in slot.items if it.owner == owner)
                 for step in self.steps]
+
+
+def _fresh(group: Group) -> bool:
+    """Whether no sample of the group was carried over from an earlier round (such groups wait first)."""
+    return not any(it.carried for it in group.items)
 
 
 def _split_to(groups: list[Group], count: int, budget: GroupBudget) -> int:
@@ -124,13 +139,14 @@ def plan_pooled_round(buffers: Sequence[Sequence[Item]], request: PoolRequest, c
     world = len(buffers)
     groups = pack_sorted(sorted((it for b in buffers for it in b), key=pool_order), budget)
     any_active = any(request.active)
-    n_ready = len(groups) if not any_active or len(groups) <= 1 else len(groups) - 1
+    hold_tail = any_active and len(groups) > 1 and not all(it.carried for it in groups[-1].items)
+    n_ready = len(groups) - 1 if hold_tail else len(groups)
     decision = build_termination(config.join).decide_pooled(
         PoolFacts(any_active=any_active, n_ready=n_ready, n_groups=len(groups), world=world))
     decision = align_to_accumulation(decision, request.steps_done, config.accumulation_steps)
     slots = decision.target * world
     eligible = len(groups) if decision.final else n_ready  # the final round may emit the tail too
-    fullest = sorted(range(eligible), key=lambda i: (-groups[i].cost, i))[:slots]
+    fullest = sorted(range(eligible), key=lambda i: (_fresh(groups[i]), -groups[i].cost, i))[:slots]
     emitted = [groups[i] for i in sorted(fullest)]
     n_split = _split_to(emitted, slots, budget)
     ranked = sorted(range(len(emitted)), key=lambda i: (-emitted[i].cost, i))
@@ -147,7 +163,8 @@ class PooledEngine(WindowEngine):
     pool. No I/O."""
 
     def state(self, active: bool) -> RankState:
-        return RankState(active=active, n_ready=0, n_groups=0, n_samples=len(self.items), steps_done=self.steps_done)
+        return RankState(active=active, n_ready=0, n_groups=0, n_samples=len(self.items), steps_done=self.steps_done,
+                         epoch=self.epoch, round=self.round, n_carried=self.n_carried)
 
     def pool_ints(self) -> list[int]:
         return [x for it in self.items for x in (it.index, it.length, it.patches)]
@@ -155,7 +172,8 @@ class PooledEngine(WindowEngine):
     def finish_round(self, states: Sequence[RankState], pooled: Sequence[Sequence[int]]) -> PooledRound:
         """The shared plan from every rank's state and `pool_ints()` (rank order); keeps this rank's share."""
         check_same_progress(states, self.round, self.epoch)
-        buffers = [[Item(index=ints[k], length=ints[k + 1], patches=ints[k + 2], owner=rank)
+        buffers = [[Item(index=ints[k], length=ints[k + 1], patches=ints[k + 2], owner=rank,
+                         carried=k < POOL_FIELDS * state.n_carried)
                     for k in range(0, POOL_FIELDS * state.n_samples, POOL_FIELDS)]
                    for rank, (state, ints) in enumerate(zip(states, pooled, strict=True))]
         request = PoolRequest(active=[s.active for s in states], steps_done=self.steps_done,
@@ -167,6 +185,7 @@ class PooledEngine(WindowEngine):
     def apply(self, plan: PooledRound) -> None:
         """Keep this rank's share of the pool and count the round (the simulator plans once for all ranks)."""
         self.items = list(plan.kept[self.rank])
+        self.n_carried = len(self.items)
         self.steps_done += plan.decision.target
         self.round += 1
         self.finished = plan.decision.final

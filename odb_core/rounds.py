@@ -36,6 +36,22 @@ class RankRound:
     n_pushed_back: int
     arrivals: Arrivals | None = None
     owned_by_step: tuple[tuple[int, ...], ...] | None = None
+    abandoned: bool = False
+
+
+def _someone_left(engine: WindowEngine, states: list[RankState]) -> RankRound | None:
+    """A round in which some rank reported `leaving` ends the epoch for every rank (NOTE [ Leaving an epoch ])."""
+    if not any(s.leaving for s in states):
+        return None
+    index = engine.round
+    engine.end_early()
+    return RankRound(index=index, slots=(), final=True, n_split=0, n_pushed_back=0, abandoned=True)
+
+
+def leave(engine: WindowEngine, transport: Transport) -> None:
+    """This rank's consumer abandoned the epoch: take part in the next round's state exchange once, saying so."""
+    transport.all_gather(engine.leaving_state().to_ints())
+    engine.end_early()
 
 
 class Rounds(Protocol):
@@ -43,6 +59,9 @@ class Rounds(Protocol):
 
     def plan(self, active: bool, take_own: Callable[[int], Any]) -> RankRound:
         """Run the round's collectives and return this rank's part (called once per round by every rank)."""
+
+    def leave(self) -> None:
+        """Instead of the next round: tell every rank that this one left the epoch (one state exchange)."""
 
 
 class LocalRounds:
@@ -53,12 +72,18 @@ class LocalRounds:
 
     def plan(self, active: bool, take_own: Callable[[int], Any]) -> RankRound:
         local = self.engine.start_round(active)
-        gathered = self.transport.all_gather(local.state.to_ints())
-        decision = self.engine.decide([RankState.from_ints(v) for v in gathered])
+        states = [RankState.from_ints(v) for v in self.transport.all_gather(local.state.to_ints())]
+        left = _someone_left(self.engine, states)
+        if left is not None:
+            return left
+        decision = self.engine.decide(states)
         index = self.engine.round
         adjustment = self.engine.finish_round(local, decision)
         return RankRound(index=index, slots=adjustment.slots, final=decision.final, n_split=adjustment.n_split,
                          n_pushed_back=adjustment.n_pushed_back)
+
+    def leave(self) -> None:
+        leave(self.engine, self.transport)
 
 
 class PooledRounds:
@@ -69,6 +94,9 @@ class PooledRounds:
 
     def plan(self, active: bool, take_own: Callable[[int], Any]) -> RankRound:
         states = [RankState.from_ints(v) for v in self.transport.all_gather(self.engine.state(active).to_ints())]
+        left = _someone_left(self.engine, states)
+        if left is not None:
+            return left
         widest = POOL_FIELDS * max(s.n_samples for s in states)
         mine = self.engine.pool_ints()
         pooled = self.transport.all_gather(mine + [0] * (widest - len(mine))) if widest else [[]] * len(states)
@@ -79,6 +107,9 @@ class PooledRounds:
         return RankRound(index=index, slots=plan.slots_of(rank), final=plan.decision.final, n_split=plan.n_split,
                          n_pushed_back=plan.n_pushed_back, arrivals=arrivals,
                          owned_by_step=tuple(plan.owned_by_step(rank)))
+
+    def leave(self) -> None:
+        leave(self.engine, self.transport)
 
 
 @dataclass(frozen=True, slots=True)

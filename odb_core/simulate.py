@@ -108,8 +108,8 @@ def _local_round(engines: Sequence[RankEngine], active: list[bool], plan: EpochP
 
 def _pooled_round(engines: Sequence[PooledEngine], active: list[bool], plan: EpochPlan) -> int:
     world, first = len(engines), engines[0]
-    buffers = [[Item(index=it.index, length=it.length, patches=it.patches, owner=rank) for it in engine.items]
-               for rank, engine in enumerate(engines)]
+    buffers = [[Item(index=it.index, length=it.length, patches=it.patches, owner=rank, carried=k < engine.n_carried)
+                for k, it in enumerate(engine.items)] for rank, engine in enumerate(engines)]
     request = PoolRequest(active=active, steps_done=first.steps_done,
                           key=RoundKey(seed=first.config.seed, epoch=first.epoch, round=first.round))
     pooled = plan_pooled_round(buffers, request, first.config, first.budget)

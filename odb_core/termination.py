@@ -2,7 +2,7 @@
 
 NOTE [ Rounds and termination ]
 An epoch runs in rounds. In each round every rank (1) tops its buffer up to `window` samples from its stream,
-(2) plans groups, (3) all-gathers a `RankState` (one small int vector per rank), (4) calls `decide` on the same
+(2) plans groups, (3) all-gathers a `RankState` (9 ints per rank), (4) calls `decide` on the same
 gathered states, so every rank gets the same `Decision`, and (5) emits exactly `Decision.target` steps.
 
 A rank is *active* while its stream still has samples; an active rank always reports at least one ready group
@@ -28,7 +28,7 @@ once none is, and reports the rest. Each join round with an active stream emits 
 of N samples ends within N + 1 rounds.
 
 Bound: with n_r samples on rank r, an epoch takes at most max_r(n_r) + 1 rounds (each round before the last one
-consumes a sample from every active rank). Each round costs one all_gather of 5 int64 per rank and one
+consumes a sample from every active rank). Each round costs one all_gather of 9 int64 per rank and one
 all_reduce of 6 int64 per step.
 """
 
@@ -38,27 +38,36 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-STATE_FIELDS = 5
+STATE_FIELDS = 9
 
 
 @dataclass(frozen=True, slots=True)
 class RankState:
-    """One rank's report for a round; travels as `STATE_FIELDS` int64 values."""
+    """One rank's report for a round; travels as `STATE_FIELDS` int64 values.
+
+    `epoch`, `round` and `steps_done` say where the rank stands: every rank must report the same three, or the
+    round raises `DesyncError` (ranks resumed from states saved at different steps, or given different epochs).
+    `leaving` is set by a rank whose consumer abandoned the epoch (NOTE [ Leaving an epoch ] in pipeline.py)."""
 
     active: bool
     n_ready: int
     n_groups: int
     n_samples: int
     steps_done: int
+    epoch: int = 0
+    round: int = 0
+    leaving: bool = False
+    n_carried: int = 0  # global planning: the first n_carried buffered items were buffered before this round
 
     def to_ints(self) -> list[int]:
-        return [int(self.active), self.n_ready, self.n_groups, self.n_samples, self.steps_done]
+        return [int(self.active), self.n_ready, self.n_groups, self.n_samples, self.steps_done, self.epoch,
+                self.round, int(self.leaving), self.n_carried]
 
     @classmethod
     def from_ints(cls, values: Sequence[int]) -> RankState:
-        active, n_ready, n_groups, n_samples, steps_done = (int(v) for v in values)
+        active, n_ready, n_groups, n_samples, steps_done, epoch, round_, leaving, carried = (int(v) for v in values)
         return cls(active=bool(active), n_ready=n_ready, n_groups=n_groups, n_samples=n_samples,
-                   steps_done=steps_done)
+                   steps_done=steps_done, epoch=epoch, round=round_, leaving=bool(leaving), n_carried=carried)
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,10 +97,13 @@ class DesyncError(RuntimeError):
 
 
 def check_same_progress(states: Sequence[RankState], round_index: int, epoch: int) -> None:
-    """Every rank must report the same step count (each was built with the same config and epoch)."""
-    if len({s.steps_done for s in states}) != 1:
-        raise DesyncError(f"ranks report different step counts {[s.steps_done for s in states]} in round "
-                          f"{round_index} of epoch {epoch}; were they given different configs or epochs?")
+    """Every rank must be at the same (epoch, round, step): same config, same epoch, resumed after the same step."""
+    where = [(s.epoch, s.round, s.steps_done) for s in states]
+    if len(set(where)) != 1 or where[0][:2] != (epoch, round_index):
+        raise DesyncError(f"ranks are at different points of the epoch (epoch, round, step per rank: {where}; this "
+                          f"rank: epoch {epoch}, round {round_index}): did every rank load the state it saved after "
+                          "the same step, call set_epoch with the same epoch, and build its loader with the same "
+                          "config and data?")
 
 
 class Termination(ABC):

@@ -16,7 +16,7 @@ import json
 import sys
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -109,7 +109,7 @@ def _dataset(name: str) -> Any:
 
 def _hash_batch(h: Any, batch: Any) -> None:
     info: StepInfo = batch.info
-    h.update(repr([(f.name, getattr(info, f.name)) for f in fields(info)]).encode())
+    h.update(repr([(name, getattr(info, name)) for name in STEP_FIELDS]).encode())
     for key in sorted(batch):
         value = batch[key]
         h.update(key.encode())
@@ -120,6 +120,9 @@ def _hash_batch(h: Any, batch: Any) -> None:
             h.update(repr(value).encode())
 
 
+STEP_FIELDS = ("epoch", "step", "round", "indices", "is_idle", "local_samples", "global_samples", "local_tokens",
+               "global_tokens", "local_input_tokens", "global_input_tokens", "padded_tokens", "cost",
+               "rank_imbalance", "window_tokens", "local_patches", "global_patches")  # StepInfo when recorded
 COUNTERS = ("budget_utilization", "global_input_tokens", "global_patches", "global_samples", "global_supervised_tokens",
             "idle_steps", "local_input_tokens", "local_samples", "mean_rank_imbalance", "oversize_samples",
             "padded_tokens", "padding_ratio", "patch_budget", "patch_utilization", "pushed_back_groups", "rounds",

@@ -139,6 +139,8 @@ class Case:
     planning: str = "global"
     move: str = "auto"
     workers_by_rank: list[int] | None = None  # per-rank num_workers (overrides num_workers)
+    break_after: int | None = None  # epoch 0 stops after this many steps (a `break`); the next epoch runs whole
+    break_skew_s: float = 0.0  # rank 1 waits this long before it breaks
 
     def save(self, path: Path) -> None:
         path.write_text(json.dumps(asdict(self)))
@@ -191,14 +193,20 @@ def _write(out_dir: Path, name: str, payload: dict[str, Any]) -> None:
     tmp.rename(out_dir / name)  # atomic: the test never reads half a file
 
 
-def _epochs(loader: Any, case: Case) -> list[dict[str, Any]]:
+def _epochs(loader: Any, case: Case, rank: int) -> list[dict[str, Any]]:
     epochs = []
-    for _ in range(case.epochs):
-        steps = [step_record(batch) for batch in loader]
+    for epoch in range(case.epochs):
+        steps = []
+        for batch in loader:
+            steps.append(step_record(batch))
+            if epoch == 0 and len(steps) == case.break_after:
+                time.sleep(case.break_skew_s if rank == 1 else 0.0)
+                break
         report = loader.last_report
         epochs.append({"steps": steps, "sampler": [int(i) for i in loader.sampler],
-                       "not_emitted": list(report.not_emitted), "report_steps": report.steps,
-                       "unread_chunks_remaining": report.unread_chunks_remaining,
+                       "not_emitted": list(report.not_emitted) if report else None,
+                       "report_steps": report.steps if report else None,
+                       "unread_chunks_remaining": report.unread_chunks_remaining if report else None,
                        "moved_samples": loader.metrics.moved_samples})
     return epochs
 
@@ -248,7 +256,7 @@ def run_rank(rank: int, case: Case, out_dir: Path) -> None:
         _leave(loader, case, rank, out_dir)
     if case.fault is not None:
         _survive(loader, rank, out_dir)
-    epochs = _epochs(loader, case)
+    epochs = _epochs(loader, case, rank)
     _write(out_dir, f"rank{rank}.json", {"rank": rank, "epochs": epochs})
     loader.close()
     dist.destroy_process_group()

@@ -326,12 +326,12 @@ REGRESSION_CASES = {
     ),
     "global_tokens_small_window_accumulation": (
         ODBConfig(token_budget=4096, cost="tokens", window=96, accumulation_steps=3, max_batch_size=6, seed=11),
-        "25ba160f1702a39eb23438fe1890d836aa08c365cb1274ef8b974114d7695adb",
+        "c8393ab33883cdd10c281485eb5a7b496c68035d79110d8c0b9636e17a9119da",
     ),
     "global_attention_non_join_patches": (
         ODBConfig(token_budget=8192, cost="attention", attention_alpha=1e-4, window=200, join=False,
                   max_patches=20, seed=5),
-        "b9e69a3ac4209d96ae0272f07b7f89cf753694935b9ccdb842aa1be7d11f1c56",
+        "748d29c5010b3635436ce99789ec2edb7aac4fa10ab1ed2fdfa0c22f7524020b",
     ),
 }
 

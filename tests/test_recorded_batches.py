@@ -37,11 +37,11 @@ RECORDED = {
     "w3_elastic_to_1": "cbd1b97756bbca47934f911fe5a326045b6aba54e604d35e01f77c99d693f2ef",
     "global_w2_join": "2c06bbae50ec94f8dccd62b41e4957f6ef559548b6704117953e860d707e94e1",
     "global_w2_join_fetch": "2c06bbae50ec94f8dccd62b41e4957f6ef559548b6704117953e860d707e94e1",
-    "global_w3_non_join_ga2": "1fec0ddd99359684f9e98192cbf96be717098eea3005682a0662c0132d1c603e",
+    "global_w3_non_join_ga2": "ca67c432e45f1e5ac4d11c32ea87b7d0c653760f9e79963d27d504f503e9349c",
     "global_w4_small_tokens": "a22e7124ece4be38e52be5535eec66472bd6e47604c741a3d2c50cf48735aa77",
     "global_w2_stream": "a4c563d5d937243443fc89aaf7307a53b8bdfb76595bc9cc893065aa75725cc2",
     "global_w2_resume_mid_round": "cdabc7a511ebacd8c7a7c9aa6c683348510634f5e983daa8d6d1180d7e6c05f1",
-    "global_w3_resume_ga2_workers": "93194cc931333198421942b30352355e07fc83d29d6db2c7fb1993acd990e429",
+    "global_w3_resume_ga2_workers": "0822be4c7669bd0a54d75c5319361b9a8ded87e9fa4fef8cfd9eb6f1827d9bca",
     "global_w2_resume_stream": "a860a96cdfe95bf9623e12ad46ee6e8ba44e991a0d461f1c9f535f0fd89f0fd1",
     "global_w2_elastic_to_3": "ed3494d54ec6ae365566b48dd84095feb47b115f44110ef0c9a3e2a1c30b1bbe",
 }
