@@ -70,12 +70,16 @@ class RoundKey:
     round: int
 
 
+def step_permutation(n: int, key: RoundKey, shuffle: bool) -> list[int]:
+    """The order in which a round's n steps (ranked by cost) run: the same permutation on every rank."""
+    permutation = list(range(n))
+    if shuffle and n > 1:
+        random.Random(f"odb-steps:{key.seed}:{key.epoch}:{key.round}").shuffle(permutation)
+    return permutation
+
+
 def order_slots(slots: tuple[Slot, ...], key: RoundKey, shuffle: bool) -> tuple[Slot, ...]:
     """Largest cost first (IDLE last), then a permutation that every rank derives from the same `key`."""
     ranked = sorted(range(len(slots)), key=lambda i: (slots[i] is None, -(slots[i].cost if slots[i] else 0), i))
     ordered = [slots[i] for i in ranked]
-    if shuffle and len(ordered) > 1:
-        permutation = list(range(len(ordered)))
-        random.Random(f"odb-steps:{key.seed}:{key.epoch}:{key.round}").shuffle(permutation)
-        ordered = [ordered[p] for p in permutation]
-    return tuple(ordered)
+    return tuple(ordered[p] for p in step_permutation(len(ordered), key, shuffle))

@@ -14,11 +14,15 @@ from odb_core.config import ODBConfig
 
 @dataclass(frozen=True, slots=True)
 class Item:
-    """What the planner knows of one buffered sample: its dataset index and observed cost facts."""
+    """What the planner knows of one buffered sample: its dataset index, observed cost facts, and, for global
+    planning (NOTE [ Pooled rounds ]), the rank whose stream read it (`owner`) and whether it was already buffered
+    when the round began (`carried`)."""
 
     index: int
     length: int
     patches: int = 0
+    owner: int = 0
+    carried: bool = False
 
 
 class Constraint(ABC):

@@ -1,10 +1,12 @@
 """`odb plan`: know the gain before you train.
 
 Simulates a whole epoch on W virtual ranks with the loader's own planning and alignment code (no GPU, no
-processes) and prints steps, budget utilization, padding, rank balance, IDLE steps and alignment traffic, the
-estimated speed-up over Standard fixed batching under a linear step-time model, and a suggested budget range.
+processes) and prints steps, budget utilization, padding, step-cost imbalance across ranks, IDLE steps, the
+fraction of samples that move between ranks, alignment traffic, the estimated speed-up over Standard fixed
+batching under a linear step-time model, and a suggested budget range. At W > 1 it prints global planning (the
+loader's default) and rank-local planning side by side; `--planning global|local` prints one.
 
-    odb plan lengths.npy --world-size 8 --token-budget 16384 [--cost padded] [--no-join]
+    odb plan lengths.npy --world-size 8 --token-budget 16384 [--cost padded] [--no-join] [--planning local]
     odb plan lengths.txt ...        # one length per line
     odb plan data.jsonl --field input_ids ...   # a list field (its length) or an int field per record
 
@@ -27,7 +29,7 @@ import numpy as np
 
 from odb_core.budget import Item
 from odb_core.config import COST_NAMES, ODBConfig
-from odb_core.simulate import EpochPlan, simulate_epoch
+from odb_core.simulate import EpochPlan, is_pooled, simulate_epoch
 from odb_core.sources import ShardedSampler
 
 
@@ -52,9 +54,12 @@ class PlanReport:
     token_budget: int
     cost: str
     join: bool
+    planning: str
     samples: int
     steps: int
     idle_steps: int
+    idle_fraction: float
+    moved_fraction: float
     budget_utilization: float
     padding_ratio: float
     mean_rank_imbalance: float
@@ -123,9 +128,12 @@ def plan_report(lengths: Sequence[int], config: ODBConfig, world: int, model: St
     longest = max(lengths)
     batch = max(config.token_budget // longest, 1)
     std_steps, std_time = standard_time(streams, batch, model)
+    idle = sum(g is None for g in slots)
     return PlanReport(
         world_size=world, token_budget=config.token_budget, cost=config.cost, join=config.join,
-        samples=len(lengths), steps=plan.n_steps, idle_steps=sum(g is None for g in slots),
+        planning=config.planning if is_pooled(config, world) else "local", samples=len(lengths), steps=plan.n_steps,
+        idle_steps=idle, idle_fraction=idle / len(slots) if slots else 0.0,
+        moved_fraction=plan.moved / plan.emitted if plan.emitted else 0.0,
         budget_utilization=real / (plan.n_steps * world * config.token_budget) if plan.n_steps else 0.0,
         padding_ratio=1 - real / padded if padded else 0.0,
         mean_rank_imbalance=float(np.mean(imbalance)) if imbalance else 0.0,
@@ -146,9 +154,12 @@ def _config_fields(config: ODBConfig) -> dict:
     return {name: getattr(config, name) for name in ODBConfig.__slots__}  # type: ignore[attr-defined]
 
 
-def _print_report(report: PlanReport) -> None:
-    for key, value in asdict(report).items():
-        print(f"{key:>26}: {value:.4f}" if isinstance(value, float) else f"{key:>26}: {value}")
+def _print_reports(reports: Sequence[PlanReport]) -> None:
+    """One column per report (global and rank-local side by side at W > 1)."""
+    rows = [asdict(r) for r in reports]
+    for key in rows[0]:
+        cells = [f"{row[key]:.4f}" if isinstance(row[key], float) else str(row[key]) for row in rows]
+        print(f"{key:>26}: " + "".join(f"{cell:>14}" for cell in cells))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -163,6 +174,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--attention-alpha", type=float, default=0.0)
     p.add_argument("--window", type=int, default=4096)
     p.add_argument("--no-join", action="store_true", help="quota closure instead of draining every rank")
+    p.add_argument("--planning", choices=("both", "global", "local"), default="both",
+                   help="global (the loader's default at W > 1), rank-local, or both side by side")
     p.add_argument("--accumulation-steps", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--time-model", type=float, nargs=3, metavar=("A", "B", "C"), default=(0.0, 1.0, 0.0))
@@ -172,22 +185,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     lengths = read_lengths(args.lengths, args.field)
     if not lengths:
         parser.error(f"{args.lengths} holds no lengths")
-    config = ODBConfig(token_budget=args.token_budget, cost=args.cost, attention_alpha=args.attention_alpha,
-                       window=args.window, join=not args.no_join, accumulation_steps=args.accumulation_steps,
-                       seed=args.seed)
+    plannings = ("global", "local") if args.planning == "both" and args.world_size > 1 else (
+        ("global",) if args.planning == "both" else (args.planning,))
+    configs = [ODBConfig(token_budget=args.token_budget, cost=args.cost, attention_alpha=args.attention_alpha,
+                         window=args.window, join=not args.no_join, accumulation_steps=args.accumulation_steps,
+                         planning=planning, seed=args.seed) for planning in plannings]
     model = StepTimeModel(*args.time_model)
-    reports = [plan_report(lengths, config, args.world_size, model)]
-    if args.suggest:
-        reports += suggest_budgets(lengths, config, args.world_size, model)
+    reports = [plan_report(lengths, config, args.world_size, model) for config in configs]
+    suggested = suggest_budgets(lengths, configs[0], args.world_size, model) if args.suggest else []
     if args.json:
-        print(json.dumps([asdict(r) for r in reports], indent=2))
+        print(json.dumps([asdict(r) for r in reports + suggested], indent=2))
         return 0
-    _print_report(reports[0])
-    if args.suggest:
-        print("\n token_budget  steps  utilization  speedup_vs_standard")
-        for r in reports[1:]:
+    _print_reports(reports)
+    if suggested:
+        print(f"\n token_budget  steps  utilization  speedup_vs_standard   ({configs[0].planning} planning)")
+        for r in suggested:
             print(f" {r.token_budget:>12}  {r.steps:>5}  {r.budget_utilization:>11.3f}  {r.estimated_speedup:>19.2f}")
-        good = [r.token_budget for r in reports[1:] if r.budget_utilization >= 0.9]
+        good = [r.token_budget for r in suggested if r.budget_utilization >= 0.9]
         if good:
             print(f"\nsuggested token_budget: {good[0]}..{good[-1]} (utilization >= 0.9); pick the largest that "
                   "fits your accelerator's memory")

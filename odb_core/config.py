@@ -11,8 +11,12 @@ from typing import Literal
 
 CostName = Literal["padded", "tokens", "attention"]
 OversizePolicy = Literal["alone", "error"]
+Planning = Literal["global", "local"]
+MoveMode = Literal["auto", "send", "fetch"]
 COST_NAMES: tuple[str, ...] = ("padded", "tokens", "attention")
 OVERSIZE_POLICIES: tuple[str, ...] = ("alone", "error")
+PLANNINGS: tuple[str, ...] = ("global", "local")
+MOVE_MODES: tuple[str, ...] = ("auto", "send", "fetch")
 
 
 def _require(ok: bool, field: str, value: object, allowed: str) -> None:
@@ -48,6 +52,12 @@ class ODBConfig:
             metrics) or raises an `error` naming its index.
         accumulation_steps: gradient-accumulation micro-batches per optimizer step. Epochs end on a multiple of
             it, and `StepInfo.window_tokens` sums the supervised tokens of each aligned window.
+        planning: `global` (default) plans each round over every rank's buffered samples and deals the groups
+            to the ranks (NOTE [ Pooled rounds ]; samples move between ranks); `local` plans each rank's window
+            alone and only aligns the step counts. The same at world size 1.
+        move: how a sample reaches another rank under global planning: `send` the processed sample over the
+            metadata group, `fetch` re-read its index on the receiving rank (map-style datasets only; the
+            sample's processing runs again there), `auto` chooses per dataset kind (docs/design.md).
         seed: seed of the sampler shuffle and of the in-round step order.
         shuffle_steps: shuffle the order of a round's steps (identically on every rank, so pairing is kept).
         prefetch_steps: depth of the bounded queue filled by a background thread; 0 runs everything inline.
@@ -66,6 +76,8 @@ class ODBConfig:
     join: bool = True
     oversize: OversizePolicy = "alone"
     accumulation_steps: int = 1
+    planning: Planning = "global"
+    move: MoveMode = "auto"
     seed: int = 0
     shuffle_steps: bool = True
     prefetch_steps: int = 2
@@ -91,6 +103,9 @@ class ODBConfig:
                  f"choose one of {OVERSIZE_POLICIES}")
         _require(_is_int(self.accumulation_steps) and self.accumulation_steps >= 1, "accumulation_steps",
                  self.accumulation_steps, "it must be an int >= 1")
+        _require(self.planning in PLANNINGS, "planning", self.planning,
+                 f"choose one of {PLANNINGS}: 'global' pools every rank's samples, 'local' plans each rank alone")
+        _require(self.move in MOVE_MODES, "move", self.move, f"choose one of {MOVE_MODES}")
         _require(_is_int(self.seed), "seed", self.seed, "it must be an int")
         _require(isinstance(self.shuffle_steps, bool), "shuffle_steps", self.shuffle_steps, "it must be True or False")
         _require(_is_int(self.prefetch_steps) and self.prefetch_steps >= 0, "prefetch_steps",

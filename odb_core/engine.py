@@ -15,7 +15,10 @@ from odb_core.budget import Item, build_budget
 from odb_core.config import ODBConfig
 from odb_core.grouping import WindowPlan, plan_window
 from odb_core.sample import SampleError
-from odb_core.termination import Decision, RankState, align_to_accumulation, build_termination
+from odb_core.termination import (Decision, DesyncError, RankState, align_to_accumulation, build_termination,
+                                  check_same_progress)
+
+__all__ = ["DesyncError", "LocalRound", "RankEngine", "WindowEngine"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,23 +29,18 @@ class LocalRound:
     state: RankState
 
 
-class DesyncError(RuntimeError):
-    """Ranks disagree on the epoch's progress; continuing would hang or mis-weight the loss."""
+class WindowEngine:
+    """One rank's buffer of observed-but-unemitted samples and its epoch counters (both planning modes).
 
+    `space()` and `admit()` fill the window before each round; `round`, `steps_done`, `oversize` and `finished`
+    count the epoch's progress. The planning itself is the subclass's."""
 
-class RankEngine:
-    """Buffer of planned-but-unemitted samples on one rank, and the per-round plan/adjust steps.
-
-    Call order per round: `space()` and `admit()` until the window is full or the stream ends, then
-    `start_round()`, exchange `LocalRound.state` with every rank, then `finish_round()` with all states.
-    """
-
-    def __init__(self, config: ODBConfig, epoch: int) -> None:
-        self.config = config
+    def __init__(self, config: ODBConfig, epoch: int, rank: int = 0) -> None:
+        self.config, self.epoch, self.rank = config, epoch, rank
         self.budget = build_budget(config)
         self.termination = build_termination(config.join)
-        self.epoch = epoch
         self.items: list[Item] = []
+        self.n_carried = 0  # the first n_carried items were buffered before the current round began
         self.round = 0
         self.steps_done = 0
         self.oversize = 0
@@ -62,18 +60,34 @@ class RankEngine:
             self.oversize += 1
         self.items.append(item)
 
+    def leaving_state(self) -> RankState:
+        """What a rank reports when its consumer abandoned the epoch (NOTE [ Leaving an epoch ])."""
+        return RankState(active=False, n_ready=0, n_groups=0, n_samples=len(self.items), steps_done=self.steps_done,
+                         epoch=self.epoch, round=self.round, leaving=True)
+
+    def end_early(self) -> None:
+        """Some rank left the epoch: this rank's epoch ends here, after the steps already planned."""
+        self.round += 1
+        self.finished = True
+
+
+class RankEngine(WindowEngine):
+    """Rank-local planning: this rank's window is planned alone, and alignment equalises the step counts.
+
+    Call order per round: `space()` and `admit()` until the window is full or the stream ends, then
+    `start_round()`, exchange `LocalRound.state` with every rank, then `finish_round()` with all states.
+    """
+
     def start_round(self, active: bool) -> LocalRound:
         """Plan the window. `active` is False once this rank's stream has ended (the rank is closing)."""
         plan = plan_window(self.items, self.budget, closing=not active)
         state = RankState(active=active, n_ready=plan.n_ready, n_groups=len(plan.groups),
-                          n_samples=len(self.items), steps_done=self.steps_done)
+                          n_samples=len(self.items), steps_done=self.steps_done, epoch=self.epoch, round=self.round)
         return LocalRound(plan=plan, state=state)
 
     def decide(self, states: Sequence[RankState]) -> Decision:
         """The round's decision from every rank's state (identical on every rank)."""
-        if len({s.steps_done for s in states}) != 1:
-            raise DesyncError(f"ranks report different step counts {[s.steps_done for s in states]} in round "
-                              f"{self.round} of epoch {self.epoch}; were they given different configs or epochs?")
+        check_same_progress(states, self.round, self.epoch)
         decision = self.termination.decide(states)
         return align_to_accumulation(decision, self.steps_done, self.config.accumulation_steps)
 

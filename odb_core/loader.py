@@ -14,6 +14,7 @@ is how Python and the HF Trainer recognise a loader without a length.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -23,13 +24,13 @@ from torch.utils.data import Sampler
 from odb_core.collate import CollateFn, PadCollator
 from odb_core.config import ODBConfig
 from odb_core.cursor import EpochCursor
-from odb_core.engine import RankEngine
 from odb_core.estimate import estimate_steps
 from odb_core.metrics import LoaderMetrics
 from odb_core.pipeline import EpochReport, EpochRun, RunContext
 from odb_core.prefetch import BackgroundIterator
 from odb_core.resume import MergedState, check_elastic, is_merged, remainder_plan
 from odb_core.round_log import RoundLog
+from odb_core.rounds import RoundsFactory, move_mode
 from odb_core.sample import LengthFn
 from odb_core.settings import PASSED_ON, SettingsSource, split_keys
 from odb_core.state import LoaderIdentity, LoaderState, RemainderSource
@@ -38,13 +39,14 @@ from odb_core.stream import DatasetFetchError, SampleStream, StreamOptions
 from odb_core.sync import Transport, default_transport
 
 __all__ = ["DatasetFetchError", "ODBDataLoader"]
+logger = logging.getLogger(__name__)
 
 WORKER_OPTIONS = frozenset({"persistent_workers", "multiprocessing_context", "pin_memory", "prefetch_factor",
                             "worker_init_fn", "generator"})
 OPTIONS = SettingsSource(where="ODBDataLoader", noun="argument", key_error=TypeError,
                          keys=dict.fromkeys(sorted(WORKER_OPTIONS), PASSED_ON))  # its **options: fields, workers
 FINGERPRINT = ("token_budget", "cost", "attention_alpha", "max_patches", "max_batch_size", "window", "join",
-               "accumulation_steps", "seed", "shuffle_steps")
+               "accumulation_steps", "planning", "seed", "shuffle_steps")
 
 
 def _split_options(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -117,7 +119,10 @@ class ODBDataLoader:
         self._stream = SampleStream(dataset, stream_options, rank=self.transport.rank,
                                     world_size=self.transport.world_size)
         self.sampler = self._stream.sampler
-        self._ctx = RunContext(engine_factory=lambda epoch: RankEngine(config, epoch), transport=self.transport,
+        move_mode(config, map_style=self._stream.size is not None)  # refuses move='fetch' for a stream, now
+        rounds = RoundsFactory(config=config, transport=self.transport, fetch=_LoaderCall(self._stream.fetch),
+                               map_style=self._stream.size is not None)
+        self._ctx = RunContext(rounds_factory=rounds, transport=self.transport,
                                collate_fn=collate_fn if collate_fn is not None else PadCollator(),
                                length_fn=length_fn, metrics=self.metrics,
                                fallback_dummy=_LoaderCall(self._stream.fallback_dummy),
@@ -233,14 +238,17 @@ class ODBDataLoader:
         return self._length
 
     def close(self) -> None:
-        """Stop the current epoch's producer thread and workers, if any."""
+        """Stop the current epoch's producer thread and workers, if any. An epoch left before its end is left in
+        step with the other ranks (NOTE [ Leaving an epoch ] in pipeline.py): this waits, at most
+        `sync_timeout_s`, until every rank continued or left it too, so the next epoch starts aligned."""
         if self._current is not None:
-            self._current.close()
+            self._current.close(leave=True)
             self._current = None
 
     def __del__(self) -> None:
         if getattr(self, "_current", None) is not None:  # __init__ may have raised before setting it
-            self.close()
+            self._current.close(leave=False)  # no collective from a finalizer
+            self._current = None
 
 
 class _EpochIterator(Iterator[ODBBatch]):
@@ -267,7 +275,16 @@ class _EpochIterator(Iterator[ODBBatch]):
         self.log.consume(batch.info)
         return batch
 
-    def close(self) -> None:
-        close = getattr(self.source, "close", None)
-        if close is not None:
-            close()
+    def close(self, leave: bool) -> None:
+        """Stop the epoch; with `leave` (an explicit close before the end), leave it with the other ranks."""
+        leave = leave and not self.finished
+        if isinstance(self.source, BackgroundIterator):
+            self.source.close(leave=leave, timeout_s=self.loader.config.sync_timeout_s + 5.0)
+            return
+        try:
+            if leave:
+                self.run.leave()
+        except Exception as exc:  # noqa: BLE001 - the next epoch's first exchange reports the same peer problem
+            logger.warning("ODB: leaving the epoch early failed (%s: %s)", type(exc).__name__, exc)
+        finally:
+            self.run.close()

@@ -5,7 +5,9 @@ Definitions (every adapter reports these, computed here only):
   * patch utilization = vision patches / (steps x world size x max_patches), when `max_patches` is set;
   * padding ratio = 1 - real input tokens / padded token slots, on this rank, over non-IDLE steps;
   * rank imbalance of a step = coefficient of variation of the group cost across ranks (IDLE costs 0);
-  * alignment bytes/latency = what this rank sent in the metadata collectives, and their wall time.
+  * alignment bytes/latency = what this rank sent in the metadata collectives, and their wall time;
+  * moved samples/bytes (global planning) = samples that ran on this rank but were read by another, and the
+    bytes received for them (NOTE [ Moving samples ]).
 """
 
 from __future__ import annotations
@@ -84,6 +86,8 @@ class LoaderMetrics:
     splits: int = 0
     pushed_back_groups: int = 0
     rounds: int = 0
+    moved_samples: int = 0  # global planning: samples this rank received from the rank that read them
+    moved_bytes: int = 0  # and their bytes (move="send"), received by this rank
     sync_bytes: int = 0
     sync_seconds: float = 0.0
 

@@ -2,7 +2,9 @@
 
 NOTE [ One round ]
   1. fill: read tagged samples until the window is full or the stream ends; check each (`SampleReader`);
-  2. plan + all_gather(RankState) + decide + adjust (`RankEngine`): exactly T ordered slots;
+  2. plan (`rounds.py`): rank-local, all_gather(RankState) + decide + adjust (`RankEngine`); global, also the
+     pooled items, the shared plan (`PooledEngine`, NOTE [ Pooled rounds ]) and the moved samples: exactly T
+     ordered slots on every rank;
   3. collate each slot (IDLE: the cached zero-weight dummy) and count its supervised/input tokens;
   4. all_reduce_sum of 6 ints per slot: global samples, supervised tokens, input tokens, cost, cost^2 and vision
      patches;
@@ -21,16 +23,15 @@ from typing import Any
 from odb_core.accumulation import AccumulationWindow
 from odb_core.alignment import Slot
 from odb_core.collate import CollateFn, padded_tokens, run_collate, supervised_tokens
-from odb_core.engine import RankEngine
 from odb_core.metrics import LoaderMetrics, cost_cv
 from odb_core.reader import SampleReader
 from odb_core.round_log import RoundLog
+from odb_core.rounds import RankRound, Rounds, sample_of
 from odb_core.sample import LengthFn, as_dummy, input_tokens
 from odb_core.state import ResumePoint, RoundStart
 from odb_core.step_info import STEP_SUM_FIELDS, ODBBatch, StepInfo
 from odb_core.stream import Chunk
 from odb_core.sync import Transport
-from odb_core.termination import RankState
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,13 +44,14 @@ class EpochReport:
     not_emitted: tuple[int, ...]
     unread_chunks_remaining: bool
     stream_position: int = 0  # samples read from this rank's stream (admitted + pending), resume offset included
+    abandoned: bool = False  # a consumer left the epoch early (NOTE [ Leaving an epoch ])
 
 
 @dataclass(frozen=True, slots=True)
 class RunContext:
     """Everything an epoch needs besides its data; shared by the epochs of one loader."""
 
-    engine_factory: Callable[[int], RankEngine]
+    rounds_factory: Callable[[int], Rounds]
     transport: Transport
     collate_fn: CollateFn
     length_fn: LengthFn | None
@@ -93,7 +95,8 @@ class EpochRun(Iterator[ODBBatch]):
     def __init__(self, ctx: RunContext, epoch: int, chunks: Iterator[Chunk], log: RoundLog,
                  resume: ResumePoint | None = None) -> None:
         self.ctx, self.epoch, self.log = ctx, epoch, log
-        self.engine = ctx.engine_factory(epoch)
+        self.rounds = ctx.rounds_factory(epoch)
+        self.engine = self.rounds.engine
         self.reader = SampleReader(chunks, ctx.length_fn, ctx.fallback_dummy)
         self.window: AccumulationWindow[_Built] = AccumulationWindow(self.engine.config.accumulation_steps)
         self.ready: deque[ODBBatch] = deque()
@@ -105,6 +108,7 @@ class EpochRun(Iterator[ODBBatch]):
             self.skip_below = resume.steps_consumed
             self.window.restore(start.carry_count, start.carry_tokens)
             self.reader.restore(start, self.engine, ctx.fetch)
+            self.engine.n_carried = len(start.buffer)  # what the saved round began with
 
     def __next__(self) -> ODBBatch:
         while not self.ready:
@@ -118,6 +122,20 @@ class EpochRun(Iterator[ODBBatch]):
         """Release the worker iterator (and with it the worker processes); called on errors and on shutdown."""
         self.reader.close()
 
+    def leave(self) -> None:
+        """NOTE [ Leaving an epoch ]
+        A consumer that stops iterating an epoch before its end (a `break`, `set_epoch`, a new `iter()`) must not
+        leave its peers inside a collective that it never joins, nor let the next epoch's first collective pair
+        up with a peer's last one of this epoch. So the rank that leaves takes part in exactly one more state
+        exchange, flagged `leaving`, at the position of the next round, instead of that round; every rank that
+        sees the flag ends its epoch right after the steps it already planned (`EpochReport.abandoned`), and runs
+        no more collectives for it. The rounds are lockstep, so a peer is either in that same exchange (as a
+        normal round or leaving too) or reaches it when its own consumer takes the next step or leaves. Called
+        once, on the thread that runs the rounds, between rounds; a finished epoch needs nothing."""
+        if not self.engine.finished:
+            self.rounds.leave()
+            self.report = self._report(abandoned=True)
+
     def _round_start(self) -> RoundStart:
         return RoundStart(round=self.engine.round, steps_done=self.engine.steps_done, consumed=self.reader.consumed,
                           buffer=tuple(item.index for item in self.engine.items),
@@ -130,30 +148,36 @@ class EpochRun(Iterator[ODBBatch]):
         stats = self.ctx.transport.stats
         bytes_before, seconds_before = stats.bytes_sent, stats.seconds
         active = self.reader.fill(self.engine)
-        local = self.engine.start_round(active)
-        gathered = self.ctx.transport.all_gather(local.state.to_ints())
-        decision = self.engine.decide([RankState.from_ints(v) for v in gathered])
-        round_index = self.engine.round
-        adjustment = self.engine.finish_round(local, decision)
-        built = [self._build(slot) for slot in adjustment.slots]
+        first_step = self.engine.steps_done
+        planned = self.rounds.plan(active, self.reader.take)
+        if planned.abandoned:
+            self.report = self._report(abandoned=True)
+            self.log.end_epoch(self.engine.steps_done, metrics.snapshot())
+            return
+        if planned.owned_by_step is not None:
+            self.log.record_owned(first_step, planned.owned_by_step)
+        built = [self._build(slot, planned) for slot in planned.slots]
         reduced = self.ctx.transport.all_reduce_sum([x for b in built for x in b.as_ints()])
+        moved = planned.arrivals
         metrics.rounds += 1
-        metrics.splits += adjustment.n_split
-        metrics.pushed_back_groups += adjustment.n_pushed_back
-        metrics.sync_bytes += stats.bytes_sent - bytes_before
+        metrics.splits += planned.n_split
+        metrics.pushed_back_groups += planned.n_pushed_back
+        metrics.moved_samples += moved.samples if moved else 0
+        metrics.moved_bytes += moved.bytes_in if moved else 0
+        metrics.sync_bytes += stats.bytes_sent - bytes_before - (moved.bytes_out if moved else 0)
         metrics.sync_seconds += stats.seconds - seconds_before
-        first_step = self.engine.steps_done - len(built)
         for k, b in enumerate(built):
             totals = reduced[k * STEP_SUM_FIELDS : (k + 1) * STEP_SUM_FIELDS]
-            self._stage(b, totals, round_index, first_step + k)
+            self._stage(b, totals, planned.index, first_step + k)
         if self.engine.finished:
             self.log.end_epoch(self.engine.steps_done, metrics.snapshot())
 
-    def _build(self, slot: Slot) -> _Built:
+    def _build(self, slot: Slot, planned: RankRound) -> _Built:
         if slot is None:
             batch = run_collate(self.ctx.collate_fn, [as_dummy(self.reader.dummy_sample())], ())
             return _Built(batch=batch, indices=(), samples=0, tokens=0, input_tokens=0, padded=0, cost=0, patches=0)
-        samples = [self.reader.take(index) for index in slot.indices]
+        rank = self.ctx.transport.rank
+        samples = [sample_of(item, planned, rank, self.reader.take) for item in slot.items]
         batch = run_collate(self.ctx.collate_fn, samples, slot.indices)
         real = sum(input_tokens(s) for s in samples)
         return _Built(batch=batch, indices=slot.indices, samples=slot.size, tokens=supervised_tokens(batch, samples),
@@ -182,7 +206,10 @@ class EpochRun(Iterator[ODBBatch]):
             return
         assert not self.window.open_count, "an epoch must end on an accumulation-window boundary"
         self.ctx.metrics.oversize_samples += self.engine.oversize
+        self.report = self._report(abandoned=False)
+
+    def _report(self, abandoned: bool) -> EpochReport:
         leftover = [item.index for item in self.engine.items] + self.reader.pending_indices()
-        self.report = EpochReport(epoch=self.epoch, steps=self.engine.steps_done, rounds=self.engine.round,
-                                  not_emitted=tuple(leftover), unread_chunks_remaining=not self.reader.stream_ended,
-                                  stream_position=self.reader.consumed + len(self.reader.pending))
+        return EpochReport(epoch=self.epoch, steps=self.engine.steps_done, rounds=self.engine.round,
+                           not_emitted=tuple(leftover), unread_chunks_remaining=not self.reader.stream_ended,
+                           stream_position=self.reader.consumed + len(self.reader.pending), abandoned=abandoned)

@@ -3,11 +3,13 @@
 Messages on the queue are typed (`Produced`, `Failed`, `Exhausted`). An exception in the producer is re-raised
 in the consumer's `next()` with its original traceback attached. `close()` (also called on garbage collection
 and on Ctrl-C in the consumer) stops the thread; the thread is a daemon, so a producer stuck in a collective
-cannot keep the process alive.
+cannot keep the process alive. `close(leave=True)` lets the producer finish what it is in and then call the
+source's `leave()` on its own thread (NOTE [ Leaving an epoch ] in pipeline.py), and waits for that.
 """
 
 from __future__ import annotations
 
+import logging
 import queue
 import sys
 import threading
@@ -17,6 +19,7 @@ from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
 POLL_S = 0.1
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +43,7 @@ class BackgroundIterator(Iterator[T]):
     def __init__(self, source: Iterator[T], depth: int, name: str = "odb-producer") -> None:
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=max(depth, 1))
         self._stop = threading.Event()
+        self._leave = threading.Event()
         self._done = False
         self._thread = threading.Thread(target=self._run, args=(source,), name=name, daemon=True)
         self._thread.start()
@@ -57,6 +61,7 @@ class BackgroundIterator(Iterator[T]):
         try:
             for item in source:
                 if not self._put(Produced(item)):
+                    self._leave_if_asked(source)
                     return
             self._put(Exhausted())
         except BaseException as exc:  # noqa: BLE001 - handed to the consumer, not swallowed
@@ -65,6 +70,16 @@ class BackgroundIterator(Iterator[T]):
             close = getattr(source, "close", None)
             if close is not None:
                 close()
+
+    def _leave_if_asked(self, source: Iterator[T]) -> None:
+        leave = getattr(source, "leave", None)
+        if not self._leave.is_set() or leave is None:
+            return
+        try:
+            leave()
+        except Exception as exc:  # noqa: BLE001 - nobody consumes any more; say it instead
+            logger.warning("ODB: leaving the epoch early failed (%s: %s); the next epoch's first exchange will "
+                           "report the same peer problem", type(exc).__name__, exc)
 
     def __next__(self) -> T:
         if self._done:
@@ -88,8 +103,11 @@ class BackgroundIterator(Iterator[T]):
                 raise error
         raise AssertionError(f"unexpected message {message!r}")
 
-    def close(self) -> None:
-        """Stop the producer and wait briefly for it; safe to call more than once."""
+    def close(self, leave: bool = False, timeout_s: float = 5.0) -> None:
+        """Stop the producer and wait up to `timeout_s` for it; safe to call more than once. With `leave`, the
+        producer first finishes its current work and calls the source's `leave()` (NOTE [ Leaving an epoch ])."""
+        if leave:
+            self._leave.set()
         self._done = True
         self._stop.set()
         while True:
@@ -98,7 +116,10 @@ class BackgroundIterator(Iterator[T]):
             except queue.Empty:
                 break
         if threading.current_thread() is not self._thread:
-            self._thread.join(timeout=5.0)
+            self._thread.join(timeout=timeout_s)
+            if self._thread.is_alive() and leave:
+                logger.warning("ODB: the producer did not leave the epoch within %.0fs (a peer rank neither "
+                               "continued nor left it)", timeout_s)
 
     def __del__(self) -> None:
         if not sys.is_finalizing():  # at interpreter exit the queue module may already be torn down

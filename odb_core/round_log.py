@@ -25,6 +25,7 @@ class RoundLog:
         self._lock = threading.Lock()
         self._starts: dict[int, tuple[RoundStart, Metrics]] = {}
         self._final: tuple[int, Metrics] | None = None
+        self._owned: dict[int, tuple[int, ...]] = {}  # step -> own indices emitted by any rank (global planning)
         self._position = resumed
         self._emitted: list[int] = list(resumed.point.round_emitted) if resumed is not None else []
 
@@ -32,6 +33,12 @@ class RoundLog:
     def begin_round(self, start: RoundStart, metrics: Metrics) -> None:
         with self._lock:
             self._starts[start.round] = (start, dict(metrics))
+
+    def record_owned(self, first_step: int, owned_by_step: tuple[tuple[int, ...], ...]) -> None:
+        """Global planning: the indices of this rank's samples that each step of the round emits on any rank
+        (before the round's steps are released). `round_emitted` is made of these instead of the step's own."""
+        with self._lock:
+            self._owned.update((first_step + k, owned) for k, owned in enumerate(owned_by_step))
 
     def end_epoch(self, steps: int, metrics: Metrics) -> None:
         """The epoch has `steps` steps; `metrics` are the counters after its last one."""
@@ -47,7 +54,9 @@ class RoundLog:
                 del self._starts[stale]
             if self._position is None or self._position.point.start.round != info.round:
                 self._emitted = []
-            self._emitted.extend(info.indices)
+            self._emitted.extend(self._owned.pop(info.step, info.indices))
+            for stale in [step for step in self._owned if step < info.step]:
+                del self._owned[stale]
             complete = self._final is not None and info.step + 1 == self._final[0]
             if complete:
                 metrics = self._final[1]

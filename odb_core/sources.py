@@ -32,14 +32,15 @@ class PackedTensor:
     array: np.ndarray
 
 
-def pack_sample(sample: Any) -> Any:
-    """Worker side: replace small numpy-compatible tensors at the top level of a mapping by `PackedTensor`."""
+def pack_sample(sample: Any, limit_bytes: int | None = PACK_LIMIT_BYTES) -> Any:
+    """Sender side: replace numpy-compatible tensors (up to `limit_bytes` each; None: any size) at the top level
+    of a mapping by `PackedTensor`."""
     if not isinstance(sample, dict):
         return sample
     packed = dict(sample)
     for key, value in sample.items():
         if (isinstance(value, torch.Tensor) and value.dtype in PACKABLE and not value.requires_grad
-                and value.numel() * value.element_size() <= PACK_LIMIT_BYTES):
+                and (limit_bytes is None or value.numel() * value.element_size() <= limit_bytes)):
             packed[key] = PackedTensor(value.numpy())
     return packed
 

@@ -23,6 +23,8 @@ from odb_core.sources import ShardedSampler
 STATE_VERSION = 2
 READABLE_VERSIONS = (1, 2)
 MERGED_FORMAT = "merged"
+# Fingerprint fields added after states were first written, with the behaviour those states had.
+LEGACY_FINGERPRINT = {"planning": "local"}
 
 
 class ElasticResumeError(ValueError):
@@ -317,6 +319,7 @@ class LoaderState:
             raise StateError(f"loader state version {version!r} is not supported (expected {STATE_VERSION})")
         world, rank = _pop(data, "world_size", int, "state"), _pop(data, "rank", int, "state")
         config, epoch = _pop(data, "config", dict, "state"), _pop(data, "epoch", int, "state")
+        config = {**LEGACY_FINGERPRINT, **config}
         metrics = _pop(data, "metrics", dict, "state")
         source = source_from_dict(_pop(data, "sampler", dict, "state"), "state.sampler") if version >= 2 else None
         raw_plan = _pop(data, "plan", (dict, type(None)), "state") if version >= 2 else None

@@ -3,7 +3,9 @@
 A `Transport` moves small int64 vectors between ranks with two collectives, always called in the same order on
 every rank (see NOTE [ Rounds and termination ]):
   * `all_gather(values)` once per round: each rank's `RankState` (5 ints), O(W) ints per rank;
-  * `all_reduce_sum(values)` once per round: 6 ints per step of the round (`STEP_SUM_FIELDS`), O(T) ints.
+  * `all_reduce_sum(values)` once per round: 6 ints per step of the round (`STEP_SUM_FIELDS`), O(T) ints;
+  * under global planning, a second `all_gather` of every buffered item (3 ints each, padded to the longest
+    buffer) and `all_to_all_bytes` of the samples that move to another rank (NOTE [ Moving samples ]).
 Three implementations: `LocalTransport` (one process), `GlooTransport` (a dedicated Gloo group, created
 collectively on the main thread with a timeout, isolated from the model's process group) and `VirtualTransport`
 (W ranks as threads of one process, for tests and simulation of the full loader).
@@ -29,10 +31,11 @@ class PeerError(RuntimeError):
 
 @dataclass(slots=True)
 class TransportStats:
-    """Cumulative traffic and latency of the metadata collectives (bytes this rank sent)."""
+    """Cumulative traffic and latency of the collectives: bytes this rank sent and received, wall seconds."""
 
     calls: int = 0
     bytes_sent: int = 0
+    bytes_received: int = 0
     seconds: float = 0.0
 
 
@@ -49,19 +52,32 @@ class Transport(ABC):
         """Every rank's `values` (same length on every rank), in rank order."""
         start = time.perf_counter()
         gathered = self._all_gather(values)
-        self._account(len(values), start)
+        self._account(len(values), len(values) * self.world_size, start)
         return gathered
 
     def all_reduce_sum(self, values: list[int]) -> list[int]:
         """Element-wise sum of `values` over ranks (same length on every rank)."""
         start = time.perf_counter()
         reduced = self._all_reduce_sum(values) if values else []
-        self._account(len(values), start)
+        self._account(len(values), len(values), start)
         return reduced
 
-    def _account(self, n_ints: int, start: float) -> None:
+    def all_to_all_bytes(self, chunks: list[bytes]) -> list[bytes]:
+        """`chunks[r]` goes to rank r; returns the chunk every rank sent to this one, in rank order."""
+        if len(chunks) != self.world_size:
+            raise ValueError(f"all_to_all_bytes needs one chunk per rank ({self.world_size}), got {len(chunks)}")
+        start = time.perf_counter()
+        received = self._all_to_all_bytes(chunks)
         self.stats.calls += 1
-        self.stats.bytes_sent += n_ints * INT64_BYTES
+        self.stats.bytes_sent += sum(len(c) for r, c in enumerate(chunks) if r != self.rank)
+        self.stats.bytes_received += sum(len(c) for r, c in enumerate(received) if r != self.rank)
+        self.stats.seconds += time.perf_counter() - start
+        return received
+
+    def _account(self, n_sent: int, n_received: int, start: float) -> None:
+        self.stats.calls += 1
+        self.stats.bytes_sent += n_sent * INT64_BYTES
+        self.stats.bytes_received += n_received * INT64_BYTES
         self.stats.seconds += time.perf_counter() - start
 
     @abstractmethod
@@ -69,6 +85,9 @@ class Transport(ABC):
 
     @abstractmethod
     def _all_reduce_sum(self, values: list[int]) -> list[int]: ...
+
+    @abstractmethod
+    def _all_to_all_bytes(self, chunks: list[bytes]) -> list[bytes]: ...
 
     def close(self) -> None:
         """Release resources; the transport must not be used afterwards."""
@@ -86,6 +105,9 @@ class LocalTransport(Transport):
 
     def _all_reduce_sum(self, values: list[int]) -> list[int]:
         return list(values)
+
+    def _all_to_all_bytes(self, chunks: list[bytes]) -> list[bytes]:
+        return list(chunks)
 
 
 class GlooTransport(Transport):
@@ -123,6 +145,23 @@ class GlooTransport(Transport):
         except Exception as exc:
             raise self._fail("all_reduce", exc) from exc
         return tensor.tolist()
+
+    def _all_to_all_bytes(self, chunks: list[bytes]) -> list[bytes]:
+        sizes = torch.tensor([len(c) for c in chunks], dtype=torch.int64)
+        incoming = torch.empty_like(sizes)
+        try:
+            dist.all_to_all_single(incoming, sizes, group=self.group)
+            send = torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8) if sizes.sum() else \
+                torch.empty(0, dtype=torch.uint8)
+            received = torch.empty(int(incoming.sum()), dtype=torch.uint8)
+            dist.all_to_all_single(received, send, incoming.tolist(), sizes.tolist(), group=self.group)
+        except Exception as exc:
+            raise self._fail("all_to_all", exc) from exc
+        data, out, offset = received.numpy().tobytes(), [], 0
+        for size in incoming.tolist():
+            out.append(data[offset : offset + size])
+            offset += size
+        return out
 
     def close(self) -> None:
         # Destroying a subgroup is itself collective in some backends; leave it to destroy_process_group().
@@ -162,6 +201,9 @@ class VirtualTransport(Transport):
 
     def _all_reduce_sum(self, values: list[int]) -> list[int]:
         return [sum(column) for column in zip(*self.hub.exchange(self.rank, values), strict=True)]
+
+    def _all_to_all_bytes(self, chunks: list[bytes]) -> list[bytes]:
+        return [sent[self.rank] for sent in self.hub.exchange(self.rank, chunks)]
 
 
 def default_transport(timeout_s: float) -> Transport:

@@ -139,6 +139,7 @@ class ODBCallback(TrainerCallback):
             raise RuntimeError(f"ODB epoch {view.next_epoch - 1} has more than the {len(view)} steps the Trainer "
                                f"planned (estimate {view.plan.estimate}); raise ODBCallback(length_slack=...) "
                                "above its current value or set max_steps")
+        state.epoch = float(view.next_epoch)  # the epoch is whole, whatever the estimate said its length was
         if view.done():
             control.should_training_stop = True
 

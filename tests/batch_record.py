@@ -16,7 +16,7 @@ import json
 import sys
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +46,8 @@ class LengthStream(torch.utils.data.IterableDataset):
 
 @dataclass(frozen=True)
 class Case:
-    """One recorded run. `stop` > 0: every rank saves its state after `stop` steps of epoch `stop_epoch`, and a
+    """One recorded run (the W > 1 cases recorded before global planning existed name `planning="local"`).
+    `stop` > 0: every rank saves its state after `stop` steps of epoch `stop_epoch`, and a
     fresh loader (at `resume_world` ranks from the merged states when it differs) continues from it."""
 
     world: int
@@ -65,20 +66,40 @@ CASES: dict[str, Case] = {
     "w1_ga3_tokens": Case(1, dict(token_budget=900, cost="tokens", window=48, shuffle=True, seed=1,
                                   accumulation_steps=3)),
     "w1_workers2_inline": Case(1, dict(token_budget=1024, window=40, shuffle=True, prefetch_steps=0), workers=2),
-    "w2_join": Case(2, dict(token_budget=1024, window=48, shuffle=True, seed=7)),
-    "w2_non_join_ga2": Case(2, dict(token_budget=800, window=32, shuffle=True, join=False, accumulation_steps=2)),
-    "w3_small_uneven": Case(3, dict(token_budget=512, window=8, shuffle=False, max_batch_size=4), dataset="small"),
-    "w2_attention": Case(2, dict(token_budget=2048, cost="attention", attention_alpha=0.002, window=64,
-                                 shuffle=True, seed=2)),
-    "w2_stream": Case(2, dict(token_budget=1024, window=32), dataset="stream", epochs=1),
-    "w2_resume_mid_round": Case(2, dict(token_budget=1024, window=48, shuffle=True, seed=7), stop=5),
-    "w2_resume_ga2": Case(2, dict(token_budget=800, window=32, shuffle=True, accumulation_steps=2), stop=7),
-    "w2_resume_non_join": Case(2, dict(token_budget=800, window=32, shuffle=True, join=False), stop=4),
-    "w2_resume_stream": Case(2, dict(token_budget=1024, window=32), dataset="stream", epochs=1, stop=6),
-    "w2_merged_same_world": Case(2, dict(token_budget=1024, window=48, shuffle=True), stop=6, merged=True),
-    "w2_elastic_to_3": Case(2, dict(token_budget=1024, window=48, shuffle=True), stop=6, resume_world=3),
-    "w3_elastic_to_1": Case(3, dict(token_budget=1024, window=24, shuffle=True, accumulation_steps=2), stop=4,
-                            resume_world=1),
+    "w2_join": Case(2, dict(planning="local", token_budget=1024, window=48, shuffle=True, seed=7)),
+    "w2_non_join_ga2": Case(2, dict(planning="local", token_budget=800, window=32, shuffle=True, join=False,
+                                    accumulation_steps=2)),
+    "w3_small_uneven": Case(3, dict(planning="local", token_budget=512, window=8, shuffle=False, max_batch_size=4),
+                            dataset="small"),
+    "w2_attention": Case(2, dict(planning="local", token_budget=2048, cost="attention", attention_alpha=0.002,
+                                 window=64, shuffle=True, seed=2)),
+    "w2_stream": Case(2, dict(planning="local", token_budget=1024, window=32), dataset="stream", epochs=1),
+    "w2_resume_mid_round": Case(2, dict(planning="local", token_budget=1024, window=48, shuffle=True, seed=7), stop=5),
+    "w2_resume_ga2": Case(2, dict(planning="local", token_budget=800, window=32, shuffle=True, accumulation_steps=2),
+                          stop=7),
+    "w2_resume_non_join": Case(2, dict(planning="local", token_budget=800, window=32, shuffle=True, join=False),
+                               stop=4),
+    "w2_resume_stream": Case(2, dict(planning="local", token_budget=1024, window=32), dataset="stream", epochs=1,
+                             stop=6),
+    "w2_merged_same_world": Case(2, dict(planning="local", token_budget=1024, window=48, shuffle=True), stop=6,
+                                 merged=True),
+    "w2_elastic_to_3": Case(2, dict(planning="local", token_budget=1024, window=48, shuffle=True), stop=6,
+                            resume_world=3),
+    "w3_elastic_to_1": Case(3, dict(planning="local", token_budget=1024, window=24, shuffle=True,
+                                    accumulation_steps=2), stop=4, resume_world=1),
+    # global planning (the default at W > 1), recorded when it landed
+    "global_w2_join": Case(2, dict(token_budget=1024, window=48, shuffle=True, seed=7)),
+    "global_w2_join_fetch": Case(2, dict(token_budget=1024, window=48, shuffle=True, seed=7, move="fetch")),
+    "global_w3_non_join_ga2": Case(3, dict(token_budget=800, window=32, shuffle=True, join=False,
+                                           accumulation_steps=2)),
+    "global_w4_small_tokens": Case(4, dict(token_budget=512, cost="tokens", window=8, max_batch_size=4),
+                                   dataset="small"),
+    "global_w2_stream": Case(2, dict(token_budget=1024, window=32), dataset="stream", epochs=1),
+    "global_w2_resume_mid_round": Case(2, dict(token_budget=1024, window=48, shuffle=True, seed=7), stop=5),
+    "global_w3_resume_ga2_workers": Case(3, dict(token_budget=800, window=32, shuffle=True, accumulation_steps=2),
+                                         stop=7, workers=1),
+    "global_w2_resume_stream": Case(2, dict(token_budget=1024, window=32), dataset="stream", epochs=1, stop=6),
+    "global_w2_elastic_to_3": Case(2, dict(token_budget=1024, window=48, shuffle=True), stop=6, resume_world=3),
 }
 
 
@@ -88,7 +109,7 @@ def _dataset(name: str) -> Any:
 
 def _hash_batch(h: Any, batch: Any) -> None:
     info: StepInfo = batch.info
-    h.update(repr([(f.name, getattr(info, f.name)) for f in fields(info)]).encode())
+    h.update(repr([(name, getattr(info, name)) for name in STEP_FIELDS]).encode())
     for key in sorted(batch):
         value = batch[key]
         h.update(key.encode())
@@ -99,9 +120,20 @@ def _hash_batch(h: Any, batch: Any) -> None:
             h.update(repr(value).encode())
 
 
+STEP_FIELDS = ("epoch", "step", "round", "indices", "is_idle", "local_samples", "global_samples", "local_tokens",
+               "global_tokens", "local_input_tokens", "global_input_tokens", "padded_tokens", "cost",
+               "rank_imbalance", "window_tokens", "local_patches", "global_patches")  # StepInfo when recorded
+COUNTERS = ("budget_utilization", "global_input_tokens", "global_patches", "global_samples", "global_supervised_tokens",
+            "idle_steps", "local_input_tokens", "local_samples", "mean_rank_imbalance", "oversize_samples",
+            "padded_tokens", "padding_ratio", "patch_budget", "patch_utilization", "pushed_back_groups", "rounds",
+            "splits", "steps", "token_budget", "world_size")
+
+
 def _counters(loader: ODBDataLoader) -> dict[str, Any]:
-    """The loader's metrics summary without the transport's traffic and timing (not a property of the batches)."""
-    return {k: v for k, v in loader.metrics.summary().items() if k not in ("sync_bytes", "sync_seconds")}
+    """The loader's metrics that existed when the digests were recorded, without the transport's traffic and
+    timing (not a property of the batches)."""
+    summary = loader.metrics.summary()
+    return {k: summary[k] for k in COUNTERS}
 
 
 def _on_ranks(world: int, fn: Callable[[int, Any], Any]) -> list[Any]:

@@ -136,6 +136,11 @@ class Case:
     fault_after: int = 3
     stall_s: float = 30.0
     first_image: int | None = None  # an ImagesFromDataset from this index on (None: a plain LengthDataset)
+    planning: str = "global"
+    move: str = "auto"
+    workers_by_rank: list[int] | None = None  # per-rank num_workers (overrides num_workers)
+    break_after: int | None = None  # epoch 0 stops after this many steps (a `break`); the next epoch runs whole
+    break_skew_s: float = 0.0  # rank 1 waits this long before it breaks
 
     def save(self, path: Path) -> None:
         path.write_text(json.dumps(asdict(self)))
@@ -157,12 +162,13 @@ def build_loader(case: Case, rank: int) -> Any:
     sampler = None
     if case.sampler == "distributed":
         sampler = DistributedSampler(dataset, num_replicas=case.world_size, rank=rank, shuffle=True, seed=3)
+    workers = case.workers_by_rank[rank] if case.workers_by_rank is not None else case.num_workers
     worker_options: dict[str, Any] = {}
-    if case.num_workers > 0:
+    if workers > 0:
         worker_options = {"multiprocessing_context": case.context, "persistent_workers": case.persistent_workers}
-    return ODBDataLoader(dataset, token_budget=case.token_budget, join=case.join, num_workers=case.num_workers,
+    return ODBDataLoader(dataset, token_budget=case.token_budget, join=case.join, num_workers=workers, move=case.move,
                          sampler=sampler, shuffle=case.shuffle, accumulation_steps=case.accumulation_steps,
-                         window=case.window, prefetch_steps=case.prefetch_steps,
+                         window=case.window, prefetch_steps=case.prefetch_steps, planning=case.planning,
                          sync_timeout_s=case.sync_timeout_s, **worker_options)
 
 
@@ -187,14 +193,21 @@ def _write(out_dir: Path, name: str, payload: dict[str, Any]) -> None:
     tmp.rename(out_dir / name)  # atomic: the test never reads half a file
 
 
-def _epochs(loader: Any, case: Case) -> list[dict[str, Any]]:
+def _epochs(loader: Any, case: Case, rank: int) -> list[dict[str, Any]]:
     epochs = []
-    for _ in range(case.epochs):
-        steps = [step_record(batch) for batch in loader]
+    for epoch in range(case.epochs):
+        steps = []
+        for batch in loader:
+            steps.append(step_record(batch))
+            if epoch == 0 and len(steps) == case.break_after:
+                time.sleep(case.break_skew_s if rank == 1 else 0.0)
+                break
         report = loader.last_report
         epochs.append({"steps": steps, "sampler": [int(i) for i in loader.sampler],
-                       "not_emitted": list(report.not_emitted), "report_steps": report.steps,
-                       "unread_chunks_remaining": report.unread_chunks_remaining})
+                       "not_emitted": list(report.not_emitted) if report else None,
+                       "report_steps": report.steps if report else None,
+                       "unread_chunks_remaining": report.unread_chunks_remaining if report else None,
+                       "moved_samples": loader.metrics.moved_samples})
     return epochs
 
 
@@ -243,7 +256,7 @@ def run_rank(rank: int, case: Case, out_dir: Path) -> None:
         _leave(loader, case, rank, out_dir)
     if case.fault is not None:
         _survive(loader, rank, out_dir)
-    epochs = _epochs(loader, case)
+    epochs = _epochs(loader, case, rank)
     _write(out_dir, f"rank{rank}.json", {"rank": rank, "epochs": epochs})
     loader.close()
     dist.destroy_process_group()

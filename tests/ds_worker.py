@@ -4,10 +4,11 @@ Usage (the test launches one process per rank): RANK, WORLD_SIZE, LOCAL_RANK, MA
 TORCH_EXTENSIONS_DIR set, then `python tests/ds_worker.py OUT_DIR`. Everything runs in one launch, because
 importing deepspeed and transformers costs ~20 s per process on these machines:
   1. passthrough: `odb.enabled=false` gives exactly deepspeed.initialize's result (its own dataloader);
-  2. train: ZeRO-2, uneven ranks (rank 0: 64 short samples, rank 1: 8 long ones, so rank 1 runs IDLE steps),
-     join, G=2, 3 epochs, AdamW, config given as a file through args.deepspeed_config;
+  2. train: ZeRO-2, uneven ranks (rank 0: 64 short samples, rank 1: 8 long ones; rank-local planning, so rank 1
+     runs IDLE steps), join, G=2, 3 epochs, AdamW, config given as a file through args.deepspeed_config;
   3. equivalence: ZeRO stages 0 (float32) and 1, 2, 3 (float64 model), uneven ranks with IDLE micro-batches
-     (plus stage 2 with the loader built from the dataset): every optimizer step's full gradient against a
+     (rank-local planning), stages 2 and 3 with global planning (samples move between ranks), and stage 2 with
+     the loader built from the dataset (global, the default): every optimizer step's full gradient against a
      single-process float64 reference of the per-supervised-token mean over the step's samples.
 Writes OUT_DIR/rank{r}.json. The test process makes the assertions.
 """
@@ -79,12 +80,14 @@ def passthrough() -> dict:
     return {"loader_type": type(loader).__name__, "odb_in_engine_config": "odb" in engine.config}
 
 
-def uneven_loader(dataset: UnevenDataset, n_short: int, n_long: int, token_budget: int, G: int = 2):
+def uneven_loader(dataset: UnevenDataset, n_short: int, n_long: int, token_budget: int, G: int = 2,
+                  planning: str = "local"):
     """A user-built ODBDataLoader (the "wrap your own loader" path): rank 0 reads only short samples, rank 1
-    only a few long ones, so rank 1 runs out of groups and ODB pads its steps with IDLE dummies."""
+    only a few long ones. Rank-local planning: rank 1 runs out of groups and ODB pads its steps with IDLE
+    dummies. Global planning: rank 0's samples move to rank 1 instead."""
     mine = range(0, 2 * n_short, 2) if dist.get_rank() == 0 else range(1, 2 * n_long, 2)
     return ODBDataLoader(dataset, sampler=list(mine), token_budget=token_budget, accumulation_steps=G,
-                         cost="padded", seed=0)
+                         cost="padded", seed=0, planning=planning)
 
 
 def train(out_dir: Path, epochs: int = 3) -> dict:
@@ -138,14 +141,14 @@ def reference_grads(params: dict[str, torch.Tensor], samples: list[dict]) -> tup
     return {name: p.grad for name, p in model.named_parameters()}, tokens
 
 
-def equivalence(stage: int, dtype: torch.dtype, own_loader: bool) -> dict:
+def equivalence(stage: int, dtype: torch.dtype, own_loader: bool, planning: str = "local") -> dict:
     dataset = UnevenDataset(60)
     model = make_model(dtype)
     config = ds_config(stage, token_budget=64)
     data = dataset
     if own_loader:
         del config["odb"]["shuffle"], config["odb"]["num_workers"]
-        data = uneven_loader(dataset, n_short=24, n_long=3, token_budget=64)
+        data = uneven_loader(dataset, n_short=24, n_long=3, token_budget=64, planning=planning)
     engine, _, loader, _ = odb_deepspeed.initialize(
         model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.05), training_data=data, config=config)
     G = engine.gradient_accumulation_steps()
@@ -169,8 +172,9 @@ def equivalence(stage: int, dtype: torch.dtype, own_loader: bool) -> dict:
                 errors.append(diff / scale)
                 windows.append({"indices": step_indices, "tokens": tokens, "window_tokens": batch.info.window_tokens})
         engine.step()
-    return {"stage": stage, "dtype": str(dtype), "own_loader": own_loader,
-            "max_rel_error": max(errors) if errors else None, "errors": errors, "windows": windows, "idle_micro_batches": idle, "steps": engine.global_steps}
+    return {"stage": stage, "dtype": str(dtype), "own_loader": own_loader, "planning": loader.odb.config.planning,
+            "max_rel_error": max(errors) if errors else None, "errors": errors, "windows": windows,
+            "idle_micro_batches": idle, "moved": loader.odb.metrics.moved_samples, "steps": engine.global_steps}
 
 
 def main(out_dir: Path) -> None:
@@ -178,9 +182,10 @@ def main(out_dir: Path) -> None:
     result["passthrough"] = passthrough()
     deepspeed.init_distributed(dist_backend="gloo")  # a user-built ODBDataLoader needs the process group first
     result["train"] = train(out_dir)
-    runs = [(0, torch.float32, True), (1, torch.float64, True), (2, torch.float64, True), (2, torch.float64, False),
-            (3, torch.float64, True)]
-    result["equivalence"] = [equivalence(stage, dtype, own) for stage, dtype, own in runs]
+    runs = [(0, torch.float32, True, "local"), (1, torch.float64, True, "local"), (2, torch.float64, True, "local"),
+            (2, torch.float64, False, "global"), (3, torch.float64, True, "local"), (2, torch.float64, True, "global"),
+            (3, torch.float64, True, "global")]
+    result["equivalence"] = [equivalence(stage, dtype, own, planning) for stage, dtype, own, planning in runs]
     (out_dir / f"rank{result['rank']}.json").write_text(json.dumps(result))
 
 

@@ -1,7 +1,8 @@
 """Multi-rank HF adapter scenarios, launched once by tests/test_hf_distributed.py under torchrun (2 CPU ranks, gloo).
 
 Every scenario writes its facts to `--out`; the tests assert on them. Scenarios:
-  grads-*   : float64, lr = 0, every optimizer step's synchronised gradient (rank 0) and every rank's StepInfos;
+  grads-*   : float64, lr = 0, every optimizer step's synchronised gradient (rank 0) and every rank's StepInfos,
+              global planning (the default) and rank-local (`-local`, and `grads-idle` whose uneven ranks run IDLE);
   odb/std   : ODB and a plain Trainer on real chat text, same samples and epochs; eval loss, steps per rank;
   stopped/resumed: the ODB run stopped after STOP_AT steps, then resumed from that checkpoint in a new Trainer.
 """
@@ -50,17 +51,18 @@ torch.serialization.register_package(99, lambda obj: None, _restore_indexed_cpu)
 
 
 def record(info) -> dict:
-    return {"epoch": info.epoch, "step": info.step, "indices": list(info.indices), "idle": info.is_idle}
+    return {"epoch": info.epoch, "step": info.step, "indices": list(info.indices), "idle": info.is_idle,
+            "local_samples": info.local_samples}
 
 
 def grads(name: str, model, samples, out: Path, accumulation_steps: int, budget: int = 320,
-          strategy: str = "random") -> None:
+          strategy: str = "random", planning: str = "global") -> None:
     infos, recorder = [], hf_support.GradRecorder()
     args = TrainingArguments(output_dir=str(out / name), gradient_accumulation_steps=accumulation_steps,
                              learning_rate=0.0, optim="sgd", max_grad_norm=0.0, num_train_epochs=1, report_to=[],
                              save_strategy="no", logging_steps=1000, use_cpu=True, seed=0, disable_tqdm=True,
                              lr_scheduler_type="constant", train_sampling_strategy=strategy)
-    odb = ODBCallback(token_budget=budget, window=16, observer=lambda i: infos.append(record(i)))
+    odb = ODBCallback(token_budget=budget, window=16, planning=planning, observer=lambda i: infos.append(record(i)))
     trainer = Trainer(model=model, args=args, train_dataset=hf_support.ListDataset(samples),
                       data_collator=PadCollator(pad_token_id=hf_support.PAD), callbacks=[odb, recorder])
     trainer.train()
@@ -104,8 +106,11 @@ def main() -> None:
     grads("grads-ga1", hf_support.tiny_llama(dtype=torch.float64), samples, ns.out, 1)
     grads("grads-ga3", hf_support.tiny_llama(dtype=torch.float64), samples, ns.out, 3)
     grads("grads-lora", hf_support.tiny_lora(dtype=torch.float64), samples, ns.out, 3)
+    grads("grads-ga3-local", hf_support.tiny_llama(dtype=torch.float64), samples, ns.out, 3, planning="local")
     grads("grads-idle", hf_support.tiny_llama(dtype=torch.float64), hf_support.uneven_ranks(samples), ns.out, 3,
-          budget=200, strategy="sequential")
+          budget=200, strategy="sequential", planning="local")
+    grads("grads-uneven-global", hf_support.tiny_llama(dtype=torch.float64), hf_support.uneven_ranks(samples),
+          ns.out, 3, budget=200, strategy="sequential")
     train_chat("odb", ns.out, ns.data, odb=True)
     train_chat("std", ns.out, ns.data, odb=False)
     train_chat("stopped", ns.out, ns.data, odb=True, stop=True)

@@ -2,8 +2,9 @@
 
 Launched once by tests/test_hf_deepspeed.py under torchrun, with its own TORCH_EXTENSIONS_DIR. Every scenario
 writes its facts to `--out`; the tests assert on them:
-  grads : float64, SGD at lr 0, uneven ranks (rank 1 runs IDLE micro-batches), G = 2: every optimizer step's full
-          gradient, read with deepspeed.utils.safe_get_full_grad right before DeepSpeed's step (rank 0);
+  grads : float64, SGD at lr 0, uneven ranks (rank-local planning: rank 1 runs IDLE micro-batches), G = 2: every
+          optimizer step's full gradient, read with deepspeed.utils.safe_get_full_grad right before DeepSpeed's step
+          (rank 0); grads-global: the same under global planning (samples move between ranks);
   train : real chat text, AdamW, 2 epochs, shuffled, an odd sample count: losses, steps, every rank's StepInfos;
   naive : TrainingArguments without use_cpu=True, where accelerate counts 1 process per rank (see the NOTE):
           the error ODBCallback raises when the Trainer is built.
@@ -92,9 +93,10 @@ def engine_facts(trainer: Trainer) -> dict:
             "micro_steps": engine.micro_steps, "trainer_processes": trainer.accelerator.num_processes}
 
 
-def grads(out: Path, samples: list[dict]) -> None:
+def grads(out: Path, samples: list[dict], name: str = "grads", planning: str = "local") -> None:
     infos: list = []
-    args = TrainingArguments(output_dir=str(out / "grads"), deepspeed=str(write_config(out, "grads", GRADS_ODB)),
+    config = write_config(out, name, {**GRADS_ODB, "planning": planning})
+    args = TrainingArguments(output_dir=str(out / name), deepspeed=str(config),
                              optim="sgd", learning_rate=0.0, lr_scheduler_type="constant", num_train_epochs=1,
                              train_sampling_strategy="sequential", logging_steps=1000, **COMMON)
     odb = ODBCallback.from_deepspeed_config(args, observer=lambda i: infos.append(record(i)))
@@ -105,9 +107,9 @@ def grads(out: Path, samples: list[dict]) -> None:
     trainer.add_callback(tap)
     trainer.train()
     facts = {"infos": infos, "steps": trainer.state.global_step, **engine_facts(trainer)}
-    (out / f"grads.rank{dist.get_rank()}.json").write_text(json.dumps(facts))
+    (out / f"{name}.rank{dist.get_rank()}.json").write_text(json.dumps(facts))
     if dist.get_rank() == 0:
-        torch.save(tap.steps, out / "grads.pt")
+        torch.save(tap.steps, out / f"{name}.pt")
 
 
 def train(out: Path, samples: list[dict]) -> None:
@@ -145,6 +147,7 @@ def main() -> None:
     ns = parser.parse_args()
     samples = hf_support.load_samples(ns.data / "train.json")
     grads(ns.out, samples[:41])
+    grads(ns.out, samples[:41], name="grads-global", planning="global")
     train(ns.out, samples[:TRAIN_SAMPLES])
     naive(ns.out)
     dist.barrier()

@@ -51,7 +51,8 @@ def hf_scenario(rank: int, world_size: int, stop: int) -> dict:
 
 def torch_scenario(rank: int, world_size: int) -> dict:
     mine = [i for i in range(N_SAMPLES) if i % world_size == rank and (i * 7919) % 100 >= 20 * rank]  # uneven ranks
-    return {"full": _rows(_loader(Tokens(mine))), "kept": mine}
+    loader = _loader(Tokens(mine))
+    return {"full": _rows(loader), "kept": mine, "moved": loader.metrics.moved_samples}
 
 
 def main(out: str, rank: int, world_size: int, port: int, stop: int) -> None:

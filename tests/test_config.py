@@ -40,6 +40,10 @@ BAD_VALUES: list[tuple[str, Any, dict[str, Any]]] = [
     ("oversize", "truncate", {}),
     ("accumulation_steps", 0, {}),
     ("accumulation_steps", 2.0, {}),
+    ("planning", "pooled", {}),
+    ("planning", None, {}),
+    ("move", "copy", {}),
+    ("move", True, {}),
     ("seed", 1.5, {}),
     ("seed", "0", {}),
     ("shuffle_steps", "no", {}),
@@ -173,3 +177,11 @@ def test_loader_rejects_a_dataset_that_is_neither_sized_nor_iterable():
     with pytest.raises(TypeError, match="neither an IterableDataset nor sized"):
         ODBDataLoader(Unsized(), token_budget=64)
 
+
+def test_move_fetch_is_refused_for_an_iterable_dataset():
+    class Stream(IterableDataset):
+        def __iter__(self):
+            return iter([{"input_ids": [1, 2]}])
+
+    with pytest.raises(ValueError, match="move='fetch'"):
+        ODBDataLoader(Stream(), token_budget=64, move="fetch")

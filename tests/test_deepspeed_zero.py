@@ -99,12 +99,15 @@ def test_real_counts_differ_from_deepspeed_nominal_counters_and_reach_the_monito
     assert sum(int(row.split(",")[1]) for row in rows) == consumed["samples"] and len(rows) == train["global_steps"]
 
 
-@pytest.mark.parametrize("case", range(5), ids=["stage0-fp32-own-loader", "stage1-fp64-own-loader",
-                                                 "stage2-fp64-own-loader", "stage2-fp64-built-loader",
-                                                 "stage3-fp64-own-loader"])
+@pytest.mark.parametrize("case", range(7), ids=["stage0-fp32-own-loader", "stage1-fp64-own-loader",
+                                                 "stage2-fp64-own-loader", "stage2-fp64-built-loader-global",
+                                                 "stage3-fp64-own-loader", "stage2-fp64-own-loader-global",
+                                                 "stage3-fp64-own-loader-global"])
 def test_each_optimizer_step_gradient_equals_the_single_process_token_mean_gradient(run, case):
     result = run["ranks"][0]["equivalence"][case]
     assert result["errors"] and all(w["tokens"] == w["window_tokens"] for w in result["windows"])
     assert result["max_rel_error"] <= MAX_REL_ERROR[result["dtype"]], result
-    if result["own_loader"]:  # the uneven loader: rank 1 runs IDLE micro-batches inside the checked windows
+    if result["planning"] == "local":  # the uneven loader: rank 1 runs IDLE micro-batches inside the checked windows
         assert run["ranks"][1]["equivalence"][case]["idle_micro_batches"] > 0
+    else:  # global planning: rank 0's samples run on rank 1 too
+        assert sum(rank["equivalence"][case]["moved"] for rank in run["ranks"]) > 0

@@ -7,6 +7,7 @@ records as JSON; every assertion runs here, on what all ranks reported.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -78,12 +79,15 @@ def emitted(rank_epoch: dict[str, Any]) -> list[int]:
 
 
 def assert_join_coverage(case: Case, ranks: list[dict[str, Any]]) -> None:
-    """G3: each rank emits exactly its sampler output (as a multiset) and reports nothing left behind."""
+    """G3: rank-local, each rank emits exactly its sampler output (as a multiset); global, the ranks together emit
+    exactly the union of their sampler outputs (samples move between ranks). Join reports nothing left behind."""
     for rank, r in enumerate(ranks):
-        assert Counter(emitted(r)) == Counter(r["sampler"]), f"rank {rank}: emitted != its sampler output"
+        if case.planning == "local":
+            assert Counter(emitted(r)) == Counter(r["sampler"]), f"rank {rank}: emitted != its sampler output"
         assert r["not_emitted"] == [], f"rank {rank}: join left {r['not_emitted']} behind"
+    everything = [i for r in ranks for i in emitted(r)]
+    assert Counter(everything) == Counter(i for r in ranks for i in r["sampler"]), "emitted != the sampler outputs"
     if case.sampler == "odb":  # disjoint shards: every dataset index once, on exactly one rank
-        everything = [i for r in ranks for i in emitted(r)]
         assert sorted(everything) == list(range(len(case.lengths)))
 
 
@@ -94,8 +98,13 @@ class UnreportedIndices(AssertionError):
 
 def assert_quota_closure(case: Case, ranks: list[dict[str, Any]]) -> None:
     """G4: nothing emitted twice; what was read is a prefix of the sampler output; emitted + not_emitted is
-    exactly the rank's sampler output (the last check raises `UnreportedIndices`)."""
-    for rank, r in enumerate(ranks):
+    exactly the sampler output (the last check raises `UnreportedIndices`). Per rank under rank-local planning;
+    under global planning a rank emits others' samples, so the checks run on the union of the ranks."""
+    views = ranks if case.planning == "local" else [{
+        "sampler": [i for r in ranks for i in r["sampler"]], "not_emitted": [i for r in ranks for i in r["not_emitted"]],
+        "steps": [s for r in ranks for s in r["steps"]], "unread_chunks_remaining": any(
+            r["unread_chunks_remaining"] for r in ranks)}]
+    for rank, r in enumerate(views):
         sampled, shipped = Counter(r["sampler"]), Counter(emitted(r))
         assert not shipped - sampled, f"rank {rank}: emitted an index more often than sampled"
         assert not shipped & Counter(r["not_emitted"]), f"rank {rank}: an index is both emitted and not_emitted"
@@ -104,13 +113,13 @@ def assert_quota_closure(case: Case, ranks: list[dict[str, Any]]) -> None:
     if case.sampler == "odb":
         everything = [i for r in ranks for i in emitted(r)]
         assert len(everything) == len(set(everything)), "an index was emitted on two ranks"
-    for rank, r in enumerate(ranks):
+    for rank, r in enumerate(views):
         missing = Counter(r["sampler"]) - Counter(emitted(r)) - Counter(r["not_emitted"])
         n_missing = missing.total()
         suffix = r["sampler"][len(r["sampler"]) - n_missing :] if n_missing else []
         assert Counter(suffix) == missing, f"rank {rank}: unreported indices {sorted(missing)} are not a suffix"
         assert r["unread_chunks_remaining"] or not n_missing, f"rank {rank}: indices missing, nothing unread"
-    for rank, r in enumerate(ranks):
+    for rank, r in enumerate(views):
         missing = Counter(r["sampler"]) - Counter(emitted(r)) - Counter(r["not_emitted"])
         if missing:
             raise UnreportedIndices(f"rank {rank}: {missing.total()} never-read sampler indices (e.g. "
@@ -139,6 +148,8 @@ def _idle_steps(ranks: list[dict[str, Any]]) -> int:
 UNEVEN_JOIN = {
     "env-w2-short-vs-long-rank": ("env", Case(world_size=2, lengths=rank_skewed_lengths(240, 2))),
     "spawn-w4-skewed-ranks": ("spawn", Case(world_size=4, lengths=rank_skewed_lengths(240, 4))),
+    "env-w2-short-vs-long-rank-local": ("env", Case(world_size=2, lengths=rank_skewed_lengths(240, 2),
+                                                    planning="local")),
 }
 
 
@@ -148,7 +159,12 @@ def test_join_aligns_steps_and_covers_every_index_once_with_uneven_ranks(tmp_pat
     records = _run(case, launcher, tmp_path)
     _check_epochs(case, records)
     ranks = _epoch(records, 0)
-    assert _idle_steps(ranks) > 0, "the short rank should have run out and gone IDLE"
+    if case.planning == "local":
+        assert _idle_steps(ranks) > 0, "the short rank should have run out and gone IDLE"
+    else:  # the long ranks' samples move to the short ones; only the epoch's last step can hold IDLE slots
+        assert _idle_steps(ranks) <= case.world_size - 1
+        assert all(s["is_idle"] is False for r in ranks for s in r["steps"][:-1])
+        assert sum(r["moved_samples"] for r in ranks) > 0, "global planning moved no sample between ranks"
     for rank, r in enumerate(ranks):
         assert any(s["global_samples"] > s["local_samples"] for s in r["steps"]), (
             f"rank {rank}: no step counted another rank's samples; were the ranks synced at all?")
@@ -161,14 +177,35 @@ def test_join_covers_a_dataset_size_not_divisible_by_world_size_under_torchrun(t
     assert [len(r["sampler"]) for r in _epoch(records, 0)] == [151, 150]
 
 
+@pytest.mark.parametrize("join", [True, False], ids=["join", "non-join"])
+def test_global_batches_do_not_depend_on_workers_per_rank_or_how_samples_move(tmp_path, join):
+    """G7 under global planning: 3 skewed ranks, each with its own num_workers, moving samples by `send` in one
+    run and by `fetch` in the other, yield the same batches on every rank."""
+    first = Case(world_size=3, lengths=rank_skewed_lengths(300, 3), join=join, shuffle=True,
+                 workers_by_rank=[0, 2, 1], context="fork", move="send")
+    second = dataclasses.replace(first, workers_by_rank=[1, 0, 0], move="fetch")
+    runs = [_run(case, "env", tmp_path / name) for case, name in ((first, "a"), (second, "b"))]
+    for case, records in zip((first, second), runs):
+        _check_epochs(case, records)
+    assert [[s["indices"] for s in r["steps"]] for r in _epoch(runs[0], 0)] == \
+        [[s["indices"] for s in r["steps"]] for r in _epoch(runs[1], 0)]
+    assert sum(r["moved_samples"] for r in _epoch(runs[0], 0)) > 0
+
+
 # --- a rank without data ------------------------------------------------------------------------------------------
-def test_rank_without_data_runs_idle_dummies_while_others_drain_under_join(tmp_path):
-    case = Case(world_size=4, lengths=[30, 200, 90])
+@pytest.mark.parametrize("planning", ["local", "global"])
+def test_rank_without_data_steps_with_the_others_under_join(tmp_path, planning):
+    """Rank-local: the empty rank runs IDLE dummies while the others drain. Global: it gets groups of the
+    pooled samples (moved to it), IDLE only where fewer groups than ranks are left."""
+    case = Case(world_size=4, lengths=[30, 200, 90], planning=planning)
     records = _run(case, "env", tmp_path)
     _check_epochs(case, records)
     empty = _epoch(records, 0)[3]
     assert empty["sampler"] == [] and empty["steps"], "rank 3 has no data but must still step with the others"
-    assert all(s["is_idle"] for s in empty["steps"])
+    if planning == "local":
+        assert all(s["is_idle"] for s in empty["steps"])
+    else:
+        assert emitted(empty) or all(s["is_idle"] for s in empty["steps"])
 
 
 def test_rank_without_data_ends_the_non_join_epoch_with_everything_reported(tmp_path):
@@ -182,10 +219,22 @@ def test_rank_without_data_ends_the_non_join_epoch_with_everything_reported(tmp_
 
 # --- G4 non-join --------------------------------------------------------------------------------------------------
 def test_non_join_stops_at_the_shortest_rank_and_reports_what_it_did_not_emit(tmp_path):
-    case = Case(world_size=2, lengths=rank_skewed_lengths(240, 2), join=False)
+    case = Case(world_size=2, lengths=rank_skewed_lengths(240, 2), join=False, planning="local")
     records = _run(case, "env", tmp_path)
     _check_epochs(case, records)
     assert any(r["not_emitted"] for r in _epoch(records, 0)), "the long rank should have samples left over"
+
+
+def test_global_non_join_stops_when_the_pool_cannot_fill_a_step_and_reports_the_rest(tmp_path):
+    """Global planning: non-join runs full steps only (a group for every rank, no IDLE, no split) and stops in the
+    first round whose pooled samples cannot fill one while a stream is still active; what it did not emit is
+    reported (closure, checked with the other guarantees in `_check_epochs`)."""
+    case = Case(world_size=2, lengths=rank_skewed_lengths(240, 2), join=False)
+    records = _run(case, "env", tmp_path)
+    _check_epochs(case, records)
+    ranks = _epoch(records, 0)
+    assert not any(s["is_idle"] for r in ranks for s in r["steps"])
+    assert any(r["not_emitted"] for r in ranks), "the rank with samples left should have reported them"
 
 
 # --- DistributedSampler (pads with repeated indices when W does not divide the size) ---------------------------
@@ -216,6 +265,22 @@ def test_window_tokens_sum_global_tokens_over_each_accumulation_window(tmp_path)
     assert len(first["steps"]) >= 6 and first["sampler"] != second["sampler"], "expected two reshuffled epochs"
 
 
+# --- leaving an epoch early ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize(("planning", "join"), [("global", True), ("local", True), ("global", False)])
+def test_breaking_out_of_an_epoch_then_starting_the_next_stays_aligned_at_any_skew(tmp_path, planning, join):
+    """Every rank breaks out of epoch 0 after 4 steps, rank 1 one second later, with the background producer on
+    (prefetch 2, so both producers are ahead); the next epoch must still align and cover its data (NOTE [ Leaving
+    an epoch ]): before, the stale producers' collectives paired up with the new epoch's (a DesyncError on one
+    rank, a PeerError after the full timeout on the other)."""
+    case = Case(world_size=2, lengths=mixed_lengths(300), window=8, prefetch_steps=2, epochs=2, break_after=4,
+                break_skew_s=1.0, planning=planning, join=join, shuffle=True, sync_timeout_s=30.0)
+    records = _run(case, "env", tmp_path)
+    first, second = _epoch(records, 0), _epoch(records, 1)
+    assert [len(r["steps"]) for r in first] == [4, 4]
+    assert_aligned(case, second)
+    (assert_join_coverage if join else assert_quota_closure)(case, second)
+
+
 # --- cross-rank sync under every worker start method ------------------------------------------------------------
 @pytest.mark.parametrize(("context", "num_workers"), [("fork", 2), ("forkserver", 2), ("spawn", 1)])
 def test_global_counts_equal_rank_sums_under_every_worker_start_method(tmp_path, context, num_workers):
@@ -234,7 +299,8 @@ def test_idle_dummy_carries_an_image_and_patch_counts_sum_over_ranks(tmp_path):
     """Rank 0 gets 7 budget-filling samples, rank 1 six short ones whose first has no image: rank 1 goes IDLE, and
     its dummy is its first sample *with* an image, so a VLM's IDLE step runs the vision tower like every real step
     (NOTE [ IDLE dummy ]). `local_patches` are the batch's pixel rows; `global_patches` sum them over the ranks."""
-    case = Case(world_size=2, lengths=[2000 if i % 2 == 0 else 20 for i in range(13)], first_image=3)
+    case = Case(world_size=2, lengths=[2000 if i % 2 == 0 else 20 for i in range(13)], first_image=3,
+                planning="local")  # rank-local: the short rank runs out and IDLEs (global moves samples instead)
     records = _run(case, "env", tmp_path)
     _check_epochs(case, records)
     ranks = _epoch(records, 0)

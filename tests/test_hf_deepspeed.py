@@ -188,14 +188,16 @@ def test_every_sample_is_used_once_per_epoch(ds_run):
 
 
 @pytest.mark.slow
-def test_step_gradient_equals_the_big_batch_token_mean_under_deepspeed(ds_run, chat_data):
+@pytest.mark.parametrize("name", ["grads", "grads-global"])
+def test_step_gradient_equals_the_big_batch_token_mean_under_deepspeed(ds_run, chat_data, name):
     """Trainer + DeepSpeed (scale_wrt_gas=False, loss x W, DeepSpeed's mean over W) with num_items_in_batch =
-    window_tokens: every step's gradient is the float64 single-process gradient of the step's token mean."""
-    ranks = facts(ds_run, "grads")
+    window_tokens: every step's gradient is the float64 single-process gradient of the step's token mean, with
+    rank-local planning (IDLE micro-batches on the short rank) and global planning (samples moved)."""
+    ranks = facts(ds_run, name)
     samples = hf_support.uneven_ranks(chat_data.train[:41])
     steps = hf_support.steps_of(ranks[0]["infos"] + ranks[1]["infos"], 2)
     assert sorted(i for indices in steps.values() for i in indices) == list(range(len(samples)))
-    grads = torch.load(ds_run / "grads.pt")
+    grads = torch.load(ds_run / f"{name}.pt")
     assert len(grads) == len(steps) == ranks[0]["steps"]
     model = hf_support.tiny_llama(dtype=torch.float64)
     error = max(hf_support.max_relative_error(got, hf_support.reference_gradient(model, [samples[i] for i in steps[k]]))

@@ -23,7 +23,9 @@ pytest_plugins = ["hf_fixtures"]
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent
 TOLERANCE = 1e-6
-GRAD_SCENARIOS = {"grads-ga1": 1, "grads-ga3": 3, "grads-lora": 3, "grads-idle": 3}
+GRAD_SCENARIOS = {"grads-ga1": 1, "grads-ga3": 3, "grads-lora": 3, "grads-ga3-local": 3, "grads-idle": 3,
+                  "grads-uneven-global": 3}
+UNEVEN = ("grads-idle", "grads-uneven-global")
 
 
 @pytest.fixture(scope="module")
@@ -45,12 +47,13 @@ def facts(out: Path, name: str) -> list[dict]:
 
 def grad_samples(chat_data, name: str) -> list[dict]:
     samples = chat_data.train[:41]
-    return hf_support.uneven_ranks(samples) if name == "grads-idle" else samples
+    return hf_support.uneven_ranks(samples) if name in UNEVEN else samples
 
 
 @pytest.mark.parametrize("name", sorted(GRAD_SCENARIOS))
 def test_step_gradient_equals_big_batch_token_mean_on_two_ranks(dist_run, chat_data, name):
-    """Every optimizer step's synchronised gradient (W=2, GA=1/3, LoRA, IDLE) equals the float64 reference."""
+    """Every optimizer step's synchronised gradient (W=2, GA=1/3, LoRA, IDLE, global and rank-local planning,
+    samples moved between ranks) equals the float64 reference."""
     ranks = facts(dist_run, name)
     steps = hf_support.steps_of(ranks[0]["infos"] + ranks[1]["infos"], GRAD_SCENARIOS[name])
     samples = grad_samples(chat_data, name)
@@ -66,9 +69,12 @@ def test_step_gradient_equals_big_batch_token_mean_on_two_ranks(dist_run, chat_d
 
 
 def test_idle_micro_batches_run_on_the_rank_that_ran_out(dist_run):
-    """The uneven scenario really has IDLE steps (whose zero contribution the gradient test above proves)."""
+    """The rank-local uneven scenario really has IDLE steps (whose zero contribution the gradient test above
+    proves); under global planning the same data keeps both ranks busy: rank 1 runs rank 0's samples."""
     idle = [sum(info["idle"] for info in rank["infos"]) for rank in facts(dist_run, "grads-idle")]
     assert idle[0] == 0 and idle[1] >= 1
+    pooled = facts(dist_run, "grads-uneven-global")
+    assert sum(info["idle"] for rank in pooled for info in rank["infos"]) < idle[1]
 
 
 def test_ranks_run_the_same_number_of_optimizer_steps(dist_run):

@@ -1,6 +1,7 @@
 """Refactors keep behaviour: the real loader yields the same batches, byte for byte, as when these digests were
-recorded (before issue 17's reshaping of the loader state and the epoch run), and version-2 states saved then
-still resume exactly.
+recorded (the rank-local cases before issue 17's reshaping of the loader state and the epoch run, the `global_*`
+cases when global planning landed), and version-2 states saved then still resume exactly. `global_w2_join_fetch`
+has the digest of `global_w2_join`: moving samples by re-reading them gives the same batches as sending them.
 
 Each digest covers every batch of every rank of a case in `tests/batch_record.py` (StepInfo, keys, tensor bytes),
 the continuation after a saved state where the case has one, and the metrics counters. A deliberate change of the
@@ -34,6 +35,15 @@ RECORDED = {
     "w2_merged_same_world": "b800fd56b86345f44b6ba7d2618304c72fb7a9ce6b9d4c813ae679a1577c85ad",
     "w2_elastic_to_3": "d58ee9cd6d4334c87973fb5105f681d054a49b6c5a103f01e19cf0e05e8f7157",
     "w3_elastic_to_1": "cbd1b97756bbca47934f911fe5a326045b6aba54e604d35e01f77c99d693f2ef",
+    "global_w2_join": "2c06bbae50ec94f8dccd62b41e4957f6ef559548b6704117953e860d707e94e1",
+    "global_w2_join_fetch": "2c06bbae50ec94f8dccd62b41e4957f6ef559548b6704117953e860d707e94e1",
+    "global_w3_non_join_ga2": "ca67c432e45f1e5ac4d11c32ea87b7d0c653760f9e79963d27d504f503e9349c",
+    "global_w4_small_tokens": "a22e7124ece4be38e52be5535eec66472bd6e47604c741a3d2c50cf48735aa77",
+    "global_w2_stream": "a4c563d5d937243443fc89aaf7307a53b8bdfb76595bc9cc893065aa75725cc2",
+    "global_w2_resume_mid_round": "cdabc7a511ebacd8c7a7c9aa6c683348510634f5e983daa8d6d1180d7e6c05f1",
+    "global_w3_resume_ga2_workers": "0822be4c7669bd0a54d75c5319361b9a8ded87e9fa4fef8cfd9eb6f1827d9bca",
+    "global_w2_resume_stream": "a860a96cdfe95bf9623e12ad46ee6e8ba44e991a0d461f1c9f535f0fd89f0fd1",
+    "global_w2_elastic_to_3": "ed3494d54ec6ae365566b48dd84095feb47b115f44110ef0c9a3e2a1c30b1bbe",
 }
 V2_STATES = json.loads((Path(__file__).parent / "data" / "v2_states.json").read_text())
 
@@ -62,3 +72,31 @@ def test_version_2_states_saved_before_the_typed_state_resume_exactly(name):
         return h.hexdigest()
     per_rank = br._on_ranks(new_world, resume)
     assert hashlib.sha256("".join(per_rank).encode()).hexdigest() == RECORDED[name]
+
+
+EXACT_STOPS = sorted(name for name, case in br.CASES.items() if case.stop and not case.merged and not case.resume_world)
+
+
+@pytest.mark.parametrize("name", EXACT_STOPS)
+def test_a_resumed_run_yields_the_batches_of_the_uninterrupted_run(name):
+    case = br.CASES[name]
+
+    def full(rank, transport):
+        loader = br._loader(case, transport)
+        infos = [b.info for _ in range(case.epochs) for b in loader]
+        loader.close()
+        return infos[case.stop:]
+
+    def resumed(rank, transport):
+        loader = br._loader(case, transport)
+        it = iter(loader)
+        for _ in range(case.stop):
+            next(it)
+        state = json.loads(json.dumps(loader.state_dict()))
+        loader.close()
+        again = br._loader(case, transport)
+        again.load_state_dict(state)
+        infos = [b.info for _ in range(case.epochs) for b in again]
+        again.close()
+        return infos
+    assert br._on_ranks(case.world, resumed) == br._on_ranks(case.world, full)

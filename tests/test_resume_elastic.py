@@ -73,12 +73,14 @@ def indices(infos_per_rank, epoch: int = 0) -> list[int]:
     return [i for infos in infos_per_rank for info in infos if info.epoch == epoch for i in info.indices]
 
 
+@pytest.mark.parametrize("planning", ["global", "local"])
 @pytest.mark.parametrize("old,new", [(2, 1), (1, 2), (2, 3), (3, 2)])
-def test_elastic_resume_emits_every_index_exactly_once(old, new):
-    total = epoch_steps(old)
+def test_elastic_resume_emits_every_index_exactly_once(old, new, planning):
+    """Under global planning a rank's `round_emitted` lists its own samples emitted on any rank in the round."""
+    total = epoch_steps(old, planning=planning)
     for stop in sorted({0, 1, total // 3, total - 1}):
-        before, states = stop_after(old, stop)
-        after = continue_at(new, merge_states(states))
+        before, states = stop_after(old, stop, planning=planning)
+        after = continue_at(new, merge_states(states), planning=planning)
         assert Counter(indices(before) + indices(after)) == Counter(range(N)), f"{old}->{new} after {stop} steps"
         assert len({len(infos) for infos in after}) == 1  # G2 at the new world size
         assert [info.step for info in after[0]] == list(range(stop, stop + len(after[0])))  # numbering continues

@@ -1,5 +1,6 @@
 """Streaming data whose ranks run dry at different times (HF streaming split by node, a plain IterableDataset):
-join mode yields equal step counts and every sample exactly once (G2, G3); a stopped HF stream resumes exactly."""
+join mode yields equal step counts and every sample exactly once (G2, G3); a stopped HF stream resumes exactly.
+Under global planning (the default) samples move between ranks by `send`, the only way a stream can move them."""
 
 from __future__ import annotations
 
@@ -34,6 +35,8 @@ def test_uneven_streams_align_steps_and_emit_every_sample_once(tmp_path, world_s
         assert emitted == expected and max(emitted.values()) == 1, f"{name}: lost or repeated samples"  # G3
     for r in ranks:
         assert r["hf"]["resumed"] == r["hf"]["full"]  # G8 on a stream: replayed from its start
+    # global planning (the default): processed samples of the longer streams were sent to the ranks that ran dry
+    assert sum(r["torch"]["moved"] for r in ranks) > 0
 
 
 class SelfSplittingStream(torch.utils.data.IterableDataset):
