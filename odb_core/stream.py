@@ -10,12 +10,14 @@ thread.
 from __future__ import annotations
 
 import itertools
+import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
+from odb_core.lifeline import Lifeline
 from odb_core.sources import (ChunkSampler, IndexedDataset, IndexedIterable, IndexListSampler, ShardedSampler,
                               keep_chunk, map_style_size, unpack_sample)
 from odb_core.state import CustomSource, RemainderSource, ResumePoint, ShardedSource, Source, StreamSource
@@ -83,16 +85,19 @@ class SampleStream:
         self.sampler = self._build_sampler(options.sampler)
         self._replayed: dict[int, Any] = {}
         timeout = options.worker_timeout_s if options.num_workers > 0 else 0
+        workers = dict(options.worker_options)
+        if options.num_workers > 0:  # NOTE [ Workers die with their rank ]
+            workers["worker_init_fn"] = Lifeline(os.getpid(), workers.get("worker_init_fn"))
         if self.size is None:
             self._iterable = IndexedIterable(dataset, rank=rank, world_size=world_size, shard=options.shard_iterable,
                                              chunk=options.fetch_chunk)
             self._workers = DataLoader(self._iterable, batch_size=None, num_workers=options.num_workers,
-                                       collate_fn=keep_chunk, timeout=timeout, **options.worker_options)
+                                       collate_fn=keep_chunk, timeout=timeout, **workers)
         else:
             self._chunks = ChunkSampler(self.sampler, options.fetch_chunk)  # type: ignore[arg-type]
             self._workers = DataLoader(_CheckedDataset(dataset, pack=options.num_workers > 0),
                                        batch_sampler=self._chunks, num_workers=options.num_workers,
-                                       collate_fn=keep_chunk, timeout=timeout, **options.worker_options)
+                                       collate_fn=keep_chunk, timeout=timeout, **workers)
 
     def _build_sampler(self, sampler: Sampler[int] | None) -> Sampler[int] | None:
         if self.size is None:
