@@ -109,6 +109,7 @@ class EpochRun(Iterator[ODBBatch]):
             self.window.restore(start.carry_count, start.carry_tokens)
             self.reader.restore(start, self.engine, ctx.fetch)
             self.engine.n_carried = len(start.buffer)  # what the saved round began with
+            self.engine.resumed_at = resume.steps_consumed  # checked against every rank's (check_same_progress)
 
     def __next__(self) -> ODBBatch:
         while not self.ready:

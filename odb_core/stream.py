@@ -20,7 +20,8 @@ from torch.utils.data import DataLoader, DistributedSampler, Sampler
 from odb_core.lifeline import Lifeline
 from odb_core.sources import (ChunkSampler, IndexedDataset, IndexedIterable, IndexListSampler, ShardedSampler,
                               keep_chunk, map_style_size, unpack_sample)
-from odb_core.state import CustomSource, RemainderSource, ResumePoint, ShardedSource, Source, StreamSource
+from odb_core.state import (CustomSource, RemainderSource, ResumePoint, ShardedSource, Source, StateError,
+                            StreamSource)
 
 Chunk = list[tuple[int, Any]]
 
@@ -136,6 +137,11 @@ class SampleStream:
             start = point.start
             needed = set(start.buffer) | ({start.dummy_index} if start.dummy_index is not None else set())
             self._replayed, rest = skip_stream(chunks, consumed, needed)
+            missing = sorted(needed - set(self._replayed))
+            if missing:
+                raise StateError(f"state.position.start names stream positions {missing[:8]} that the stream's first "
+                                 f"{consumed} samples do not hold: the state is corrupt, or the IterableDataset "
+                                 "does not replay the same samples")
             return rest
         if plan is not None:
             self._chunks.sampler = IndexListSampler(plan.indices(self.rank, epoch))
