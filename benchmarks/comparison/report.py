@@ -7,7 +7,8 @@ from pathlib import Path
 from benchmarks.comparison import peers
 
 SHOWN_IN_PLOTS = ("standard", "group_by_length", "reference_default", "reference_buffer512", "deepspeed_seqlen",
-                  "packing", "oracle_padded", "odb_padded", "odb_tokens")
+                  "packing", "oracle_padded", "odb_padded_local", "odb_padded", "odb_tokens")
+ODB_GLOBAL = ("odb_padded", "odb_tokens", "odb_attention")  # the default config: global planning at W > 1
 
 
 def _cell(row: dict | None, key: str, fmt: str = "{:.3f}") -> str:
@@ -63,21 +64,22 @@ def peers_label(name: str) -> str:
 
 
 def targets_table(result: dict) -> list[str]:
-    """ODB (padded) against the oracle, the rank-local bound and the reference release, per workload and W."""
+    """ODB (padded), global and rank-local, against the oracle, the rank-local bound and the reference release."""
     index, names = _index(result["quality"]), _workload_names(result)
-    lines = ["| workload | W | ODB / oracle | ODB / rank-local bound | ODB / ref default | ODB / ref buffer 512 |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| workload | W | global / oracle | rank-local / oracle | moved (global) | rank-local / rank-local bound "
+             "| global / ref default | global / ref buffer 512 |", "|---|---|---|---|---|---|---|---|"]
     for name in names:
         for world in result["worlds"]:
-            odb = index.get((name, world, "odb_padded"))
-            if odb is None:
+            odb, local = index.get((name, world, "odb_padded")), index.get((name, world, "odb_padded_local"))
+            if odb is None or local is None:
                 continue
             refs = []
             for ref in ("reference_default", "reference_buffer512"):
                 r = index.get((name, world, ref))
                 refs.append("n/a" if r is None or "unavailable" in r
                             else f"{odb['budget_utilization'] / r['budget_utilization']:.2f}x")
-            lines.append(f"| {name} | {world} | {odb['vs_oracle']:.3f} | {odb['vs_rank_bound']:.3f} | "
+            lines.append(f"| {name} | {world} | {odb['vs_oracle']:.3f} | {local['vs_oracle']:.3f} | "
+                         f"{_cell(odb, 'moved_fraction', '{:.2f}') or '-'} | {local['vs_rank_bound']:.3f} | "
                          + " | ".join(refs) + " |")
     return lines
 
@@ -136,9 +138,13 @@ def quality_sections(result: dict) -> list[str]:
     for world in result["worlds"][1:]:
         parts += ["", f"## Mean per-step rank imbalance (CV of rank costs), W = {world}", "",
                   *method_table(result, world, "mean_rank_imbalance")]
+    for world in result["worlds"][1:]:
+        parts += ["", f"## Samples moved to another rank (ODB global), fraction, W = {world}", "",
+                  *method_table(result, world, "moved_fraction", methods=set(ODB_GLOBAL))]
     parts += ["", f"## Samples dropped, W = {result['worlds'][-1]}", "",
               *method_table(result, result["worlds"][-1], "dropped", "{:,}")]
-    parts += ["", "## Targets: ODB (padded) against the oracle, the rank-local bound and the reference release", "",
+    parts += ["", "## Targets: ODB (padded), global and rank-local, against the oracle, the rank-local bound and "
+                  "the reference release", "",
               *targets_table(result)]
     notes = unavailable_notes(result)
     if notes:
