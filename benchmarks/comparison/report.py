@@ -84,6 +84,26 @@ def targets_table(result: dict) -> list[str]:
     return lines
 
 
+MODES_COLUMNS = (("odb_padded", "budget_utilization"), ("odb_padded_local", "budget_utilization"),
+                 ("oracle_padded", "budget_utilization"), ("odb_tokens", "budget_utilization"),
+                 ("odb_tokens_local", "budget_utilization"), ("deepspeed_seqlen", "budget_utilization"),
+                 ("deepspeed_dataloader", "budget_utilization"), ("packing", "budget_utilization"),
+                 ("oracle_tokens", "budget_utilization"), ("odb_padded", "moved_fraction"))
+
+
+def modes_table(result: dict) -> list[str]:
+    """ODB global and rank-local beside DeepSpeed, packing and the oracles, per workload and W (utilization)."""
+    index = _index(result["quality"])
+    lines = ["| workload | W | ODB global (padded) | ODB rank-local (padded) | oracle (padded) | ODB global (tokens) "
+             "| ODB rank-local (tokens) | DeepSpeed (seqlen) | DeepSpeed (default) | packing | oracle (tokens) "
+             "| moved (ODB global, padded) |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for name in _workload_names(result):
+        for world in result["worlds"]:
+            cells = [_cell(index.get((name, world, m)), key) or "-" for m, key in MODES_COLUMNS]
+            lines.append(f"| {name} | {world} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def alignment_table(result: dict) -> list[str]:
     """Per round and rank, both planning modes: metadata bytes, moved samples and bytes, latency."""
     lines = ["| W | source | planning | rounds | steps/round | meta B sent/round | meta B received/round | meta ms/round "
@@ -191,6 +211,8 @@ def quality_sections(result: dict) -> list[str]:
                   *method_table(result, world, "moved_fraction", methods=set(ODB_GLOBAL))]
     parts += ["", f"## Samples dropped, W = {result['worlds'][-1]}", "",
               *method_table(result, result["worlds"][-1], "dropped", "{:,}")]
+    parts += ["", "## ODB global and rank-local against DeepSpeed, packing and the oracle (budget utilization; the "
+                  "oracle dealt to W ranks)", "", *modes_table(result)]
     parts += ["", "## Targets: ODB (padded), global and rank-local, against the oracle, the rank-local bound and "
                   "the reference release", "",
               *targets_table(result)]
