@@ -52,6 +52,11 @@ class ODBConfig:
             metrics) or raises an `error` naming its index.
         accumulation_steps: gradient-accumulation micro-batches per optimizer step. Epochs end on a multiple of
             it, and `StepInfo.window_tokens` sums the supervised tokens of each aligned window.
+        samples_per_step: optional target of global samples per optimizer step (every rank, every micro-batch).
+            The loader closes each optimizer step at the micro-batch boundary nearest the target (NOTE [ Steps
+            of a target size ] in accumulation.py): a variable number of micro-batches, the same on every rank.
+            Needs accumulation_steps=1; exclusive with tokens_per_step.
+        tokens_per_step: the same with a target of global supervised tokens per optimizer step.
         planning: `global` (default) plans each round over every rank's buffered samples and deals the groups
             to the ranks (NOTE [ Pooled rounds ]; samples move between ranks); `local` plans each rank's window
             alone and only aligns the step counts. The same at world size 1.
@@ -79,6 +84,8 @@ class ODBConfig:
     join: bool = True
     oversize: OversizePolicy = "alone"
     accumulation_steps: int = 1
+    samples_per_step: int | None = None
+    tokens_per_step: int | None = None
     planning: Planning = "global"
     move: MoveMode = "auto"
     seed: int = 0
@@ -107,6 +114,14 @@ class ODBConfig:
                  f"choose one of {OVERSIZE_POLICIES}")
         _require(_is_int(self.accumulation_steps) and self.accumulation_steps >= 1, "accumulation_steps",
                  self.accumulation_steps, "it must be an int >= 1")
+        for name in ("samples_per_step", "tokens_per_step"):
+            value = getattr(self, name)
+            _require(value is None or (_is_int(value) and value > 0), name, value, "it must be None or a positive int")
+            _require(value is None or self.accumulation_steps == 1, name, value,
+                     f"a step target sets the number of micro-batches per optimizer step itself; leave "
+                     f"accumulation_steps at 1 (it is {self.accumulation_steps})")
+        _require(self.samples_per_step is None or self.tokens_per_step is None, "tokens_per_step",
+                 self.tokens_per_step, "set samples_per_step or tokens_per_step, not both")
         _require(self.planning in PLANNINGS, "planning", self.planning,
                  f"choose one of {PLANNINGS}: 'global' pools every rank's samples, 'local' plans each rank alone")
         _require(self.move in MOVE_MODES, "move", self.move, f"choose one of {MOVE_MODES}")
@@ -121,3 +136,12 @@ class ODBConfig:
                  self.liveness_timeout_s, "it must be > 0 seconds")
         _require(_is_number(self.worker_timeout_s) and self.worker_timeout_s >= 0, "worker_timeout_s", self.worker_timeout_s,
                  "it must be >= 0 seconds (0 = no timeout)")
+
+    @property
+    def step_target(self) -> tuple[str, int] | None:
+        """("samples" | "tokens", amount) when optimizer steps have a target size, else None (G micro-batches)."""
+        if self.samples_per_step is not None:
+            return ("samples", self.samples_per_step)
+        if self.tokens_per_step is not None:
+            return ("tokens", self.tokens_per_step)
+        return None

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import weakref
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 from torch.utils.data import Sampler
@@ -24,7 +24,7 @@ from torch.utils.data import Sampler
 from odb_core.collate import CollateFn, PadCollator
 from odb_core.config import ODBConfig
 from odb_core.cursor import EpochCursor
-from odb_core.estimate import estimate_steps
+from odb_core.estimate import ExactPlan, estimate_steps, plan_epochs_exactly
 from odb_core.metrics import LoaderMetrics
 from odb_core.pipeline import EpochReport, EpochRun, RunContext
 from odb_core.prefetch import BackgroundIterator
@@ -46,7 +46,7 @@ WORKER_OPTIONS = frozenset({"persistent_workers", "multiprocessing_context", "pi
 OPTIONS = SettingsSource(where="ODBDataLoader", noun="argument", key_error=TypeError,
                          keys=dict.fromkeys(sorted(WORKER_OPTIONS), PASSED_ON))  # its **options: fields, workers
 FINGERPRINT = ("token_budget", "cost", "attention_alpha", "max_patches", "max_batch_size", "window", "join",
-               "accumulation_steps", "planning", "seed", "shuffle_steps")
+               "accumulation_steps", "samples_per_step", "tokens_per_step", "planning", "seed", "shuffle_steps")
 
 
 def _split_options(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -210,7 +210,8 @@ class ODBDataLoader:
         else:
             loaded = LoaderState.from_dict(state)
         loaded.check_resumable_by(me)
-        loaded.check_against_shard(self._shard_order(loaded), self.config.window, self.config.accumulation_steps)
+        fixed = self.config.accumulation_steps if self.config.step_target is None else None
+        loaded.check_against_shard(self._shard_order(loaded), self.config.window, fixed)
         self.close()
         self.metrics.restore(dict(loaded.metrics))
         self._cursor.load(loaded.epoch, loaded.position, loaded.plan)
@@ -242,6 +243,13 @@ class ODBDataLoader:
         self._length = estimate_steps(self._stream, self.config, epoch=self._cursor.epoch, length_fn=self._ctx.length_fn,
                                       transport=self.transport, sample_size=sample_size)
         return self._length
+
+    def plan_epochs_exactly(self, epochs: Iterable[int]) -> ExactPlan:
+        """The real micro-batch and optimizer-step counts of `epochs`, the same on every rank (NOTE [ Exact
+        schedule ] in estimate.py). Every rank must call it at the same point. Raises TypeError where no exact
+        plan exists (an iterable dataset, `tokens_per_step`)."""
+        return plan_epochs_exactly(self._stream, self.config, epochs=list(epochs), length_fn=self._ctx.length_fn,
+                                   transport=self.transport)
 
     def __len__(self) -> int:
         if self._length is None:

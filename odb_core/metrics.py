@@ -6,6 +6,8 @@ Definitions (every adapter reports these, computed here only):
   * padding ratio = 1 - real input tokens / padded token slots, on this rank, over non-IDLE steps;
   * rank imbalance of a step = coefficient of variation of the group cost across ranks (IDLE costs 0);
   * alignment bytes/latency = what this rank sent in the metadata collectives, and their wall time;
+  * optimizer-step size = global samples and supervised tokens per optimizer step (mean and standard deviation,
+    over the steps completed): how near a step target (`samples_per_step` / `tokens_per_step`) the steps come;
   * moved samples/bytes (global planning) = samples that ran on this rank but were read by another, and the
     bytes received for them (NOTE [ Moving samples ]).
 """
@@ -37,10 +39,16 @@ class StepCounts:
     global_patches: int = 0
     padded_tokens: int = 0
     imbalance_sum: float = 0.0
+    optimizer_steps: int = 0
+    step_samples_sum: int = 0
+    step_samples_sq: int = 0
+    step_tokens_sum: int = 0
+    step_tokens_sq: int = 0
 
     def add(self, info: StepInfo) -> StepCounts:
+        """One more micro-batch, and one more optimizer step if it is the last of its (released) window."""
         real = not info.is_idle
-        return StepCounts(steps=self.steps + 1, idle_steps=self.idle_steps + int(info.is_idle),
+        counts = StepCounts(steps=self.steps + 1, idle_steps=self.idle_steps + int(info.is_idle),
                           local_samples=self.local_samples + info.local_samples,
                           global_samples=self.global_samples + info.global_samples,
                           local_input_tokens=self.local_input_tokens + (info.local_input_tokens if real else 0),
@@ -48,7 +56,27 @@ class StepCounts:
                           global_supervised_tokens=self.global_supervised_tokens + info.global_tokens,
                           global_patches=self.global_patches + info.global_patches,
                           padded_tokens=self.padded_tokens + (info.padded_tokens if real else 0),
-                          imbalance_sum=self.imbalance_sum + info.rank_imbalance)
+                          imbalance_sum=self.imbalance_sum + info.rank_imbalance,
+                          **{name: getattr(self, name) for name in WINDOW_FIELDS})
+        return counts.close_window(info) if info.ends_window else counts
+
+    def close_window(self, info: StepInfo) -> StepCounts:
+        """Count the optimizer step that `info` (a released micro-batch, with its window fields) ends."""
+        samples, tokens = info.window_samples, info.window_tokens
+        return replace(self, optimizer_steps=self.optimizer_steps + 1,
+                       step_samples_sum=self.step_samples_sum + samples,
+                       step_samples_sq=self.step_samples_sq + samples * samples,
+                       step_tokens_sum=self.step_tokens_sum + tokens, step_tokens_sq=self.step_tokens_sq + tokens * tokens)
+
+    def step_size(self, unit: str) -> tuple[float, float]:
+        """(mean, standard deviation) of the optimizer steps' global `unit` ("samples" or "tokens")."""
+        n = self.optimizer_steps
+        if not n:
+            return 0.0, 0.0
+        total, squares = (self.step_samples_sum, self.step_samples_sq) if unit == "samples" else (
+            self.step_tokens_sum, self.step_tokens_sq)
+        mean = total / n
+        return mean, math.sqrt(max(squares / n - mean * mean, 0.0))
 
     def __sub__(self, earlier: StepCounts) -> StepCounts:
         return StepCounts(**{f.name: getattr(self, f.name) - getattr(earlier, f.name) for f in fields(self)})
@@ -70,6 +98,7 @@ class StepCounts:
         return self.imbalance_sum / self.steps if self.steps else 0.0
 
 
+WINDOW_FIELDS = ("optimizer_steps", "step_samples_sum", "step_samples_sq", "step_tokens_sum", "step_tokens_sq")
 STEP_FIELDS = tuple(f.name for f in fields(StepCounts))
 
 
@@ -109,6 +138,10 @@ class LoaderMetrics:
     def record_step(self, info: StepInfo) -> None:
         self.counts = self.counts.add(info)
 
+    def record_window(self, info: StepInfo) -> None:
+        """The optimizer step that the released micro-batch `info` ends (NOTE [ Steps of a target size ])."""
+        self.counts = self.counts.close_window(info)
+
     @property
     def budget_utilization(self) -> float:
         return self.counts.budget_utilization(self.token_budget, self.world_size)
@@ -128,6 +161,10 @@ class LoaderMetrics:
     def summary(self) -> dict[str, float | int]:
         out = self.snapshot()
         out.pop("imbalance_sum")
+        for unit in ("samples", "tokens"):
+            for name in (f"step_{unit}_sum", f"step_{unit}_sq"):
+                out.pop(name)
+            out[f"step_{unit}_mean"], out[f"step_{unit}_std"] = self.counts.step_size(unit)
         out.update(budget_utilization=self.budget_utilization, patch_utilization=self.patch_utilization,
                    padding_ratio=self.padding_ratio, mean_rank_imbalance=self.mean_imbalance)
         return out

@@ -9,7 +9,9 @@ NOTE [ One round ]
   4. all_reduce_sum of 6 ints per slot: global samples, supervised tokens, input tokens, cost, cost^2 and vision
      patches;
   5. release steps; with accumulation_steps = G, a step is released once its G-step window is complete, so
-     that `StepInfo.window_tokens` is exact (a window may span two rounds; `AccumulationWindow`).
+     that `StepInfo.window_tokens` is exact (a window may span two rounds; `AccumulationWindow`); with a step
+     target (`samples_per_step` / `tokens_per_step`) once the window is decided (NOTE [ Steps of a target
+     size ]), and the epoch's last window when the epoch ends.
 The whole round is deterministic given the samples, so the batches do not depend on worker timing.
 """
 
@@ -20,7 +22,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from odb_core.accumulation import AccumulationWindow
+from odb_core.accumulation import AccumulationWindow, StepTarget
 from odb_core.alignment import Slot
 from odb_core.collate import CollateFn, padded_tokens, run_collate, supervised_tokens
 from odb_core.metrics import LoaderMetrics, cost_cv
@@ -98,7 +100,9 @@ class EpochRun(Iterator[ODBBatch]):
         self.rounds = ctx.rounds_factory(epoch)
         self.engine = self.rounds.engine
         self.reader = SampleReader(chunks, ctx.length_fn, ctx.fallback_dummy)
-        self.window: AccumulationWindow[_Built] = AccumulationWindow(self.engine.config.accumulation_steps)
+        config = self.engine.config
+        target = StepTarget(*config.step_target) if config.step_target is not None else None
+        self.window: AccumulationWindow[_Built] = AccumulationWindow(config.accumulation_steps, target)
         self.ready: deque[ODBBatch] = deque()
         self.skip_below = 0
         self.report: EpochReport | None = None
@@ -106,7 +110,7 @@ class EpochRun(Iterator[ODBBatch]):
             start = resume.start
             self.engine.round, self.engine.steps_done = start.round, start.steps_done
             self.skip_below = resume.steps_consumed
-            self.window.restore(start.carry_count, start.carry_tokens)
+            self.window.restore(start.carry_count, start.carry_tokens, start.carry_samples)
             self.reader.restore(start, self.engine, ctx.fetch)
             self.engine.n_carried = len(start.buffer)  # what the saved round began with
             self.engine.resumed_at = resume.steps_consumed  # checked against every rank's (check_same_progress)
@@ -141,7 +145,7 @@ class EpochRun(Iterator[ODBBatch]):
         return RoundStart(round=self.engine.round, steps_done=self.engine.steps_done, consumed=self.reader.consumed,
                           buffer=tuple(item.index for item in self.engine.items),
                           carry_count=self.window.open_count, carry_tokens=self.window.open_tokens,
-                          dummy_index=self.reader.dummy_index)
+                          dummy_index=self.reader.dummy_index, carry_samples=self.window.open_samples)
 
     def _run_round(self) -> None:
         metrics = self.ctx.metrics
@@ -171,6 +175,7 @@ class EpochRun(Iterator[ODBBatch]):
             totals = reduced[k * STEP_SUM_FIELDS : (k + 1) * STEP_SUM_FIELDS]
             self._stage(b, totals, planned.index, first_step + k)
         if self.engine.finished:
+            self._release(self.window.flush())  # a target-sized epoch may end in a short step
             self.log.end_epoch(self.engine.steps_done, metrics.snapshot())
 
     def _build(self, slot: Slot, planned: RankRound) -> _Built:
@@ -195,7 +200,12 @@ class EpochRun(Iterator[ODBBatch]):
                         rank_imbalance=imbalance, window_tokens=-1, local_patches=built.patches,
                         global_patches=g_patches)
         self.ctx.metrics.record_step(info)  # replayed steps too: metrics resume from the round start
-        for released, final in self.window.stage(built, info):
+        self._release(self.window.stage(built, info))
+
+    def _release(self, window: list[tuple[_Built, StepInfo]]) -> None:
+        for released, final in window:
+            if final.ends_window:
+                self.ctx.metrics.record_window(final)
             if final.step < self.skip_below:
                 continue
             if self.ctx.observer is not None:

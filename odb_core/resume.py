@@ -158,6 +158,10 @@ def remainder_plan(states: Sequence[LoaderState], new_world_size: int) -> Remain
         raise ElasticResumeError(f"the states were saved after step {step} of epoch {epoch}, inside a gradient-"
                                  f"accumulation window of {accumulation} steps; an elastic resume regroups the "
                                  "remaining samples, so save at an optimizer-step boundary")
+    if position is not None and position.window_open:
+        raise ElasticResumeError(f"the states were saved after step {step} of epoch {epoch}, inside an optimizer "
+                                 f"step ({position.window_open} of its micro-batches consumed); an elastic resume "
+                                 "regroups the remaining samples, so save at an optimizer-step boundary")
     first_round = position.point.start.round + 1 if position is not None else first.plan.first_round
     return RemainderSource(world_size=new_world_size, first_step=step, first_round=first_round,
                            parts=tuple(_part(s) for s in states))

@@ -61,7 +61,8 @@ class RoundLog:
             if complete:
                 metrics = self._final[1]
             point = ResumePoint(start=start, steps_consumed=info.step + 1)
-            self._position = SavedPosition(point=point, complete=complete, metrics=metrics)
+            window_open = 0 if info.ends_window else info.window_index + 1
+            self._position = SavedPosition(point=point, complete=complete, metrics=metrics, window_open=window_open)
 
     @property
     def position(self) -> SavedPosition | None:
@@ -72,4 +73,5 @@ class RoundLog:
             point = self._position.point
             return SavedPosition(point=ResumePoint(start=point.start, steps_consumed=point.steps_consumed,
                                                    round_emitted=tuple(self._emitted)),
-                                 complete=self._position.complete, metrics=self._position.metrics)
+                                 complete=self._position.complete, metrics=self._position.metrics,
+                                 window_open=self._position.window_open)

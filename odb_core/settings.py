@@ -44,9 +44,10 @@ COUNT = Rule(accepts=lambda v: _is_int(v) and v >= 0, allowed="it must be an int
 POSITIVE_INT = Rule(accepts=lambda v: _is_int(v) and v >= 1, allowed="it must be an int >= 1")
 NON_NEGATIVE = Rule(accepts=lambda v: _is_number(v) and v >= 0, allowed="it must be a number >= 0")
 PASSED_ON = Rule(accepts=lambda v: True, allowed="")  # checked by whoever receives it (the loader)
-EPOCH_LENGTH_KEYS = {"estimate_sample_size": POSITIVE_INT, "length_slack": NON_NEGATIVE}
-"""Keys of a framework that needs an epoch length up front: the sample size of `ODBDataLoader.estimate_steps`
-and the slack of the length bound (the HF Trainer, and LLaMA-Factory through it)."""
+EPOCH_LENGTH_KEYS = {"estimate_sample_size": POSITIVE_INT, "length_slack": NON_NEGATIVE, "exact_schedule": BOOL}
+"""Keys of a framework that needs an epoch length up front: the sample size of `ODBDataLoader.estimate_steps`,
+the slack of the length bound, and whether to plan the exact step count instead (NOTE [ Exact schedule ] in
+estimate.py; the HF Trainer, and LLaMA-Factory through it)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

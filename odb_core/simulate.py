@@ -44,6 +44,11 @@ class EpochPlan:
     def n_steps(self) -> int:
         return len(self.steps[0]) if self.steps else 0
 
+    def global_sizes(self, unit: str = "samples") -> list[int]:
+        """Per step, the samples (`unit="samples"`) or input tokens (`"tokens"`) of every rank together."""
+        measure = (lambda slot: slot.size) if unit == "samples" else (lambda slot: sum(it.length for it in slot.items))
+        return [sum(measure(rank[k]) for rank in self.steps if rank[k] is not None) for k in range(self.n_steps)]
+
     @property
     def emitted(self) -> int:
         return sum(slot.size for rank in self.steps for slot in rank if slot is not None)

@@ -37,7 +37,7 @@ STATE_VERSION = 3
 READABLE_VERSIONS = (1, 2, 3)
 MERGED_FORMAT = "merged"
 # Fingerprint fields added after states were first written, with the behaviour those states had.
-LEGACY_FINGERPRINT = {"planning": "local"}
+LEGACY_FINGERPRINT = {"planning": "local", "samples_per_step": None, "tokens_per_step": None}
 
 
 class ElasticResumeError(ValueError):
@@ -240,6 +240,7 @@ class RoundStart:
     carry_count: int
     carry_tokens: int
     dummy_index: int | None
+    carry_samples: int = 0  # global samples of the open window (a step target in samples needs them)
 
 
 @dataclass(frozen=True, slots=True)
@@ -262,13 +263,15 @@ class SavedPosition:
     point: ResumePoint
     complete: bool
     metrics: Mapping[str, float | int] = field(default_factory=dict)
+    window_open: int = 0  # micro-batches of an unfinished optimizer step consumed (0: at a step boundary)
 
     def to_dict(self) -> dict[str, Any]:
         start = self.point.start
         start_dict = {name: getattr(start, name) for name in RoundStart.__slots__}
         start_dict["buffer"] = list(start.buffer)
         return {"start": start_dict, "steps_consumed": self.point.steps_consumed,
-                "round_emitted": list(self.point.round_emitted), "epoch_complete": self.complete}
+                "round_emitted": list(self.point.round_emitted), "epoch_complete": self.complete,
+                "window_open": self.window_open}
 
     @classmethod
     def from_dict(cls, data: Any, metrics: Mapping[str, float | int], where: str = "position") -> SavedPosition:
@@ -278,12 +281,16 @@ class SavedPosition:
         start = dict(_pop(data, "start", dict, where))
         values = {name: _pop(start, name, int, f"{where}.start") for name in
                   ("round", "steps_done", "consumed", "carry_count", "carry_tokens")}
+        values["carry_samples"] = _pop(start, "carry_samples", int, f"{where}.start") if "carry_samples" in start else 0
         dummy = _pop(start, "dummy_index", (int, type(None)), f"{where}.start")
         buffer = _ints(_pop(start, "buffer", list, f"{where}.start"), f"{where}.start.buffer")
         _no_leftovers(start, f"{where}.start")
         point = ResumePoint(start=RoundStart(**values, buffer=buffer, dummy_index=dummy),
                             steps_consumed=_pop(data, "steps_consumed", int, where),
                             round_emitted=_ints(data.pop("round_emitted", []), f"{where}.round_emitted"))
+        window_open = data.pop("window_open", 0)
+        if not isinstance(window_open, int) or isinstance(window_open, bool) or window_open < 0:
+            raise StateError(f"{where}.window_open={window_open!r} must be an int >= 0; the state is corrupt")
         complete = data.pop("epoch_complete", False)
         if not isinstance(complete, bool):
             raise StateError(f"{where}.epoch_complete={complete!r} must be true or false")
@@ -295,7 +302,7 @@ class SavedPosition:
                 raise StateError(f"{where}.{name} holds a negative index {min(indices)}; the state is corrupt")
         _at_least(point.steps_consumed, values["steps_done"] + 1, f"{where}.steps_consumed",
                   f" (after at least one step of the round that began at step {values['steps_done']})")
-        return cls(point=point, complete=complete, metrics=dict(metrics))
+        return cls(point=point, complete=complete, metrics=dict(metrics), window_open=window_open)
 
 
 def start_of_remainder(plan: RemainderSource) -> ResumePoint:
@@ -382,14 +389,15 @@ class LoaderState:
                    position=SavedPosition.from_dict(position, metrics) if position is not None else None,
                    metrics=metrics, version=version)
 
-    def check_against_shard(self, order: Sequence[int] | None, window: int, accumulation: int) -> None:
+    def check_against_shard(self, order: Sequence[int] | None, window: int, accumulation: int | None) -> None:
         """The saved position within this rank's index `order` for the epoch (None: a stream, unknown here):
-        see NOTE [ A state proves itself ]."""
+        see NOTE [ A state proves itself ]. `accumulation` None: optimizer steps have a target size, so a carried
+        window has no bound in micro-batches."""
         if self.position is None:
             return
         point, where = self.position.point, "state.position"
         start = point.start
-        if start.carry_count >= accumulation:
+        if accumulation is not None and start.carry_count >= accumulation:
             raise StateError(f"{where}.start.carry_count={start.carry_count} must be below accumulation_steps="
                              f"{accumulation}; the state is corrupt")
         if len(start.buffer) > window:

@@ -19,7 +19,10 @@ class StepInfo:
     count of the whole optimizer step (every rank, every accumulation micro-batch): the exact normaliser of a
     per-token mean loss. `cost` is this rank's group cost under the cost model and `rank_imbalance` the
     coefficient of variation of the step's group costs across ranks (0 = perfectly balanced). `*_patches` are
-    vision patches (rows of `pixel_values`) of the step's real samples. IDLE steps have no indices and zero counts
+    vision patches (rows of `pixel_values`) of the step's real samples. `window_steps` is the number of
+    micro-batches of this step's optimizer step (the same on every rank), `window_index` this micro-batch's place
+    in it (the optimizer step ends after `window_index == window_steps - 1`) and `window_samples` its global
+    samples; like `window_tokens` they are filled when the optimizer step is complete. IDLE steps have no indices and zero counts
     and carry a zero-weight dummy batch.
     """
 
@@ -40,6 +43,14 @@ class StepInfo:
     window_tokens: int
     local_patches: int = 0
     global_patches: int = 0
+    window_steps: int = 0
+    window_index: int = 0
+    window_samples: int = 0
+
+    @property
+    def ends_window(self) -> bool:
+        """Whether the optimizer step ends after this micro-batch (on every rank)."""
+        return self.window_index == self.window_steps - 1
 
 
 class ODBBatch(dict):

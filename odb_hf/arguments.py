@@ -79,6 +79,15 @@ def check_trainer(trainer: Trainer) -> None:
 def build_loader(args: TrainingArguments, dataset: Any, collate_fn: Any, settings: ODBSettings) -> ODBDataLoader:
     """The training loader: the settings' `ODBConfig` with the Trainer's accumulation (and seed, unless the user set
     one), the Trainer's sampling strategy, workers and collator, then the callback's own loader arguments."""
+    if settings.config.step_target is not None:
+        unit = settings.config.step_target[0]
+        if args.gradient_accumulation_steps != 1:
+            raise ODBSetupError(f"gradient_accumulation_steps={args.gradient_accumulation_steps} with {unit}_per_step: "
+                                f"ODB accumulates micro-batches until the optimizer step holds {unit}_per_step "
+                                "itself; set gradient_accumulation_steps=1")
+        if args.include_num_input_tokens_seen not in ("no", False):
+            raise ODBSetupError(f"include_num_input_tokens_seen is not supported with {unit}_per_step (the Trainer "
+                                "sees one item per optimizer step); ODB logs odb/tokens_per_second instead")
     config = settings.derive(accumulation_steps=args.gradient_accumulation_steps,
                              seed=args.data_seed if args.data_seed is not None else args.seed)
     workers: dict[str, Any] = {"pin_memory": args.dataloader_pin_memory}

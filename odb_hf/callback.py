@@ -36,6 +36,9 @@ class ODBCallback(TrainerCallback):
         token_budget: cost ceiling of one micro-batch on one rank (`ODBConfig.token_budget`).
         estimate_sample_size: samples read to estimate the steps per epoch (epoch-based runs).
         length_slack: the epoch length reported to the Trainer is the estimate x (1 + slack), an upper bound.
+        exact_schedule: plan the run's real step count before training (NOTE [ Exact schedule ]: every sample's
+            length is read once) so that the LR schedule ends exactly at the last step and the progress bar at
+            100 %; falls back to the estimate for an iterable dataset or `tokens_per_step`.
         **options: other `ODBConfig` fields (cost, max_patches, window, seed, ...), `length_fn`, `observer`,
             `idle_sample` and DataLoader worker options. Gradient accumulation, shuffling, workers and the
             collator come from the Trainer; see docs/guides/hf-trainer.md.
@@ -43,9 +46,10 @@ class ODBCallback(TrainerCallback):
     """
 
     def __init__(self, token_budget: int, *, estimate_sample_size: int = 512, length_slack: float = 0.25,
-                 **options: Any) -> None:
+                 exact_schedule: bool = True, **options: Any) -> None:
         self.settings = read_settings({"token_budget": token_budget, "estimate_sample_size": estimate_sample_size,
-                                       "length_slack": length_slack, **options}, CALLBACK)
+                                       "length_slack": length_slack, "exact_schedule": exact_schedule, **options},
+                                      CALLBACK)
         self._trainer: weakref.ref[Trainer] | None = None
         self.position = DataPosition()  # where train() resumes the data from (checkpoint.py)
         self.run: ODBRun | None = None  # the latest get_train_dataloader()'s loader, view and meter
@@ -116,8 +120,10 @@ class ODBCallback(TrainerCallback):
                                 "synchronised across ranks (transformers skips the DDP wrap when "
                                 "trainer.evaluate() ran before train()); evaluate after training or on another "
                                 "Trainer instance")
-        if planned is not None:  # ratio logging/eval/save steps follow the estimate, not the bound
+        if planned is not None:  # ratio logging/eval/save steps follow the plan, not the bound
             state.compute_steps(args, planned)
+        if self._run().view.plan.exact:  # the real count: the progress bar (created after this) and the stop
+            state.max_steps = planned
 
     @_when_on
     def on_step_end(self, args, state, control, **kwargs):

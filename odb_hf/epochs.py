@@ -18,38 +18,80 @@ Trainer's `epochs_trained = global_step // (U / G)` (an underestimate under a bo
 
 from __future__ import annotations
 
+import logging
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
+from odb_core.accumulation import step_windows
 from odb_core.loader import ODBDataLoader
 from odb_core.step_info import ODBBatch
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
 class EpochPlan:
-    """Lengths the Trainer plans with. `length` None: no len() (step-based or unsized data)."""
+    """Lengths the Trainer plans with. `length` None: no len() (step-based or unsized data). `exact`: the step
+    counts are the real ones (NOTE [ Exact schedule ]), so `planned_steps` is the run's real optimizer-step count."""
 
     length: int | None
     estimate: int | None
     planned_steps: int | None
     stop_epoch: int | None
+    exact: bool = False
 
 
-def plan_epochs(loader: ODBDataLoader, *, max_steps: int, num_train_epochs: float, slack: float,
-                sample_size: int) -> EpochPlan:
-    """Estimate the steps per epoch (one all_gather of one int; every rank calls it at the same point)."""
+def _planned(per_epoch: Sequence[int], num_train_epochs: float) -> int:
+    """Optimizer steps of `num_train_epochs` epochs of these lengths (a fraction takes part of the last)."""
+    whole = math.floor(num_train_epochs)
+    fraction = num_train_epochs - whole
+    return max(sum(per_epoch[:whole]) + (math.ceil(fraction * per_epoch[whole]) if fraction else 0), 1)
+
+
+def plan_epochs(loader: ODBDataLoader, *, max_steps: int, num_train_epochs: float, extras: Mapping[str, Any]) -> EpochPlan:
+    """The Trainer's epoch lengths: exact (every rank's lengths on the virtual cluster, `exact_schedule`, the
+    default, for map-style data and sample- or G-sized steps) or estimated (one all_gather of one int). Every
+    rank calls it at the same point. With a step target the Trainer's unit is an optimizer step (one
+    `StepWindow`), otherwise a micro-batch."""
     if max_steps > 0:
         return EpochPlan(length=None, estimate=None, planned_steps=None, stop_epoch=None)
-    accumulation = loader.config.accumulation_steps
+    stop_epoch = math.ceil(num_train_epochs)
+    windows = loader.config.step_target is not None
+    if extras["exact_schedule"]:
+        try:
+            exact = loader.plan_epochs_exactly(range(loader.epoch, max(stop_epoch, loader.epoch + 1)))
+        except TypeError as exc:
+            logger.info(f"ODB: the step count is estimated ({exc})")
+        else:
+            unit = exact.optimizer_steps if windows else exact.micro_batches
+            everything = loader.plan_epochs_exactly(range(0, loader.epoch)).optimizer_steps if loader.epoch else ()
+            return EpochPlan(length=max(max(unit), 1), estimate=max(exact.micro_batches), exact=True,
+                             planned_steps=_planned((*everything, *exact.optimizer_steps), num_train_epochs),
+                             stop_epoch=stop_epoch)
     try:
-        estimate = loader.estimate_steps(sample_size=sample_size)
+        estimate = loader.estimate_steps(sample_size=extras["estimate_sample_size"])
     except TypeError as exc:
         raise TypeError(f"an epoch-based run needs an epoch length, but {exc}; set max_steps > 0") from exc
-    bound = math.ceil(math.ceil(estimate * (1.0 + slack)) / accumulation) * accumulation
-    planned = max(math.ceil(num_train_epochs * estimate / accumulation), 1)
-    return EpochPlan(length=max(bound, accumulation), estimate=estimate, planned_steps=planned,
-                     stop_epoch=math.ceil(num_train_epochs))
+    per_epoch = _estimated_optimizer_steps(loader, estimate)
+    unit = loader.config.accumulation_steps if not windows else 1
+    bound = math.ceil(math.ceil(per_epoch * (1.0 + extras["length_slack"])) * unit)
+    if windows and loader.config.step_target[0] == "tokens":
+        bound = estimate  # an optimizer step holds at least one micro-batch: a safe bound, whatever the tokens
+    return EpochPlan(length=max(bound, unit), estimate=estimate, stop_epoch=stop_epoch,
+                     planned_steps=max(math.ceil(num_train_epochs * per_epoch), 1))
+
+
+def _estimated_optimizer_steps(loader: ODBDataLoader, micro_batches: int) -> float:
+    """Optimizer steps per epoch from the estimated micro-batches: / G, or the epoch's samples / samples_per_step;
+    with tokens_per_step no better figure than the micro-batches exists before the collator ran (see the guide)."""
+    target = loader.config.step_target
+    if target is None:
+        return micro_batches / loader.config.accumulation_steps
+    if target[0] == "samples" and hasattr(loader.dataset, "__len__"):
+        return max(len(loader.dataset) / target[1], 1.0)
+    return float(micro_batches)
 
 
 class TrainerEpochView:
@@ -93,8 +135,8 @@ class TrainerEpochView:
         self._running = iter(self.loader)
         return self._follow(self._running)
 
-    def _follow(self, source: Iterator[ODBBatch]) -> Iterator[ODBBatch]:
-        yield from source
+    def _follow(self, source: Iterator[ODBBatch]) -> Iterator[Any]:
+        yield from step_windows(source) if self.loader.config.step_target is not None else source
         self.finished = True
 
     def overflowed(self) -> bool:

@@ -6,7 +6,9 @@ previous log, with the core's definitions:
   * `odb/padding_ratio`: 1 - real / padded token slots on this rank (non-IDLE micro-batches);
   * `odb/budget_utilization`: real input tokens / (micro-batches x world size x token_budget), over every rank;
   * `odb/patch_utilization` (with `max_patches`): vision patches / (micro-batches x world size x max_patches);
-  * `odb/idle_steps`: IDLE micro-batches on this rank; `odb/samples_per_step`: global samples per optimizer step.
+  * `odb/idle_steps`: IDLE micro-batches on this rank; `odb/samples_per_step`: global samples per optimizer step,
+    and `odb/samples_per_step_std` their standard deviation over the logged steps (how near `samples_per_step`
+    the steps come); with `tokens_per_step`, `odb/tokens_per_step` and `odb/tokens_per_step_std` too.
 """
 
 from __future__ import annotations
@@ -39,8 +41,9 @@ class StepMeter:
             "odb/padding_ratio": delta.padding_ratio,
             "odb/budget_utilization": delta.budget_utilization(config.token_budget, self.world_size),
             "odb/idle_steps": float(delta.idle_steps),
-            "odb/samples_per_step": delta.global_samples * config.accumulation_steps / max(delta.steps, 1),
         }
+        for unit in ("samples", "tokens") if config.tokens_per_step is not None else ("samples",):
+            logs[f"odb/{unit}_per_step"], logs[f"odb/{unit}_per_step_std"] = delta.step_size(unit)
         if config.max_patches:
             logs["odb/patch_utilization"] = delta.patch_utilization(config.max_patches, self.world_size)
         self.logged, self.since = self.seen, now

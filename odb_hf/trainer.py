@@ -10,10 +10,20 @@ ranks with different step counts hang in it) and nothing is normalised twice. A 
 loss kwargs gets the same sum / N x W from `odb_core.loss` here (times G, which `training_step` divides out).
 IDLE micro-batches have no supervised token: they add exactly zero, and every rank still runs forward/backward.
 Under DeepSpeed the same holds: `engine.backward(loss, scale_wrt_gas=False)` and its "mean" reduction over W.
+
+NOTE [ Steps of a target size under the HF Trainer ]
+With `samples_per_step` (or `tokens_per_step`) an optimizer step holds a variable number k of micro-batches (the
+same on every rank; NOTE [ Steps of a target size ] in odb_core/accumulation.py), but the Trainer pulls a fixed
+`gradient_accumulation_steps` items per update. So the Trainer runs with gradient_accumulation_steps=1 and each
+item it pulls is one `StepWindow` (the k micro-batches of one optimizer step); `training_step` runs forward and
+backward over them in order, under the accelerator's `no_sync` for all but the last (DDP/FSDP synchronise once),
+and under DeepSpeed with the gradient-accumulation boundary only at the last (`sync_gradients`). Every
+micro-batch's loss is divided by the same N = `window_tokens`, so the step's gradient is the exact token mean.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -22,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers import Trainer
 
+from odb_core.accumulation import StepWindow
 from odb_core.loader import ODBDataLoader
 from odb_core.loss import TokenLossScale, causal_lm_loss_sum, step_normalizer
 from odb_hf.arguments import ODBSetupError, build_loader, check_collator_keeps_labels
@@ -88,7 +99,7 @@ class ODBTrainerMixin:
         resumed = odb.position.restore(loader)
         extras = odb.settings.extras
         plan = plan_epochs(loader, max_steps=self.args.max_steps, num_train_epochs=self.args.num_train_epochs,
-                           slack=extras["length_slack"], sample_size=extras["estimate_sample_size"])
+                           extras=extras)
         view = TrainerEpochView(loader, plan, resumed=resumed)
         odb.run = ODBRun(loader=loader, view=view, meter=StepMeter(loader))
         return view
@@ -101,8 +112,10 @@ class ODBTrainerMixin:
         batches = [batch for _, batch in zip(range(num_batches), epoch_iterator)]
         if not batches:
             return [], None
-        infos = [batch.info for batch in batches]
-        whole = len(batches) == self.args.gradient_accumulation_steps and infos[0].step % len(batches) == 0
+        windows = isinstance(batches[0], StepWindow)
+        infos = list(batches[0].infos) if windows else [batch.info for batch in batches]
+        whole = (infos[0].window_index == 0 and infos[-1].ends_window and len(batches) == 1 if windows else
+                 len(batches) == self.args.gradient_accumulation_steps and infos[0].step % len(batches) == 0)
         if not whole or len({info.window_tokens for info in infos}) != 1:
             raise RuntimeError(f"ODB accumulation window broken: got steps {[i.step for i in infos]} of epoch "
                                f"{infos[0].epoch} for gradient_accumulation_steps="
@@ -110,6 +123,27 @@ class ODBTrainerMixin:
         for info in infos:
             run.meter.add(info)
         return batches, torch.tensor(step_normalizer(infos[0].window_tokens), device=device)
+
+    def training_step(self, model: torch.nn.Module, inputs: Any,
+                      num_items_in_batch: torch.Tensor | int | None = None) -> torch.Tensor:
+        """One micro-batch, or the micro-batches of one `StepWindow` (NOTE [ Steps of a target size under the HF
+        Trainer ]): the summed loss of the step, as the Trainer sums its micro-batches' losses."""
+        if not isinstance(inputs, StepWindow):
+            return super().training_step(model, inputs, num_items_in_batch)
+        state, total = self.accelerator.gradient_state, None
+        for k, batch in enumerate(inputs.batches):
+            last = k == len(inputs.batches) - 1
+            state._set_sync_gradients(last)  # DeepSpeed: the accumulation boundary (the Trainer sets it the same way)
+            sync = contextlib.nullcontext() if last or self.is_deepspeed_enabled else self.accelerator.no_sync(model)
+            with sync:
+                loss = super().training_step(model, batch, num_items_in_batch)
+            total = loss if total is None else total + loss
+        return total
+
+    def floating_point_ops(self, inputs: Any) -> int:
+        if isinstance(inputs, StepWindow):
+            return sum(super(ODBTrainerMixin, self).floating_point_ops(batch) for batch in inputs.batches)
+        return super().floating_point_ops(inputs)
 
     def compute_loss(self, model: torch.nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
                      num_items_in_batch: torch.Tensor | int | None = None) -> Any:

@@ -4,7 +4,10 @@ Every scenario writes its facts to `--out`; the tests assert on them. Scenarios:
   grads-*   : float64, lr = 0, every optimizer step's synchronised gradient (rank 0) and every rank's StepInfos,
               global planning (the default) and rank-local (`-local`, and `grads-idle` whose uneven ranks run IDLE);
   odb/std   : ODB and a plain Trainer on real chat text, same samples and epochs; eval loss, steps per rank;
-  stopped/resumed: the ODB run stopped after STOP_AT steps, then resumed from that checkpoint in a new Trainer.
+  stopped/resumed: the ODB run stopped after STOP_AT steps, then resumed from that checkpoint in a new Trainer;
+  grads-target: as grads-*, with samples_per_step (optimizer steps of a variable number of micro-batches);
+  schedule-*: two epochs with warm-up and decay (samples_per_step, and G = 2): the LR of every step, the final LR,
+              the progress bar's total and position at the last step, the real optimizer steps.
 """
 
 from __future__ import annotations
@@ -52,17 +55,32 @@ torch.serialization.register_package(99, lambda obj: None, _restore_indexed_cpu)
 
 def record(info) -> dict:
     return {"epoch": info.epoch, "step": info.step, "indices": list(info.indices), "idle": info.is_idle,
-            "local_samples": info.local_samples}
+            "local_samples": info.local_samples, "window_index": info.window_index,
+            "window_steps": info.window_steps, "window_samples": info.window_samples}
+
+
+class BarWatch(TrainerCallback):
+    """Added after the Trainer's ProgressCallback: the bar's total and position after every step (rank 0)."""
+
+    def __init__(self, trainer) -> None:
+        self.bar = next((c for c in trainer.callback_handler.callbacks if type(c).__name__ == "ProgressCallback"), None)
+        self.seen: list = []
+
+    def on_step_end(self, args, state, control, **kwargs):
+        bar = getattr(self.bar, "training_bar", None)
+        if bar is not None:
+            self.seen.append([bar.n, bar.total])
 
 
 def grads(name: str, model, samples, out: Path, accumulation_steps: int, budget: int = 320,
-          strategy: str = "random", planning: str = "global") -> None:
+          strategy: str = "random", planning: str = "global", **odb_options) -> None:
     infos, recorder = [], hf_support.GradRecorder()
     args = TrainingArguments(output_dir=str(out / name), gradient_accumulation_steps=accumulation_steps,
                              learning_rate=0.0, optim="sgd", max_grad_norm=0.0, num_train_epochs=1, report_to=[],
                              save_strategy="no", logging_steps=1000, use_cpu=True, seed=0, disable_tqdm=True,
                              lr_scheduler_type="constant", train_sampling_strategy=strategy)
-    odb = ODBCallback(token_budget=budget, window=16, planning=planning, observer=lambda i: infos.append(record(i)))
+    odb = ODBCallback(token_budget=budget, window=16, planning=planning, observer=lambda i: infos.append(record(i)),
+                      **odb_options)
     trainer = Trainer(model=model, args=args, train_dataset=hf_support.ListDataset(samples),
                       data_collator=PadCollator(pad_token_id=hf_support.PAD), callbacks=[odb, recorder])
     trainer.train()
@@ -96,6 +114,25 @@ def train_chat(name: str, out: Path, data: Path, odb: bool, resume: str | None =
         torch.save({k: v.detach().clone() for k, v in trainer.model.state_dict().items()}, out / f"{name}.params.pt")
 
 
+def schedule(name: str, out: Path, data: Path, accumulation_steps: int, **odb_options) -> None:
+    infos: list = []
+    args = TrainingArguments(output_dir=str(out / name), gradient_accumulation_steps=accumulation_steps,
+                             learning_rate=1e-2, num_train_epochs=2, warmup_steps=3, lr_scheduler_type="linear",
+                             logging_steps=1, use_cpu=True, seed=0, report_to=[], disable_tqdm=False,
+                             save_strategy="no")
+    odb = ODBCallback(token_budget=512, window=32, observer=lambda i: infos.append(record(i)), **odb_options)
+    train = hf_support.ListDataset(hf_support.load_samples(data / "train.json")[:96])
+    trainer = Trainer(model=hf_support.tiny_llama(seed=0), args=args, train_dataset=train,
+                      data_collator=PadCollator(pad_token_id=hf_support.PAD), callbacks=[odb])
+    watch = BarWatch(trainer)
+    trainer.add_callback(watch)
+    trainer.train()
+    lrs = {entry["step"]: entry["learning_rate"] for entry in trainer.state.log_history if "learning_rate" in entry}
+    facts = {"lrs": lrs, "final_lr": trainer.lr_scheduler.get_last_lr()[0], "steps": trainer.state.global_step,
+             "max_steps": trainer.state.max_steps, "bar": watch.seen, "infos": infos}
+    (out / f"{name}.rank{dist.get_rank()}.json").write_text(json.dumps(facts))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--data", type=Path, required=True)
@@ -111,6 +148,9 @@ def main() -> None:
           budget=200, strategy="sequential", planning="local")
     grads("grads-uneven-global", hf_support.tiny_llama(dtype=torch.float64), hf_support.uneven_ranks(samples),
           ns.out, 3, budget=200, strategy="sequential")
+    grads("grads-target", hf_support.tiny_llama(dtype=torch.float64), samples, ns.out, 1, samples_per_step=12)
+    schedule("schedule-target", ns.out, ns.data, 1, samples_per_step=16)
+    schedule("schedule-ga2", ns.out, ns.data, 2)
     train_chat("odb", ns.out, ns.data, odb=True)
     train_chat("std", ns.out, ns.data, odb=False)
     train_chat("stopped", ns.out, ns.data, odb=True, stop=True)

@@ -119,11 +119,13 @@ def max_relative_error(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor
     return worst
 
 
-def steps_of(infos: list, accumulation_steps: int) -> dict[tuple[int, int], list[int]]:
-    """Dataset indices of each optimizer step (epoch, step // G), over every rank's StepInfos."""
+def steps_of(infos: list, accumulation_steps: int | None) -> dict[tuple[int, int], list[int]]:
+    """Dataset indices of each optimizer step (epoch, step // G; with None, a step target: the step number of
+    the window's first micro-batch), over every rank's StepInfos."""
     steps: dict[tuple[int, int], list[int]] = {}
     for info in infos:
-        steps.setdefault((info["epoch"], info["step"] // accumulation_steps), []).extend(info["indices"])
+        key = info["step"] // accumulation_steps if accumulation_steps else info["step"] - info["window_index"]
+        steps.setdefault((info["epoch"], key), []).extend(info["indices"])
     return steps
 
 

@@ -40,6 +40,11 @@ BAD_VALUES: list[tuple[str, Any, dict[str, Any]]] = [
     ("oversize", "truncate", {}),
     ("accumulation_steps", 0, {}),
     ("accumulation_steps", 2.0, {}),
+    ("samples_per_step", 0, {}),
+    ("samples_per_step", 32.0, {}),
+    ("samples_per_step", 32, {"accumulation_steps": 2}),  # a step target sets the micro-batches itself
+    ("tokens_per_step", -5, {}),
+    ("tokens_per_step", 4096, {"samples_per_step": 32}),  # one target, not two
     ("planning", "pooled", {}),
     ("planning", None, {}),
     ("move", "copy", {}),

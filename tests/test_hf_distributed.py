@@ -24,7 +24,7 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent
 TOLERANCE = 1e-6
 GRAD_SCENARIOS = {"grads-ga1": 1, "grads-ga3": 3, "grads-lora": 3, "grads-ga3-local": 3, "grads-idle": 3,
-                  "grads-uneven-global": 3}
+                  "grads-uneven-global": 3, "grads-target": None}  # None: samples_per_step
 UNEVEN = ("grads-idle", "grads-uneven-global")
 
 
@@ -66,6 +66,39 @@ def test_step_gradient_equals_big_batch_token_mean_on_two_ranks(dist_run, chat_d
                 for got, key in zip(grads, sorted(steps)))
     print(f"W=2 {name}: max relative gradient error {error:.2e} over {len(grads)} steps")
     assert error <= TOLERANCE
+
+
+def test_steps_of_a_target_size_have_the_same_micro_batches_on_every_rank_and_come_near_the_target(dist_run):
+    """samples_per_step=12 (NOTE [ Steps of a target size ]): every rank runs the same micro-batches per optimizer
+    step, and every step but the epoch's last is within half a micro-batch of the target."""
+    ranks = facts(dist_run, "grads-target")
+    assert [(i["step"], i["window_index"], i["window_steps"]) for i in ranks[0]["infos"]] == \
+        [(i["step"], i["window_index"], i["window_steps"]) for i in ranks[1]["infos"]]
+    per_step: dict[int, list[int]] = {}
+    for info in ranks[0]["infos"] + ranks[1]["infos"]:
+        per_step.setdefault(info["step"] - info["window_index"], []).append(info["local_samples"])
+    sizes = [sum(v) for _, v in sorted(per_step.items())]
+    assert len(sizes) == ranks[0]["steps"] and sum(sizes) == 41 and any(i["window_steps"] > 1 for i in ranks[0]["infos"])
+    for info in ranks[0]["infos"][: -ranks[0]["infos"][-1]["window_steps"]]:
+        micro = sum(i["local_samples"] for i in ranks[0]["infos"] + ranks[1]["infos"] if i["step"] == info["step"])
+        assert abs(info["window_samples"] - 12) <= max(micro, 1), (info, sizes)
+    print(f"samples per optimizer step (target 12): {sizes}")
+
+
+@pytest.mark.parametrize("name", ["schedule-target", "schedule-ga2"])
+def test_lr_schedule_and_progress_bar_follow_the_real_step_count(dist_run, name):
+    """NOTE [ Exact schedule ]: the run's real optimizer steps are planned before training; linear warm-up (3
+    steps) and decay over exactly them, the LR ends at 0 after the last step, and the bar ends at 100 %."""
+    ranks = facts(dist_run, name)
+    real = ranks[0]["steps"]
+    assert ranks[1]["steps"] == real == ranks[0]["max_steps"] > 6
+    lrs = {int(k): v for k, v in ranks[0]["lrs"].items()}
+    assert sorted(lrs) == list(range(1, real + 1))
+    expected = {k: 1e-2 * (k - 1) / 3 if k - 1 < 3 else 1e-2 * (real - (k - 1)) / (real - 3) for k in lrs}
+    for k in (1, 2, real // 2, real):  # first, in warm-up, middle, last step
+        assert lrs[k] == pytest.approx(expected[k], rel=1e-6, abs=1e-12), (k, lrs[k], expected[k])
+    assert ranks[0]["final_lr"] == 0.0
+    assert ranks[0]["bar"][-1] == [real, real]
 
 
 def test_idle_micro_batches_run_on_the_rank_that_ran_out(dist_run):
