@@ -40,6 +40,9 @@ class ConsumedCounts:
 class DeepSpeedODBLoader:
     """Iterates an `ODBDataLoader` unchanged (same `ODBBatch`es), counting what the engine really trains on.
 
+    With `samples_per_step` / `tokens_per_step` (the engine's gradient_accumulation_steps must be 1) it sets
+    DeepSpeed's gradient-accumulation boundary before yielding each micro-batch, at the last micro-batch of each
+    optimizer step, so that `engine.step()` after every micro-batch steps the optimizer only there.
     It also checks, at the first micro-batch of every accumulation window, that DeepSpeed's own window starts
     there too (`engine.micro_steps % G == 0`); a loop that skipped `engine.step()` for a batch would otherwise
     mix two windows' normalisers silently. Everything else is on `.odb`, the wrapped `ODBDataLoader`.
@@ -62,9 +65,12 @@ class DeepSpeedODBLoader:
                               supervised_tokens=done.global_supervised_tokens, input_tokens=done.global_input_tokens)
 
     def __iter__(self) -> Iterator[ODBBatch]:
+        target = self.odb.config.step_target is not None
         for batch in self.odb:
             self._check_aligned(batch.info)
             self._count(batch.info)
+            if target:  # a step of a target size ends where the loader says (NOTE [ Steps of a target size ])
+                self.engine.set_gradient_accumulation_boundary(batch.info.ends_window)
             yield batch
 
     def __len__(self) -> int:
@@ -82,7 +88,7 @@ class DeepSpeedODBLoader:
 
     def _count(self, info: StepInfo) -> None:
         self._seen = self._seen.add(info)
-        if info.step % self.accumulation_steps == self.accumulation_steps - 1:
+        if info.ends_window:
             window = self._seen - self._stepped
             self._stepped = self._seen
             self._optimizer_steps += 1

@@ -141,10 +141,14 @@ def reference_grads(params: dict[str, torch.Tensor], samples: list[dict]) -> tup
     return {name: p.grad for name, p in model.named_parameters()}, tokens
 
 
-def equivalence(stage: int, dtype: torch.dtype, own_loader: bool, planning: str = "local") -> dict:
+def equivalence(stage: int, dtype: torch.dtype, own_loader: bool, planning: str = "local",
+                samples_per_step: int | None = None) -> dict:
     dataset = UnevenDataset(60)
     model = make_model(dtype)
     config = ds_config(stage, token_budget=64)
+    if samples_per_step is not None:  # optimizer steps of a target size: the engine accumulates 1, ODB decides
+        config["gradient_accumulation_steps"] = 1
+        config["odb"]["samples_per_step"] = samples_per_step
     data = dataset
     if own_loader:
         del config["odb"]["shuffle"], config["odb"]["num_workers"]
@@ -154,12 +158,12 @@ def equivalence(stage: int, dtype: torch.dtype, own_loader: bool, planning: str 
     G = engine.gradient_accumulation_steps()
     errors, windows, idle, window_indices, before = [], [], 0, [], None
     for batch in loader:
-        if batch.info.step % G == 0:
+        if batch.info.window_index == 0:
             before, window_indices = full_params(engine), []
         engine.backward(odb_deepspeed.token_weighted_loss(engine(**batch), batch, engine))
         window_indices += batch.info.indices
         idle += int(batch.info.is_idle)
-        if batch.info.step % G == G - 1:
+        if batch.info.ends_window:
             grads = {name: deepspeed.utils.safe_get_full_grad(p).to(torch.float64)
                      for name, p in engine.module.named_parameters()}
             gathered = [None] * dist.get_world_size()
@@ -170,9 +174,11 @@ def equivalence(stage: int, dtype: torch.dtype, own_loader: bool, planning: str 
                 diff = max(float((grads[n] - reference[n]).abs().max()) for n in reference)
                 scale = max(float(reference[n].abs().max()) for n in reference)
                 errors.append(diff / scale)
-                windows.append({"indices": step_indices, "tokens": tokens, "window_tokens": batch.info.window_tokens})
+                windows.append({"indices": step_indices, "tokens": tokens, "window_tokens": batch.info.window_tokens,
+                                "steps": batch.info.window_steps})
         engine.step()
     return {"stage": stage, "dtype": str(dtype), "own_loader": own_loader, "planning": loader.odb.config.planning,
+            "window_steps": sorted({w["steps"] for w in windows}) if windows and "steps" in windows[0] else [G],
             "max_rel_error": max(errors) if errors else None, "errors": errors, "windows": windows,
             "idle_micro_batches": idle, "moved": loader.odb.metrics.moved_samples, "steps": engine.global_steps}
 
@@ -186,6 +192,7 @@ def main(out_dir: Path) -> None:
             (2, torch.float64, False, "global"), (3, torch.float64, True, "local"), (2, torch.float64, True, "global"),
             (3, torch.float64, True, "global")]
     result["equivalence"] = [equivalence(stage, dtype, own, planning) for stage, dtype, own, planning in runs]
+    result["equivalence"].append(equivalence(2, torch.float64, False, "global", samples_per_step=12))
     (out_dir / f"rank{result['rank']}.json").write_text(json.dumps(result))
 
 
