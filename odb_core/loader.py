@@ -128,7 +128,7 @@ class ODBDataLoader:
                                length_fn=length_fn, metrics=self.metrics,
                                fallback_dummy=_LoaderCall(self._stream.fallback_dummy),
                                fetch=_LoaderCall(self._stream.fetch),
-                               observer=observer)
+                               observer=observer, packed_samples=num_workers > 0)
         self._cursor = EpochCursor()
         self._current: _EpochIterator | None = None
         self.last_report: EpochReport | None = None
