@@ -6,7 +6,10 @@ previous log, with the core's definitions:
   * `odb/padding_ratio`: 1 - real / padded token slots on this rank (non-IDLE micro-batches);
   * `odb/budget_utilization`: real input tokens / (micro-batches x world size x token_budget), over every rank;
   * `odb/patch_utilization` (with `max_patches`): vision patches / (micro-batches x world size x max_patches);
-  * `odb/idle_steps`: IDLE micro-batches on this rank; `odb/samples_per_step`: global samples per optimizer step.
+  * `odb/idle_steps`: IDLE micro-batches on this rank; `odb/samples_per_step`: global samples per optimizer step;
+  * `odb/moved_fraction`, `odb/moved_bytes` (global planning, world > 1): of the samples this rank's loader
+    planned since the previous log, the share read by another rank, and the bytes received for them (these two
+    come from the loader's own counters, which run up to `prefetch_steps` ahead of the Trainer).
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ class StepMeter:
 
     def __init__(self, loader: ODBDataLoader) -> None:
         self.config, self.world_size = loader.config, loader.transport.world_size
+        self.loader_metrics = loader.metrics
+        self.moves_logged = (0, 0, 0)  # (moved samples, moved bytes, local samples) at the previous flush
         self.seen = self.logged = StepCounts()
         self.last: StepInfo | None = None  # the latest consumed micro-batch
         self.since = time.perf_counter()
@@ -43,5 +48,14 @@ class StepMeter:
         }
         if config.max_patches:
             logs["odb/patch_utilization"] = delta.patch_utilization(config.max_patches, self.world_size)
+        if self.world_size > 1 and config.planning == "global":
+            logs.update(self._moves())
         self.logged, self.since = self.seen, now
         return logs
+
+    def _moves(self) -> dict[str, float]:
+        m = self.loader_metrics
+        now = (m.moved_samples, m.moved_bytes, m.counts.local_samples)
+        moved, moved_bytes, local = (a - b for a, b in zip(now, self.moves_logged, strict=True))
+        self.moves_logged = now
+        return {"odb/moved_fraction": moved / local if local else 0.0, "odb/moved_bytes": float(moved_bytes)}
