@@ -66,7 +66,8 @@ class ODBConfig:
         seed: seed of the sampler shuffle and of the in-round step order.
         shuffle_steps: shuffle the order of a round's steps (identically on every rank, so pairing is kept).
         prefetch_steps: depth of the bounded queue filled by a background thread; 0 runs everything inline.
-        fetch_chunk: samples per worker fetch (cuts inter-process overhead; does not change the batches).
+        fetch_chunk: samples per worker fetch (cuts inter-process overhead; does not change the batches). Reads
+            in the trainer process (`num_workers=0`) take at least 64 at a time.
         sync_timeout_s: how long a Gloo collective waits for a live peer that does not take part (a peer may pause
             legitimately: a checkpoint save, an evaluation); then it raises. A dead peer raises at once.
         liveness_timeout_s: a peer whose heartbeat stops this long (frozen, hung, unreachable) makes a waiting

@@ -61,6 +61,7 @@ class RunContext:
     fallback_dummy: Callable[[], Mapping[str, Any]]
     fetch: Callable[[int], Mapping[str, Any]]
     observer: Callable[[StepInfo], None] | None = None
+    packed_samples: bool = False  # worker processes send small tensors as arrays
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,7 +100,7 @@ class EpochRun(Iterator[ODBBatch]):
         self.ctx, self.epoch, self.log = ctx, epoch, log
         self.rounds = ctx.rounds_factory(epoch)
         self.engine = self.rounds.engine
-        self.reader = SampleReader(chunks, ctx.length_fn, ctx.fallback_dummy)
+        self.reader = SampleReader(chunks, ctx.length_fn, ctx.fallback_dummy, ctx.packed_samples)
         config = self.engine.config
         target = StepTarget(*config.step_target) if config.step_target is not None else None
         self.window: AccumulationWindow[_Built] = AccumulationWindow(config.accumulation_steps, target)
@@ -185,7 +186,9 @@ class EpochRun(Iterator[ODBBatch]):
         rank = self.ctx.transport.rank
         samples = [sample_of(item, planned, rank, self.reader.take) for item in slot.items]
         batch = run_collate(self.ctx.collate_fn, samples, slot.indices)
-        real = sum(input_tokens(s) for s in samples)
+        # without a length_fn an item's length is its input tokens, counted when it was admitted
+        real = (sum(item.length for item in slot.items) if self.ctx.length_fn is None
+                else sum(input_tokens(s) for s in samples))
         return _Built(batch=batch, indices=slot.indices, samples=slot.size, tokens=supervised_tokens(batch, samples),
                       input_tokens=real, padded=padded_tokens(batch, real), cost=round(slot.cost),
                       patches=sum(item.patches for item in slot.items))

@@ -24,6 +24,7 @@ from odb_core.state import (CustomSource, RemainderSource, ResumePoint, ShardedS
                             StreamSource)
 
 Chunk = list[tuple[int, Any]]
+IN_PROCESS_CHUNK = 64
 
 
 class DatasetFetchError(RuntimeError):
@@ -38,6 +39,12 @@ class _CheckedDataset(IndexedDataset):
             return super().__getitem__(index)
         except Exception as exc:
             raise DatasetFetchError(f"sample {index}: dataset[{index}] raised {type(exc).__name__}: {exc}") from exc
+
+    def __getitems__(self, indices: list[int]) -> list[tuple[int, Any]]:
+        try:
+            return super().__getitems__(indices)
+        except Exception:  # find the sample that fails, one index at a time, and name it
+            return [self[i] for i in indices]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -86,16 +93,18 @@ class SampleStream:
         self.sampler = self._build_sampler(options.sampler)
         self._replayed: dict[int, Any] = {}
         timeout = options.worker_timeout_s if options.num_workers > 0 else 0
+        # In-process reads (no workers) cost a DataLoader step per chunk and nothing per byte: take larger ones.
+        chunk = options.fetch_chunk if options.num_workers > 0 else max(options.fetch_chunk, IN_PROCESS_CHUNK)
         workers = dict(options.worker_options)
         if options.num_workers > 0:  # NOTE [ Workers die with their rank ]
             workers["worker_init_fn"] = Lifeline(os.getpid(), workers.get("worker_init_fn"))
         if self.size is None:
             self._iterable = IndexedIterable(dataset, rank=rank, world_size=world_size, shard=options.shard_iterable,
-                                             chunk=options.fetch_chunk)
+                                             chunk=chunk)
             self._workers = DataLoader(self._iterable, batch_size=None, num_workers=options.num_workers,
                                        collate_fn=keep_chunk, timeout=timeout, **workers)
         else:
-            self._chunks = ChunkSampler(self.sampler, options.fetch_chunk)  # type: ignore[arg-type]
+            self._chunks = ChunkSampler(self.sampler, chunk)  # type: ignore[arg-type]
             self._workers = DataLoader(_CheckedDataset(dataset, pack=options.num_workers > 0),
                                        batch_sampler=self._chunks, num_workers=options.num_workers,
                                        collate_fn=keep_chunk, timeout=timeout, **workers)

@@ -8,7 +8,10 @@ previous log, with the core's definitions:
   * `odb/patch_utilization` (with `max_patches`): vision patches / (micro-batches x world size x max_patches);
   * `odb/idle_steps`: IDLE micro-batches on this rank; `odb/samples_per_step`: global samples per optimizer step,
     and `odb/samples_per_step_std` their standard deviation over the logged steps (how near `samples_per_step`
-    the steps come); with `tokens_per_step`, `odb/tokens_per_step` and `odb/tokens_per_step_std` too.
+    the steps come); with `tokens_per_step`, `odb/tokens_per_step` and `odb/tokens_per_step_std` too;
+  * `odb/moved_fraction`, `odb/moved_bytes` (global planning, world > 1): of the samples this rank's loader
+    planned since the previous log, the share read by another rank, and the bytes received for them (these two
+    come from the loader's own counters, which run up to `prefetch_steps` ahead of the Trainer).
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ class StepMeter:
 
     def __init__(self, loader: ODBDataLoader) -> None:
         self.config, self.world_size = loader.config, loader.transport.world_size
+        self.loader_metrics = loader.metrics
+        self.moves_logged = (0, 0, 0)  # (moved samples, moved bytes, local samples) at the previous flush
         self.seen = self.logged = StepCounts()
         self.last: StepInfo | None = None  # the latest consumed micro-batch
         self.since = time.perf_counter()
@@ -46,5 +51,14 @@ class StepMeter:
             logs[f"odb/{unit}_per_step"], logs[f"odb/{unit}_per_step_std"] = delta.step_size(unit)
         if config.max_patches:
             logs["odb/patch_utilization"] = delta.patch_utilization(config.max_patches, self.world_size)
+        if self.world_size > 1 and config.planning == "global":
+            logs.update(self._moves())
         self.logged, self.since = self.seen, now
         return logs
+
+    def _moves(self) -> dict[str, float]:
+        m = self.loader_metrics
+        now = (m.moved_samples, m.moved_bytes, m.counts.local_samples)
+        moved, moved_bytes, local = (a - b for a, b in zip(now, self.moves_logged, strict=True))
+        self.moves_logged = now
+        return {"odb/moved_fraction": moved / local if local else 0.0, "odb/moved_bytes": float(moved_bytes)}
