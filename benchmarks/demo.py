@@ -131,7 +131,8 @@ def train_one(method: str, data: dict, args: argparse.Namespace) -> dict:
     # A micro-batch holds at most one step's share of samples (samples_per_step / W): without the cap a micro-batch
     # of short conversations holds 30+ samples and a 32-sample step cannot be hit (docs/benchmarks.md).
     odb = ODBCallback(token_budget=args.budget, samples_per_step=args.samples_per_step,
-                      max_batch_size=max(args.samples_per_step // world, 1)) if method == "odb" else None
+                      max_batch_size=args.odb_max_batch_size or max(args.samples_per_step // world, 1)
+                      ) if method == "odb" else None
     state = {}
 
     def samples_seen() -> int:
@@ -178,7 +179,7 @@ def worker(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     data = json.loads((args.out / "data.json").read_text())
-    rows = [train_one(method, data, args) for method in METHODS]
+    rows = [train_one(method, data, args) for method in args.methods.split(",")]
     if dist.get_rank() == 0:
         (args.out / "results.json").write_text(json.dumps(rows))
     dist.barrier()
@@ -278,6 +279,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--eval-every", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--methods", default=",".join(METHODS), help="diagnostics: e.g. 'odb' alone (no report)")
+    parser.add_argument("--odb-max-batch-size", type=int, default=0, help="diagnostics: ODB's micro-batch cap "
+                        "per rank (default samples_per_step / W)")
     parser.add_argument("--out", type=Path, default=Path("runs/demo"))
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--report-only", action="store_true", help="rewrite the report from --out/results.json")
@@ -297,8 +301,13 @@ def main() -> None:
                "-m", "benchmarks.demo", "--worker", "--train", str(args.train), "--eval", str(args.eval),
                "--cutoff", str(args.cutoff), "--budget", str(args.budget), "--out", str(args.out),
                "--epochs", str(args.epochs), "--samples-per-step", str(args.samples_per_step), "--lr", str(args.lr),
-               "--warmup", str(args.warmup), "--eval-every", str(args.eval_every), "--seed", str(args.seed)]
+               "--warmup", str(args.warmup), "--eval-every", str(args.eval_every), "--seed", str(args.seed),
+               "--methods", args.methods, "--odb-max-batch-size", str(args.odb_max_batch_size)]
     subprocess.run(command, env=env, check=True)
+    if set(args.methods.split(",")) != set(METHODS):  # a diagnostic run of one method: its row only
+        print(json.dumps([{k: v for k, v in r.items() if k != "eval_curve"}
+                          for r in json.loads((args.out / "results.json").read_text())], indent=1))
+        return
     write_report(args, time.perf_counter() - start)
 
 

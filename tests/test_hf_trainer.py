@@ -207,3 +207,40 @@ def test_ignored_batch_settings_warn(chat_data, tmp_path):
     with pytest.warns(UserWarning, match="per_device_train_batch_size=4 is ignored"):
         make_trainer(tmp_path, chat_data.train[:8], [ODBCallback(token_budget=512)], per_device_train_batch_size=4)
     assert math.isclose(ODBCallback(token_budget=512).settings.extras["length_slack"], 0.25)
+
+
+@pytest.mark.parametrize(("scheduler", "warmup", "end"), [("cosine", 0.2, 0.0), ("polynomial", 2, 1e-7),
+                                                           ("linear", 0.1, 0.0)])
+def test_every_scheduler_ends_at_its_end_value_after_the_real_last_step(chat_data, tmp_path, scheduler, warmup, end):
+    """NOTE [ Exact schedule ] at W = 1, with samples_per_step and a warm-up given as steps or as a ratio: the
+    schedule is built over the real optimizer steps (state.max_steps, the bar's total), so the LR is at its end
+    value (0; polynomial's lr_end 1e-7) after the last step, and the last step still trains with a larger LR."""
+    lrs = []
+
+    class LrLog(TrainerCallback):
+        def on_step_begin(self, args, state, control, optimizer=None, **kwargs):
+            lrs.append(optimizer.param_groups[0]["lr"])
+
+    odb = ODBCallback(token_budget=512, samples_per_step=6, window=16)
+    trainer = make_trainer(tmp_path, chat_data.train[:40], [odb, LrLog()], num_train_epochs=2,
+                           lr_scheduler_type=scheduler, warmup_steps=warmup, learning_rate=1e-2)
+    trainer.train()
+    real = trainer.state.global_step
+    assert real == trainer.state.max_steps == len(lrs) == sum(odb.run.view.loader.plan_epochs_exactly(range(2))
+                                                              .optimizer_steps)
+    assert trainer.lr_scheduler.get_last_lr()[0] == pytest.approx(end, abs=1e-12)
+    assert lrs[-1] > end and max(lrs) == pytest.approx(1e-2, rel=0.2)
+
+
+def test_a_step_target_needs_gradient_accumulation_1_and_trains_every_sample_with_an_estimated_schedule(chat_data,
+                                                                                                        tmp_path):
+    with pytest.raises(ODBSetupError, match="gradient_accumulation_steps=1"):
+        make_trainer(tmp_path, chat_data.train[:16], [ODBCallback(token_budget=512, samples_per_step=6)],
+                     gradient_accumulation_steps=2).train()
+    seen = []
+    odb = ODBCallback(token_budget=512, samples_per_step=6, window=16, exact_schedule=False,
+                      observer=lambda info: seen.extend(info.indices))
+    trainer = make_trainer(tmp_path, chat_data.train[:30], [odb])
+    trainer.train()
+    assert sorted(seen) == list(range(30)) and not odb.run.view.plan.exact
+    assert trainer.state.global_step == odb.run.loader.metrics.counts.optimizer_steps
