@@ -4,9 +4,10 @@ Real conversations (ChitChat, MIT) tokenized with a real LLM tokenizer (DeepSeek
 Llama-style model built from a config, the HF Trainer, two DDP ranks on localhost (gloo, torchrun). Both runs use
 the same memory bound and the same optimizer step: Standard takes the largest fixed micro-batch whose padded size
 fits `L_max` for the longest sample (`L_max // cutoff`) and gradient accumulation up to `--samples-per-step`
-global samples; ODB takes `ODBCallback(token_budget=L_max, samples_per_step=...)` (variable micro-batches,
-accumulated until the step holds that many samples, at most `samples_per_step / W` samples per micro-batch). Same LR, warm-up and linear decay to 0 at the last step,
-same epochs, same seed; both are evaluated on the held-out split every `--eval-every` optimizer steps.
+global samples; ODB takes `ODBCallback(token_budget=L_max, samples_per_step=..., max_batch_size=L_max // cutoff)`
+(micro-batches of similar lengths under the same budget, at most as many samples as Standard's, accumulated until
+the step holds about that many samples). Same LR, warm-up and linear decay to 0 at the last step, same epochs,
+same seed; both are evaluated on the held-out split every `--eval-every` optimizer steps.
 
     python -m benchmarks.demo [--train 400] [--eval 64] [--epochs 3] [--samples-per-step 32] [--seed 0]
 
@@ -128,11 +129,10 @@ def train_one(method: str, data: dict, args: argparse.Namespace) -> dict:
         logging_steps=1, eval_strategy="steps", eval_steps=args.eval_every, save_strategy="no", report_to=[],
         seed=args.seed, data_seed=args.seed, dataloader_num_workers=0, use_cpu=True, ddp_backend="gloo",
         disable_tqdm=dist.get_rank() != 0, remove_unused_columns=False)
-    # A micro-batch holds at most one step's share of samples (samples_per_step / W): without the cap a micro-batch
-    # of short conversations holds 30+ samples and a 32-sample step cannot be hit (docs/benchmarks.md).
+    # ODB's micro-batch holds at most Standard's samples (the cap docs/benchmarks.md "Time to quality" measured
+    # against samples_per_step / W and none): ODB then only removes padding, and the steps come near the target.
     odb = ODBCallback(token_budget=args.budget, samples_per_step=args.samples_per_step,
-                      max_batch_size=args.odb_max_batch_size or max(args.samples_per_step // world, 1)
-                      ) if method == "odb" else None
+                      max_batch_size=args.odb_max_batch_size or standard_batch) if method == "odb" else None
     state = {}
 
     def samples_seen() -> int:
@@ -225,7 +225,7 @@ def write_report(args: argparse.Namespace, elapsed: float) -> None:
     for r in rows:
         q = quality[r["method"]]
         name = (f"Standard ({r['micro_batch']} x {r['accumulation_steps']} GA)" if r["method"] == "standard"
-                else "ODB (samples_per_step)")
+                else f"ODB (samples_per_step, <= {args.odb_max_batch_size or args.budget // args.cutoff} per micro-batch)")
         spread = f" ± {r['samples_per_step_std']:.1f}" if r["samples_per_step_std"] is not None else ""
         reached = f"{q['seconds_to_target']:.0f}" if q["seconds_to_target"] is not None else "never"
         lines.append(f"| {name} | {'fixed' if r['method'] == 'standard' else 'token budget'} | "
@@ -280,8 +280,8 @@ def main() -> None:
     parser.add_argument("--eval-every", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--methods", default=",".join(METHODS), help="diagnostics: e.g. 'odb' alone (no report)")
-    parser.add_argument("--odb-max-batch-size", type=int, default=0, help="diagnostics: ODB's micro-batch cap "
-                        "per rank (default samples_per_step / W)")
+    parser.add_argument("--odb-max-batch-size", type=int, default=0, help="ODB's micro-batch cap per rank "
+                        "(default: Standard's micro-batch, budget // cutoff)")
     parser.add_argument("--out", type=Path, default=Path("runs/demo"))
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--report-only", action="store_true", help="rewrite the report from --out/results.json")
