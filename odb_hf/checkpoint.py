@@ -1,4 +1,4 @@
-"""ODB's data position in Trainer checkpoints: `odb_loader_rank{r}.json` (the loader's `state_dict()`) per rank.
+"""ODB's data position in Trainer checkpoints: `odb_loader_rank{r}.json` per rank (`odb_core.checkpoints`).
 
 Written at every save beside the Trainer's own files; read before the first batch of a resumed `train()`. With
 `ignore_data_skip=False` (the default) the Trainer asks for the exact data position: ODB restores it from its own
@@ -8,19 +8,17 @@ A user's own `ignore_data_skip=True` is honoured: no restore, the checkpoint's e
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any
 
 from transformers import TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
+from odb_core.checkpoints import load_loader_state, save_loader_state
 from odb_core.loader import ODBDataLoader
 from odb_hf.arguments import ODBSetupError
 
-LOADER_STATE = "odb_loader_rank{rank}.json"
 logger = logging.getLogger(__name__)
 
 
@@ -47,18 +45,14 @@ class DataPosition:
         """Load the saved position into a new `loader`; False when this `train()` does not resume."""
         if self.resume_from is None:
             return False
-        path = os.path.join(self.resume_from, LOADER_STATE.format(rank=loader.transport.rank))
-        if not os.path.isfile(path):
-            raise ODBSetupError(f"{path} is missing: the checkpoint was not written by an ODB run with this world "
-                                "size, so the data position cannot be restored; pass ignore_data_skip=True to "
-                                "restart the checkpoint's epoch from its beginning instead")
-        with open(path) as f:
-            loader.load_state_dict(json.load(f))
+        try:
+            load_loader_state(loader, self.resume_from, loader.transport.rank, missing="pass ignore_data_skip=True "
+                              "to restart the checkpoint's epoch from its beginning instead")
+        except FileNotFoundError as exc:
+            raise ODBSetupError(str(exc)) from exc
         return True
 
 
-def save_loader_state(loader: ODBDataLoader, output_dir: str, global_step: int) -> None:
+def save_position(loader: ODBDataLoader, output_dir: str, global_step: int) -> None:
     folder = os.path.join(output_dir, f"{PREFIX_CHECKPOINT_DIR}-{global_step}")
-    os.makedirs(folder, exist_ok=True)
-    with open(os.path.join(folder, LOADER_STATE.format(rank=loader.transport.rank)), "w") as f:
-        json.dump(loader.state_dict(), f)
+    save_loader_state(loader, folder, loader.transport.rank)

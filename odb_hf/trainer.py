@@ -22,11 +22,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers import Trainer
 
+from odb_core.accumulation import window_normalizer
+from odb_core.epoch_length import EpochView, plan_epoch_length
 from odb_core.loader import ODBDataLoader
-from odb_core.loss import TokenLossScale, causal_lm_loss_sum, step_normalizer
+from odb_core.loss import TokenLossScale, causal_lm_loss_sum
+from odb_core.metrics import StepMeter
 from odb_hf.arguments import ODBSetupError, build_loader, check_collator_keeps_labels
-from odb_hf.epochs import TrainerEpochView, plan_epochs
-from odb_hf.metrics import StepMeter
 
 if TYPE_CHECKING:
     from odb_hf.callback import ODBCallback
@@ -47,7 +48,7 @@ class ODBRun:
     """One `get_train_dataloader()`'s ODB objects: the loader, the Trainer's view of it, and the log meter."""
 
     loader: ODBDataLoader
-    view: TrainerEpochView
+    view: EpochView
     meter: StepMeter
 
 
@@ -74,7 +75,7 @@ class ODBTrainerMixin:
         self._odb().position.start(self.args, resume_from_checkpoint)  # checkpoint.py: ODB's data position
         return super().train(resume_from_checkpoint, *args, **kwargs)
 
-    def get_train_dataloader(self) -> TrainerEpochView:
+    def get_train_dataloader(self) -> EpochView:
         odb = self._odb()
         if self.train_dataset is None:
             raise ValueError("Trainer: training requires a train_dataset.")
@@ -87,10 +88,10 @@ class ODBTrainerMixin:
         loader = build_loader(self.args, dataset, collator, odb.settings)
         resumed = odb.position.restore(loader)
         extras = odb.settings.extras
-        plan = plan_epochs(loader, max_steps=self.args.max_steps, num_train_epochs=self.args.num_train_epochs,
-                           slack=extras["length_slack"], sample_size=extras["estimate_sample_size"])
-        view = TrainerEpochView(loader, plan, resumed=resumed)
-        odb.run = ODBRun(loader=loader, view=view, meter=StepMeter(loader))
+        plan = plan_epoch_length(loader, max_steps=self.args.max_steps, num_train_epochs=self.args.num_train_epochs,
+                                 slack=extras["length_slack"], sample_size=extras["estimate_sample_size"])
+        view = EpochView(loader, plan, resumed=resumed)
+        odb.run = ODBRun(loader=loader, view=view, meter=StepMeter(loader.config, loader.transport.world_size))
         return view
 
     def get_batch_samples(self, epoch_iterator: Iterator[Any], num_batches: int,
@@ -102,14 +103,10 @@ class ODBTrainerMixin:
         if not batches:
             return [], None
         infos = [batch.info for batch in batches]
-        whole = len(batches) == self.args.gradient_accumulation_steps and infos[0].step % len(batches) == 0
-        if not whole or len({info.window_tokens for info in infos}) != 1:
-            raise RuntimeError(f"ODB accumulation window broken: got steps {[i.step for i in infos]} of epoch "
-                               f"{infos[0].epoch} for gradient_accumulation_steps="
-                               f"{self.args.gradient_accumulation_steps}; the loader and the Trainer disagree")
+        normalizer = window_normalizer(infos, self.args.gradient_accumulation_steps)
         for info in infos:
             run.meter.add(info)
-        return batches, torch.tensor(step_normalizer(infos[0].window_tokens), device=device)
+        return batches, torch.tensor(normalizer, device=device)
 
     def compute_loss(self, model: torch.nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
                      num_items_in_batch: torch.Tensor | int | None = None) -> Any:
