@@ -80,6 +80,17 @@ def tiny_llama(seed: int = 0, dtype: torch.dtype = torch.float32, hidden: int = 
     return LlamaForCausalLM(config).to(dtype)
 
 
+class LogitsOnly(torch.nn.Module):
+    """A model whose forward takes no loss kwargs (and no labels): the Trainer cannot pass num_items_in_batch."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, input_ids, attention_mask=None):
+        return {"logits": self.inner(input_ids=input_ids, attention_mask=attention_mask).logits}
+
+
 class GradRecorder(TrainerCallback):
     """Keeps every optimizer step's (synchronised, unclipped) gradients."""
 

@@ -123,17 +123,6 @@ def test_logged_odb_metrics_reach_tensorboard(chat_data, tmp_path):
     assert 0 < events.Scalars("train/odb/budget_utilization")[-1].value <= 1
 
 
-class LogitsOnly(torch.nn.Module):
-    """A model whose forward takes no loss kwargs (so the Trainer cannot pass num_items_in_batch)."""
-
-    def __init__(self, inner):
-        super().__init__()
-        self.inner = inner
-
-    def forward(self, input_ids, attention_mask=None):
-        return {"logits": self.inner(input_ids=input_ids, attention_mask=attention_mask).logits}
-
-
 class GradRecorder(TrainerCallback):
     def __init__(self):
         self.steps = []
@@ -144,7 +133,7 @@ class GradRecorder(TrainerCallback):
 
 def test_model_without_loss_kwargs_gets_the_exact_token_mean(chat_data, tmp_path):
     samples, infos, recorder = chat_data.train[:30], [], GradRecorder()
-    model = LogitsOnly(hf_support.tiny_llama(dtype=torch.float64))
+    model = hf_support.LogitsOnly(hf_support.tiny_llama(dtype=torch.float64))
     trainer = make_trainer(tmp_path, samples, [ODBCallback(token_budget=320, observer=infos.append), recorder],
                            model=model, learning_rate=0.0, optim="sgd", max_grad_norm=0.0, label_names=["labels"],
                            gradient_accumulation_steps=3, lr_scheduler_type="constant")
