@@ -16,6 +16,7 @@ from typing import Any
 
 from transformers import Trainer, TrainerCallback
 
+from odb_core.console import announce
 from odb_core.settings import ODBSettings, combine, read_settings
 from odb_hf import ds_config
 from odb_hf.arguments import CALLBACK, ODBSetupError
@@ -108,16 +109,16 @@ class ODBCallback(TrainerCallback):
 
     @_when_on
     def on_train_begin(self, args, state, control, **kwargs):
-        planned = self._run().view.plan.planned_steps
-        trainer = self.trainer
+        run, trainer = self._run(), self.trainer
         ds_config.check_engine(trainer)
         if args.world_size > 1 and not trainer.is_fsdp_enabled and trainer.model_wrapped is trainer.model:
             raise ODBSetupError("the model is not wrapped for data-parallel training, so gradients would not be "
                                 "synchronised across ranks (transformers skips the DDP wrap when "
                                 "trainer.evaluate() ran before train()); evaluate after training or on another "
                                 "Trainer instance")
-        if planned is not None:  # ratio logging/eval/save steps follow the estimate, not the bound
-            state.compute_steps(args, planned)
+        if run.view.plan.planned_steps is not None:  # ratio logging/eval/save steps follow the estimate, not the bound
+            state.compute_steps(args, run.view.plan.planned_steps)
+        announce(run.loader, trainer.odb_adapter or f"HF {type(trainer).__name__.removeprefix('ODB')}")
 
     @_when_on
     def on_step_end(self, args, state, control, **kwargs):

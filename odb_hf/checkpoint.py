@@ -4,6 +4,8 @@ Written at every save beside the Trainer's own files; read before the first batc
 `ignore_data_skip=False` (the default) the Trainer asks for the exact data position: ODB restores it from its own
 state and sets `ignore_data_skip=True`, with a warning, so that the Trainer does not skip batches a second time.
 A user's own `ignore_data_skip=True` is honoured: no restore, the checkpoint's epoch restarts from its beginning.
+A resumed multi-process CPU run also needs torch to read `cpu:N` locations (NOTE [ Indexed CPU devices in
+torch.load ] in odb_core/checkpoints.py), which `start` registers.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from dataclasses import dataclass
 from transformers import TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
-from odb_core.checkpoints import load_loader_state, save_loader_state
+from odb_core.checkpoints import allow_indexed_cpu_location, load_loader_state, save_loader_state
 from odb_core.loader import ODBDataLoader
 from odb_hf.arguments import ODBSetupError
 
@@ -31,6 +33,8 @@ class DataPosition:
 
     def start(self, args: TrainingArguments, resume_from_checkpoint: str | bool | None) -> None:
         """At `train(resume_from_checkpoint)`, before the Trainer builds the dataloader."""
+        if resume_from_checkpoint and args.device.type == "cpu":
+            allow_indexed_cpu_location()
         restore = bool(resume_from_checkpoint) and (not args.ignore_data_skip or self.flipped_data_skip)
         if restore and not args.ignore_data_skip:
             logger.warning("ODB restores the exact data position from the checkpoint's odb_loader_rank*.json; "

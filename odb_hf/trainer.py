@@ -80,6 +80,7 @@ class ODBTrainerMixin:
     odb: ODBCallback | None = None  # set on the instance when an ODBCallback attaches (attach.py)
     odb_owns_data = True  # arguments.check_trainer: this class's overrides of the data methods are ODB's own
     odb_bypassed_compute_loss: tuple[type, ...] = ()  # classes whose compute_loss ODB's own loss may skip
+    odb_adapter: str | None = None  # who runs ODB, in the start line (odb_core.console); None: "HF <Trainer class>"
 
     def _odb(self) -> ODBCallback:
         if self.odb is None:

@@ -92,13 +92,20 @@ class LogitsOnly(torch.nn.Module):
 
 
 class GradRecorder(TrainerCallback):
-    """Keeps every optimizer step's (synchronised, unclipped) gradients."""
+    """Keeps every optimizer step's (synchronised, unclipped) gradients; FSDP2's sharded ones gathered whole (a
+    collective: every rank records)."""
 
     def __init__(self) -> None:
         self.steps: list[dict[str, torch.Tensor]] = []
 
     def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
-        self.steps.append({n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad})
+        self.steps.append({n: full_tensor(p.grad).detach().clone() for n, p in model.named_parameters()
+                           if p.requires_grad})
+
+
+def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's whole value (FSDP2 shards parameters and gradients), or the tensor itself."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
 def reference_gradient(model: torch.nn.Module, samples: list[dict], pad_token_id: int = PAD) -> dict[str, torch.Tensor]:
