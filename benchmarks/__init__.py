@@ -3,6 +3,7 @@
   compare, mm_bench                  every peer on the same workloads (writes results/)
   utilization, alignment,            single measures of odb's own loader
   loader_throughput
+  global_scale, move_modes           global against rank-local planning (odb plan at scale), send against fetch
   demo                               `make demo`: CPU fine-tuning, Standard against ODB
   gpu.train_throughput               training throughput and peak memory on one GPU
   data/         the workloads: synthetic lengths, ChitChat, real-data lengths, the MM-Mix-like VLM pipeline
@@ -15,9 +16,9 @@ path, which `python -m` from the root does. The locations below are the package'
 working directory.
 
 NOTE [ Standard-library package inits ]
-`reference/ref_driver.py` runs as `python -m benchmarks.reference.ref_driver` inside .venv-ref, which has
-neither odb's packages nor their dependencies, so importing it runs this file and `reference/__init__.py` there:
-both import the standard library only.
+`reference/ref_driver.py` and `data/sharegpt_qwen.py` run as `python -m benchmarks.<...>` inside .venv-ref, which
+has neither odb's packages nor their dependencies, so importing them runs this file and `reference/__init__.py` or
+`data/__init__.py` there: all three import the standard library only.
 """
 
 from pathlib import Path

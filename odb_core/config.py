@@ -61,8 +61,12 @@ class ODBConfig:
         seed: seed of the sampler shuffle and of the in-round step order.
         shuffle_steps: shuffle the order of a round's steps (identically on every rank, so pairing is kept).
         prefetch_steps: depth of the bounded queue filled by a background thread; 0 runs everything inline.
-        fetch_chunk: samples per worker fetch (cuts inter-process overhead; does not change the batches).
-        sync_timeout_s: timeout of every Gloo collective; a dead peer raises within this time.
+        fetch_chunk: samples per worker fetch (cuts inter-process overhead; does not change the batches). Reads
+            in the trainer process (`num_workers=0`) take at least 64 at a time.
+        sync_timeout_s: how long a Gloo collective waits for a live peer that does not take part (a peer may pause
+            legitimately: a checkpoint save, an evaluation); then it raises. A dead peer raises at once.
+        liveness_timeout_s: a peer whose heartbeat stops this long (frozen, hung, unreachable) makes a waiting
+            collective raise (NOTE [ Liveness ]).
         worker_timeout_s: timeout of one worker fetch (0 = no timeout). A dead worker is reported by the
             DataLoader's own watchdog regardless.
     """
@@ -83,6 +87,7 @@ class ODBConfig:
     prefetch_steps: int = 2
     fetch_chunk: int = 8
     sync_timeout_s: float = 300.0
+    liveness_timeout_s: float = 30.0
     worker_timeout_s: float = 0.0
 
     def __post_init__(self) -> None:
@@ -113,5 +118,7 @@ class ODBConfig:
         _require(_is_int(self.fetch_chunk) and self.fetch_chunk >= 1, "fetch_chunk", self.fetch_chunk,
                  "it must be an int >= 1")
         _require(_is_number(self.sync_timeout_s) and self.sync_timeout_s > 0, "sync_timeout_s", self.sync_timeout_s, "it must be > 0 seconds")
+        _require(_is_number(self.liveness_timeout_s) and self.liveness_timeout_s > 0, "liveness_timeout_s",
+                 self.liveness_timeout_s, "it must be > 0 seconds")
         _require(_is_number(self.worker_timeout_s) and self.worker_timeout_s >= 0, "worker_timeout_s", self.worker_timeout_s,
                  "it must be >= 0 seconds (0 = no timeout)")

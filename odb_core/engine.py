@@ -41,6 +41,7 @@ class WindowEngine:
         self.termination = build_termination(config.join)
         self.items: list[Item] = []
         self.n_carried = 0  # the first n_carried items were buffered before the current round began
+        self.resumed_at = 0  # set for the first round after a resume (RankState.resumed_at)
         self.round = 0
         self.steps_done = 0
         self.oversize = 0
@@ -63,7 +64,7 @@ class WindowEngine:
     def leaving_state(self) -> RankState:
         """What a rank reports when its consumer abandoned the epoch (NOTE [ Leaving an epoch ])."""
         return RankState(active=False, n_ready=0, n_groups=0, n_samples=len(self.items), steps_done=self.steps_done,
-                         epoch=self.epoch, round=self.round, leaving=True)
+                         epoch=self.epoch, round=self.round, leaving=True, resumed_at=self.resumed_at)
 
     def end_early(self) -> None:
         """Some rank left the epoch: this rank's epoch ends here, after the steps already planned."""
@@ -82,7 +83,8 @@ class RankEngine(WindowEngine):
         """Plan the window. `active` is False once this rank's stream has ended (the rank is closing)."""
         plan = plan_window(self.items, self.budget, closing=not active)
         state = RankState(active=active, n_ready=plan.n_ready, n_groups=len(plan.groups),
-                          n_samples=len(self.items), steps_done=self.steps_done, epoch=self.epoch, round=self.round)
+                          n_samples=len(self.items), steps_done=self.steps_done, epoch=self.epoch, round=self.round,
+                          resumed_at=self.resumed_at)
         return LocalRound(plan=plan, state=state)
 
     def decide(self, states: Sequence[RankState]) -> Decision:
@@ -99,6 +101,7 @@ class RankEngine(WindowEngine):
         self.items = list(adjustment.kept)
         self.steps_done += decision.target
         self.round += 1
+        self.resumed_at = 0
         self.finished = decision.final
         return Adjustment(slots=ordered, kept=adjustment.kept, n_split=adjustment.n_split,
                           n_pushed_back=adjustment.n_pushed_back)

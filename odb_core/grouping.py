@@ -23,6 +23,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from odb_core.budget import GroupBudget, Item
 
 
@@ -67,8 +69,13 @@ class WindowPlan:
 
 
 def sort_longest_first(items: Sequence[Item]) -> list[Item]:
-    """Deterministic order: longest first, then most patches, then dataset index."""
-    return sorted(items, key=lambda it: (-it.length, -it.patches, it.index))
+    """Deterministic order: longest first, then most patches, then dataset index (one numpy lexsort)."""
+    if len(items) < 64:
+        return sorted(items, key=lambda it: (-it.length, -it.patches, it.index))
+    order = np.lexsort((np.fromiter((it.index for it in items), np.int64, len(items)),
+                        -np.fromiter((it.patches for it in items), np.int64, len(items)),
+                        -np.fromiter((it.length for it in items), np.int64, len(items))))
+    return [items[k] for k in order.tolist()]
 
 
 def pack_sorted(items: Sequence[Item], budget: GroupBudget) -> list[Group]:

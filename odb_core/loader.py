@@ -109,7 +109,8 @@ class ODBDataLoader:
         config_options, worker_options = _split_options(options)
         self.config = config = _config(token_budget, config, config_options)
         self.dataset = dataset
-        self.transport = transport if transport is not None else default_transport(config.sync_timeout_s)
+        self.transport = transport if transport is not None else default_transport(config.sync_timeout_s,
+                                                                                       config.liveness_timeout_s)
         self.metrics = LoaderMetrics(token_budget=config.token_budget, world_size=self.transport.world_size,
                                      patch_budget=config.max_patches or 0)
         stream_options = StreamOptions(sampler=sampler, shuffle=shuffle, seed=config.seed, num_workers=num_workers,
@@ -127,7 +128,7 @@ class ODBDataLoader:
                                length_fn=length_fn, metrics=self.metrics,
                                fallback_dummy=_LoaderCall(self._stream.fallback_dummy),
                                fetch=_LoaderCall(self._stream.fetch),
-                               observer=observer)
+                               observer=observer, packed_samples=num_workers > 0)
         self._cursor = EpochCursor()
         self._current: _EpochIterator | None = None
         self.last_report: EpochReport | None = None
@@ -209,13 +210,24 @@ class ODBDataLoader:
         else:
             loaded = LoaderState.from_dict(state)
         loaded.check_resumable_by(me)
+        loaded.check_against_shard(self._shard_order(loaded), self.config.window, self.config.accumulation_steps)
         self.close()
         self.metrics.restore(dict(loaded.metrics))
         self._cursor.load(loaded.epoch, loaded.position, loaded.plan)
 
+    def _shard_order(self, loaded: LoaderState) -> list[int] | None:
+        """This rank's index order of the loaded epoch (its remainder after an elastic resume); None: a stream."""
+        if self._stream.size is None or loaded.position is None:
+            return None
+        if loaded.plan is not None:
+            return loaded.plan.indices(self.transport.rank, loaded.epoch)
+        return self._stream.epoch_indices(loaded.epoch)
+
     def _load_elastic(self, merged: MergedState, me: LoaderIdentity) -> None:
         check_elastic(merged, me)
         plan = remainder_plan(merged.states, me.world_size)
+        if plan is not None:  # recompute every old rank's remainder now: an inconsistent one is refused at load
+            plan.indices(me.rank, merged.states[0].progress()[0])
         self.close()
         self.metrics.restore(LoaderMetrics(token_budget=self.config.token_budget, world_size=me.world_size,
                                            patch_budget=self.config.max_patches or 0).snapshot())

@@ -59,6 +59,7 @@ class RunContext:
     fallback_dummy: Callable[[], Mapping[str, Any]]
     fetch: Callable[[int], Mapping[str, Any]]
     observer: Callable[[StepInfo], None] | None = None
+    packed_samples: bool = False  # worker processes send small tensors as arrays
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,7 +98,7 @@ class EpochRun(Iterator[ODBBatch]):
         self.ctx, self.epoch, self.log = ctx, epoch, log
         self.rounds = ctx.rounds_factory(epoch)
         self.engine = self.rounds.engine
-        self.reader = SampleReader(chunks, ctx.length_fn, ctx.fallback_dummy)
+        self.reader = SampleReader(chunks, ctx.length_fn, ctx.fallback_dummy, ctx.packed_samples)
         self.window: AccumulationWindow[_Built] = AccumulationWindow(self.engine.config.accumulation_steps)
         self.ready: deque[ODBBatch] = deque()
         self.skip_below = 0
@@ -109,6 +110,7 @@ class EpochRun(Iterator[ODBBatch]):
             self.window.restore(start.carry_count, start.carry_tokens)
             self.reader.restore(start, self.engine, ctx.fetch)
             self.engine.n_carried = len(start.buffer)  # what the saved round began with
+            self.engine.resumed_at = resume.steps_consumed  # checked against every rank's (check_same_progress)
 
     def __next__(self) -> ODBBatch:
         while not self.ready:

@@ -164,7 +164,7 @@ class PooledEngine(WindowEngine):
 
     def state(self, active: bool) -> RankState:
         return RankState(active=active, n_ready=0, n_groups=0, n_samples=len(self.items), steps_done=self.steps_done,
-                         epoch=self.epoch, round=self.round, n_carried=self.n_carried)
+                         epoch=self.epoch, round=self.round, n_carried=self.n_carried, resumed_at=self.resumed_at)
 
     def pool_ints(self) -> list[int]:
         return [x for it in self.items for x in (it.index, it.length, it.patches)]
@@ -188,4 +188,5 @@ class PooledEngine(WindowEngine):
         self.n_carried = len(self.items)
         self.steps_done += plan.decision.target
         self.round += 1
+        self.resumed_at = 0
         self.finished = plan.decision.final

@@ -8,12 +8,12 @@ keeps the payload by dataset index until its group is collated, and picks the sa
 from __future__ import annotations
 
 import traceback
-from collections import defaultdict, deque
+from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from odb_core.engine import RankEngine
+from odb_core.engine import WindowEngine
 from odb_core.sample import LengthFn, count_patches, inspect_sample
 from odb_core.sources import unpack_sample
 from odb_core.state import RoundStart
@@ -22,18 +22,25 @@ from odb_core.stream import Chunk
 
 @dataclass(slots=True)
 class Payloads:
-    """Buffered sample payloads by dataset index (a multiset: samplers may repeat an index)."""
+    """Buffered sample payloads by dataset index, first in first out per index (a multiset: samplers may repeat
+    an index). The common case, one payload per index, is a plain dict entry; repeats wait in `more`."""
 
-    by_index: defaultdict[int, deque[Any]] = field(default_factory=lambda: defaultdict(deque))
+    first: dict[int, Any] = field(default_factory=dict)
+    more: dict[int, deque[Any]] = field(default_factory=dict)
 
     def put(self, index: int, sample: Any) -> None:
-        self.by_index[index].append(sample)
+        if index in self.first:
+            self.more.setdefault(index, deque()).append(sample)
+        else:
+            self.first[index] = sample
 
     def take(self, index: int) -> Any:
-        queue = self.by_index[index]
-        sample = queue.popleft()
-        if not queue:
-            del self.by_index[index]
+        sample = self.first.pop(index)
+        waiting = self.more.get(index)
+        if waiting:
+            self.first[index] = waiting.popleft()
+            if not waiting:
+                del self.more[index]
         return sample
 
 
@@ -44,8 +51,9 @@ class SampleReader:
     last fetched chunk that the window had no room for."""
 
     def __init__(self, chunks: Iterator[Chunk], length_fn: LengthFn | None,
-                 fallback_dummy: Callable[[], Mapping[str, Any]]) -> None:
+                 fallback_dummy: Callable[[], Mapping[str, Any]], packed: bool) -> None:
         self.chunks, self.length_fn, self.fallback_dummy = chunks, length_fn, fallback_dummy
+        self.packed = packed  # worker processes send small tensors as arrays (sources.PackedTensor)
         self.pending: deque[tuple[int, Any]] = deque()
         self.payloads = Payloads()
         self.stream_ended = False
@@ -54,7 +62,7 @@ class SampleReader:
         self.dummy: Mapping[str, Any] | None = None
         self.dummy_patches = 0
 
-    def restore(self, start: RoundStart, engine: RankEngine, fetch: Callable[[int], Mapping[str, Any]]) -> None:
+    def restore(self, start: RoundStart, engine: WindowEngine, fetch: Callable[[int], Mapping[str, Any]]) -> None:
         """Re-fetch the samples buffered at `start` (and the dummy) by index, as the saved round began."""
         self.consumed = start.consumed
         for index in start.buffer:
@@ -65,23 +73,27 @@ class SampleReader:
             self.dummy_index, self.dummy = start.dummy_index, fetch(start.dummy_index)
             self.dummy_patches = count_patches(self.dummy)
 
-    def fill(self, engine: RankEngine) -> bool:
+    def fill(self, engine: WindowEngine) -> bool:
         """Top the window up; returns whether this rank is still active (its stream may hold more)."""
-        while engine.space() > 0:
-            if not self.pending:
+        pending, admit, put, length_fn = self.pending, engine.admit, self.payloads.put, self.length_fn
+        space = engine.space()
+        while space > 0:
+            if not pending:
                 chunk = self._next_chunk()
                 if chunk is None:
                     self.stream_ended = True
                     return False
-                self.pending.extend(chunk)
-            index, sample = self.pending.popleft()
-            sample = unpack_sample(sample)
-            item = inspect_sample(index, sample, self.length_fn)
-            engine.admit(item)
-            self.payloads.put(index, sample)
+                pending.extend(chunk)
+            index, sample = pending.popleft()
+            if self.packed:
+                sample = unpack_sample(sample)
+            item = inspect_sample(index, sample, length_fn)
+            admit(item)
+            put(index, sample)
             self.consumed += 1
+            space -= 1
             self._offer_dummy(index, sample, item.patches)
-        return not (self.stream_ended and not self.pending)
+        return not (self.stream_ended and not pending)
 
     def _next_chunk(self) -> Chunk | None:
         try:

@@ -42,6 +42,7 @@ from odb_core.state import (MERGED_FORMAT, RECOMPUTABLE, STATE_VERSION, ElasticR
                             LoaderState, RemainderPart, RemainderSource, ShardedSource, StateError)
 
 __all__ = ["ElasticResumeError", "MergedState", "merge_states", "remainder_plan"]
+ELASTIC_VERSIONS = (2, STATE_VERSION)
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,10 +88,10 @@ def merge_states(states: Sequence[dict[str, Any]]) -> dict[str, Any]:
     for s in states:
         if is_merged(s):
             raise ElasticResumeError("merge_states() takes per-rank states, not an already merged state")
-        if not isinstance(s, Mapping) or s.get("version") != STATE_VERSION:
+        if not isinstance(s, Mapping) or s.get("version") not in ELASTIC_VERSIONS:
             version = s.get("version") if isinstance(s, Mapping) else None
-            raise ElasticResumeError(f"a rank state has version {version!r}; elastic resume needs "
-                                     f"version {STATE_VERSION} states (saved by this release)")
+            raise ElasticResumeError(f"a rank state has version {version!r}; elastic resume needs a state of "
+                                     f"version {ELASTIC_VERSIONS} (it names its index source)")
         typed.append(LoaderState.from_dict(s))
     return _merge(typed).to_dict()
 

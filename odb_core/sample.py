@@ -33,6 +33,8 @@ class SampleError(ValueError):
 
 def sequence_length(value: Any) -> int | None:
     """Length of a 1-D token sequence given as a tensor, ndarray, list or tuple; None if it is not 1-D."""
+    if type(value) is list:  # the common cases first: this runs per sample
+        return len(value)
     if isinstance(value, torch.Tensor | np.ndarray):
         shape = value.shape
         return int(shape[0]) if len(shape) == 1 else None
@@ -70,26 +72,49 @@ def non_integer(value: Any) -> str | None:
     return None if isinstance(total, int | np.integer) else f"a {type(total).__name__} element"
 
 
+def _checked_length(index: int, key: str, value: Any) -> int:
+    """Length of a 1-D sequence of integer token ids under `key`; raises `SampleError` otherwise (hot path: one
+    shape and one dtype look for a tensor, one C-level sum for a list)."""
+    if isinstance(value, torch.Tensor):
+        if value.ndim != 1:
+            raise SampleError(index, _not_1d(key, value))
+        if value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
+            raise SampleError(index, _not_integer(key, f"dtype {value.dtype}"))
+        return value.shape[0]
+    n = sequence_length(value)
+    if n is None:
+        raise SampleError(index, _not_1d(key, value))
+    wrong = non_integer(value)
+    if wrong is not None:
+        raise SampleError(index, _not_integer(key, wrong))
+    return n
+
+
+def _not_1d(key: str, value: Any) -> str:
+    if key == "labels":
+        return "'labels' must be a 1-D sequence like 'input_ids'"
+    return ("'input_ids' must be a 1-D tensor, ndarray or list of token ids, got "
+            f"{type(value).__name__} of shape {getattr(value, 'shape', '?')}")
+
+
+def _not_integer(key: str, wrong: str) -> str:
+    return (f"'{key}' must hold integer token ids, but it has {wrong}; convert it (e.g. torch.as_tensor(ids, "
+            "dtype=torch.long)) after checking where the floats come from, instead of letting them be truncated")
+
+
 def inspect_sample(index: int, sample: Any, length_fn: LengthFn | None) -> Item:
     """Check one sample and return its planning facts. Raises `SampleError` naming `index` and the cause."""
-    if not isinstance(sample, Mapping):
+    if type(sample) is not dict and not isinstance(sample, Mapping):
         raise SampleError(index, f"expected a mapping with 'input_ids', got {type(sample).__name__}")
-    if "input_ids" not in sample:
+    ids = sample.get("input_ids")
+    if ids is None:
         raise SampleError(index, f"has no 'input_ids' (keys: {sorted(sample)})")
-    n_input = sequence_length(sample["input_ids"])
-    if n_input is None:
-        raise SampleError(index, "'input_ids' must be a 1-D tensor, ndarray or list of token ids, got "
-                                 f"{type(sample['input_ids']).__name__} of shape {getattr(sample['input_ids'], 'shape', '?')}")
+    n_input = _checked_length(index, "input_ids", ids)
     if n_input == 0:
         raise SampleError(index, "'input_ids' is empty")
-    if "labels" in sample and sequence_length(sample["labels"]) is None:
-        raise SampleError(index, "'labels' must be a 1-D sequence like 'input_ids'")
-    for key in ("input_ids", "labels"):
-        wrong = non_integer(sample[key]) if key in sample else None
-        if wrong is not None:
-            raise SampleError(index, f"'{key}' must hold integer token ids, but it has {wrong}; convert it "
-                                     "(e.g. torch.as_tensor(ids, dtype=torch.long)) after checking where the floats "
-                                     "come from, instead of letting them be truncated")
+    labels = sample.get("labels")
+    if labels is not None:
+        _checked_length(index, "labels", labels)
     length = n_input
     if length_fn is not None:
         try:
@@ -98,7 +123,7 @@ def inspect_sample(index: int, sample: Any, length_fn: LengthFn | None) -> Item:
             raise SampleError(index, f"length_fn raised {type(exc).__name__}: {exc}") from exc
         if not isinstance(length, int | np.integer) or isinstance(length, bool) or length <= 0:
             raise SampleError(index, f"length_fn returned {length!r}; it must return a positive int")
-    return Item(index=index, length=int(length), patches=count_patches(sample))
+    return Item(index, int(length), count_patches(sample))
 
 
 def as_dummy(sample: Mapping[str, Any]) -> dict[str, Any]:

@@ -132,6 +132,15 @@ class IndexedDataset(Dataset):
         sample = self.dataset[index]
         return int(index), pack_sample(sample) if self.pack else sample
 
+    def __getitems__(self, indices: list[int]) -> list[tuple[int, Any]]:
+        """A whole chunk in one call (torch's fetcher uses it): the dataset's own `__getitems__` when it has one
+        (HF `datasets` reads a batch of rows at once), else one `__getitem__` per index."""
+        many = getattr(self.dataset, "__getitems__", None)
+        samples = many(indices) if many is not None else [self.dataset[i] for i in indices]
+        if self.pack:
+            samples = [pack_sample(sample) for sample in samples]
+        return list(zip(indices, samples, strict=True))
+
     def __len__(self) -> int:
         return len(self.dataset)  # type: ignore[arg-type]
 

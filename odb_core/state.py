@@ -9,19 +9,32 @@ state from another world size, rank, batching config or index source, each with 
 source, no remainder, no emitted list) is still read. Sources are typed (`ShardedSource`, `StreamSource`,
 `CustomSource`, `RemainderSource`); only the first and the last can be recomputed for another rank, which is
 what elastic resume needs (NOTE [ Elastic resume ] in resume.py).
+
+NOTE [ A state proves itself ]
+A state is trusted only after it proved itself. Version 3 carries a `digest`: the sha256 of its canonical JSON,
+so a truncated or hand-edited state is refused. `from_dict` checks every field's type and range (no negative
+position, a carried accumulation window shorter than G, a consumed step inside the saved round). Before a rank
+resumes, `check_against_shard` checks the position against the rank's own index order for the epoch: the
+samples admitted before the round (`consumed`) are a prefix of it, the buffered ones are among them, and the
+ones the round already emitted are among the buffered and the unread ones; what was emitted, buffered and
+unread then partitions the shard exactly. Ranks that resume at different points fail at their first exchange
+(`RankState.resumed_at`, `check_same_progress`). Every refusal names the field and what to do. Versions 1 and 2
+(no digest) are still read, with the same range and shard checks.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from odb_core.sources import ShardedSampler
 
-STATE_VERSION = 2
-READABLE_VERSIONS = (1, 2)
+STATE_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
 MERGED_FORMAT = "merged"
 # Fingerprint fields added after states were first written, with the behaviour those states had.
 LEGACY_FINGERPRINT = {"planning": "local"}
@@ -56,6 +69,18 @@ def _ints(values: Any, where: str) -> tuple[int, ...]:
     if not isinstance(values, list | tuple) or not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
         raise StateError(f"{where} must be a list of ints, got {str(values)[:80]}")
     return tuple(values)
+
+
+def _at_least(value: int, low: int, where: str, why: str = "") -> None:
+    if value < low:
+        raise StateError(f"{where}={value} is out of range: it must be >= {low}{why}; the state is corrupt or was "
+                         "edited: resume from another checkpoint")
+
+
+def digest_of(state: Mapping[str, Any]) -> str:
+    """sha256 of a state's canonical JSON, without its own `digest` field."""
+    body = {k: v for k, v in state.items() if k != "digest"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 def _no_leftovers(data: Mapping[str, Any], where: str) -> None:
@@ -116,7 +141,11 @@ class RemainderPart:
     emitted: tuple[int, ...]
 
     def remaining(self, epoch: int) -> list[int]:
-        pool = list(self.buffer) + self.source.indices(self.rank, epoch)[self.consumed:]
+        order = self.source.indices(self.rank, epoch)
+        if Counter(self.buffer) - Counter(order[: self.consumed]):
+            raise ElasticResumeError(f"state of rank {self.rank} is inconsistent: its buffer holds indices it had not "
+                                     f"read by sample {self.consumed}; the state is corrupt or from other data")
+        pool = list(self.buffer) + order[self.consumed:]
         emitted = Counter(self.emitted)
         remaining = []
         for index in pool:
@@ -259,6 +288,13 @@ class SavedPosition:
         if not isinstance(complete, bool):
             raise StateError(f"{where}.epoch_complete={complete!r} must be true or false")
         _no_leftovers(data, where)
+        for name, value in values.items():
+            _at_least(value, 0, f"{where}.start.{name}")
+        for name, indices in (("start.buffer", buffer), ("round_emitted", point.round_emitted)):
+            if indices and min(indices) < 0:
+                raise StateError(f"{where}.{name} holds a negative index {min(indices)}; the state is corrupt")
+        _at_least(point.steps_consumed, values["steps_done"] + 1, f"{where}.steps_consumed",
+                  f" (after at least one step of the round that began at step {values['steps_done']})")
         return cls(point=point, complete=complete, metrics=dict(metrics))
 
 
@@ -303,24 +339,38 @@ class LoaderState:
         return self.epoch, self.position.point.steps_consumed
 
     def to_dict(self) -> dict[str, Any]:
-        return {"version": STATE_VERSION, "world_size": self.world_size, "rank": self.rank,
-                "config": dict(self.config), "sampler": source_to_dict(self.source) if self.source else None,
-                "epoch": self.epoch, "plan": source_to_dict(self.plan) if self.plan is not None else None,
-                "position": self.position.to_dict() if self.position is not None else None,
-                "metrics": dict(self.metrics)}
+        state = {"version": STATE_VERSION, "world_size": self.world_size, "rank": self.rank,
+                 "config": dict(self.config), "sampler": source_to_dict(self.source) if self.source else None,
+                 "epoch": self.epoch, "plan": source_to_dict(self.plan) if self.plan is not None else None,
+                 "position": self.position.to_dict() if self.position is not None else None,
+                 "metrics": dict(self.metrics)}
+        return {**state, "digest": digest_of(state)}
 
     @classmethod
     def from_dict(cls, data: Any) -> LoaderState:
         if not isinstance(data, Mapping):
             raise StateError(f"a loader state must be a dict (from state_dict()), got {type(data).__name__}")
         data = dict(data)
-        version = data.pop("version", None)
+        version = data.get("version")
         if version not in READABLE_VERSIONS:
             raise StateError(f"loader state version {version!r} is not supported (expected {STATE_VERSION})")
+        if version >= 3 and data.pop("digest", None) != digest_of(data):
+            raise StateError("the loader state's digest does not match its content: it was truncated or edited "
+                             "after it was saved; resume from another checkpoint (or from the epoch's start with "
+                             "a fresh loader)")
+        data.pop("version")
         world, rank = _pop(data, "world_size", int, "state"), _pop(data, "rank", int, "state")
         config, epoch = _pop(data, "config", dict, "state"), _pop(data, "epoch", int, "state")
+        _at_least(world, 1, "state.world_size")
+        _at_least(epoch, 0, "state.epoch")
+        if not 0 <= rank < world:
+            raise StateError(f"state.rank={rank} is out of range for world_size={world}; the state is corrupt")
         config = {**LEGACY_FINGERPRINT, **config}
         metrics = _pop(data, "metrics", dict, "state")
+        bad = {k: v for k, v in metrics.items()
+               if not isinstance(v, int | float) or isinstance(v, bool) or not v >= 0}
+        if bad:
+            raise StateError(f"state.metrics has values that are not counters (numbers >= 0): {bad}")
         source = source_from_dict(_pop(data, "sampler", dict, "state"), "state.sampler") if version >= 2 else None
         raw_plan = _pop(data, "plan", (dict, type(None)), "state") if version >= 2 else None
         plan = source_from_dict(raw_plan, "state.plan") if raw_plan is not None else None
@@ -331,6 +381,34 @@ class LoaderState:
         return cls(world_size=world, rank=rank, config=config, source=source, epoch=epoch, plan=plan,
                    position=SavedPosition.from_dict(position, metrics) if position is not None else None,
                    metrics=metrics, version=version)
+
+    def check_against_shard(self, order: Sequence[int] | None, window: int, accumulation: int) -> None:
+        """The saved position within this rank's index `order` for the epoch (None: a stream, unknown here):
+        see NOTE [ A state proves itself ]."""
+        if self.position is None:
+            return
+        point, where = self.position.point, "state.position"
+        start = point.start
+        if start.carry_count >= accumulation:
+            raise StateError(f"{where}.start.carry_count={start.carry_count} must be below accumulation_steps="
+                             f"{accumulation}; the state is corrupt")
+        if len(start.buffer) > window:
+            raise StateError(f"{where}.start.buffer holds {len(start.buffer)} samples, more than the window of "
+                             f"{window}; the state is corrupt")
+        if order is None:
+            return
+        if start.consumed > len(order):
+            raise StateError(f"{where}.start.consumed={start.consumed} is past the end of this rank's "
+                             f"{len(order)} samples of epoch {self.epoch}; the state is corrupt or from other data")
+        extra = Counter(start.buffer) - Counter(order[: start.consumed])
+        if extra:
+            raise StateError(f"{where}.start.buffer holds {sorted(extra)[:8]} that this rank had not read by sample "
+                             f"{start.consumed} of epoch {self.epoch} (or more often than read); the state is "
+                             "corrupt or from other data")
+        stray = Counter(point.round_emitted) - Counter(start.buffer) - Counter(order[start.consumed:])
+        if stray:
+            raise StateError(f"{where}.round_emitted holds {sorted(stray)[:8]} that were neither buffered nor unread "
+                             "at the round's start; the state is corrupt or from other data")
 
     def check_resumable_by(self, loader: LoaderIdentity) -> None:
         """Refuse a state that an exact resume on `loader` cannot honour, naming what differs."""

@@ -10,17 +10,21 @@ thread.
 from __future__ import annotations
 
 import itertools
+import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
+from odb_core.lifeline import Lifeline
 from odb_core.sources import (ChunkSampler, IndexedDataset, IndexedIterable, IndexListSampler, ShardedSampler,
                               keep_chunk, map_style_size, unpack_sample)
-from odb_core.state import CustomSource, RemainderSource, ResumePoint, ShardedSource, Source, StreamSource
+from odb_core.state import (CustomSource, RemainderSource, ResumePoint, ShardedSource, Source, StateError,
+                            StreamSource)
 
 Chunk = list[tuple[int, Any]]
+IN_PROCESS_CHUNK = 64
 
 
 class DatasetFetchError(RuntimeError):
@@ -35,6 +39,12 @@ class _CheckedDataset(IndexedDataset):
             return super().__getitem__(index)
         except Exception as exc:
             raise DatasetFetchError(f"sample {index}: dataset[{index}] raised {type(exc).__name__}: {exc}") from exc
+
+    def __getitems__(self, indices: list[int]) -> list[tuple[int, Any]]:
+        try:
+            return super().__getitems__(indices)
+        except Exception:  # find the sample that fails, one index at a time, and name it
+            return [self[i] for i in indices]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -83,16 +93,21 @@ class SampleStream:
         self.sampler = self._build_sampler(options.sampler)
         self._replayed: dict[int, Any] = {}
         timeout = options.worker_timeout_s if options.num_workers > 0 else 0
+        # In-process reads (no workers) cost a DataLoader step per chunk and nothing per byte: take larger ones.
+        chunk = options.fetch_chunk if options.num_workers > 0 else max(options.fetch_chunk, IN_PROCESS_CHUNK)
+        workers = dict(options.worker_options)
+        if options.num_workers > 0:  # NOTE [ Workers die with their rank ]
+            workers["worker_init_fn"] = Lifeline(os.getpid(), workers.get("worker_init_fn"))
         if self.size is None:
             self._iterable = IndexedIterable(dataset, rank=rank, world_size=world_size, shard=options.shard_iterable,
-                                             chunk=options.fetch_chunk)
+                                             chunk=chunk)
             self._workers = DataLoader(self._iterable, batch_size=None, num_workers=options.num_workers,
-                                       collate_fn=keep_chunk, timeout=timeout, **options.worker_options)
+                                       collate_fn=keep_chunk, timeout=timeout, **workers)
         else:
-            self._chunks = ChunkSampler(self.sampler, options.fetch_chunk)  # type: ignore[arg-type]
+            self._chunks = ChunkSampler(self.sampler, chunk)  # type: ignore[arg-type]
             self._workers = DataLoader(_CheckedDataset(dataset, pack=options.num_workers > 0),
                                        batch_sampler=self._chunks, num_workers=options.num_workers,
-                                       collate_fn=keep_chunk, timeout=timeout, **options.worker_options)
+                                       collate_fn=keep_chunk, timeout=timeout, **workers)
 
     def _build_sampler(self, sampler: Sampler[int] | None) -> Sampler[int] | None:
         if self.size is None:
@@ -131,6 +146,11 @@ class SampleStream:
             start = point.start
             needed = set(start.buffer) | ({start.dummy_index} if start.dummy_index is not None else set())
             self._replayed, rest = skip_stream(chunks, consumed, needed)
+            missing = sorted(needed - set(self._replayed))
+            if missing:
+                raise StateError(f"state.position.start names stream positions {missing[:8]} that the stream's first "
+                                 f"{consumed} samples do not hold: the state is corrupt, or the IterableDataset "
+                                 "does not replay the same samples")
             return rest
         if plan is not None:
             self._chunks.sampler = IndexListSampler(plan.indices(self.rank, epoch))

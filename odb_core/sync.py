@@ -1,4 +1,4 @@
-"""Transports: the only module that touches `torch.distributed`.
+"""Transports: with liveness.py, the only modules that touch `torch.distributed`.
 
 A `Transport` moves small int64 vectors between ranks with two collectives, always called in the same order on
 every rank (see NOTE [ Rounds and termination ]):
@@ -13,6 +13,7 @@ collectively on the main thread with a timeout, isolated from the model's proces
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -21,6 +22,8 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from odb_core.liveness import Liveness
 
 INT64_BYTES = 8
 
@@ -110,20 +113,66 @@ class LocalTransport(Transport):
         return list(chunks)
 
 
+class _Courier:
+    """Runs blocking collectives on a daemon thread so that the caller can stop waiting when the heartbeat finds a
+    peer silent (NOTE [ Liveness ]); the abandoned call stays on that thread until Gloo's own timeout."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.Queue = queue.Queue()
+        threading.Thread(target=self._work, name="odb-collective", daemon=True).start()
+
+    def _work(self) -> None:
+        while True:
+            call, box, done = self._jobs.get()
+            try:
+                box.append((True, call()))
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller
+                box.append((False, exc))
+            done.set()
+
+    def run(self, call, failure) -> object:
+        box: list = []
+        done = threading.Event()
+        self._jobs.put((call, box, done))
+        while not done.wait(0.1):
+            if failure() is not None:
+                raise failure()
+        ok, value = box[0]
+        if not ok:
+            raise value
+        return value
+
+
 class GlooTransport(Transport):
-    """A dedicated Gloo group over the initialized default group; every op is bounded by `timeout_s`.
+    """A dedicated Gloo group over the initialized default group; every op is bounded by `timeout_s`, and by the
+    heartbeat's `liveness_timeout_s` when a peer goes silent (NOTE [ Liveness ]).
 
     Construction is a collective (`dist.new_group`): every rank must build its loader in the same order, on the
-    main thread. A dead or stuck peer makes the next collective raise `PeerError` within `timeout_s`.
+    main thread. A dead peer makes the next collective raise `PeerError` at once (its sockets close), a frozen one
+    within `liveness_timeout_s`, one that is alive but never takes part within `timeout_s`.
     """
 
-    def __init__(self, timeout_s: float) -> None:
+    def __init__(self, timeout_s: float, liveness_timeout_s: float = 30.0) -> None:
         super().__init__()
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("GlooTransport needs torch.distributed to be initialized (init_process_group)")
         self.timeout_s = timeout_s
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+        self.liveness = Liveness(self.rank, self.world_size, liveness_timeout_s)
+        self._courier = _Courier()
+
+    def _silent_peer(self) -> PeerError | None:
+        failure = self.liveness.failure
+        return None if failure is None else PeerError(f"rank {self.rank}: ODB metadata exchange abandoned: {failure}")
+
+    def _collective(self, what: str, call) -> None:
+        try:
+            self._courier.run(call, self._silent_peer)
+        except PeerError:
+            raise
+        except Exception as exc:  # gloo raises RuntimeError subclasses with transport-specific types
+            raise self._fail(what, exc) from exc
 
     def _fail(self, what: str, exc: Exception) -> PeerError:
         return PeerError(f"rank {self.rank}: ODB metadata {what} failed (timeout {self.timeout_s:g}s): a peer rank "
@@ -132,31 +181,23 @@ class GlooTransport(Transport):
     def _all_gather(self, values: list[int]) -> list[list[int]]:
         local = torch.tensor(values, dtype=torch.int64)
         out = [torch.empty_like(local) for _ in range(self.world_size)]
-        try:
-            dist.all_gather(out, local, group=self.group)
-        except Exception as exc:  # gloo raises RuntimeError subclasses with transport-specific types
-            raise self._fail("all_gather", exc) from exc
+        self._collective("all_gather", lambda: dist.all_gather(out, local, group=self.group))
         return [t.tolist() for t in out]
 
     def _all_reduce_sum(self, values: list[int]) -> list[int]:
         tensor = torch.tensor(values, dtype=torch.int64)
-        try:
-            dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group)
-        except Exception as exc:
-            raise self._fail("all_reduce", exc) from exc
+        self._collective("all_reduce", lambda: dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group))
         return tensor.tolist()
 
     def _all_to_all_bytes(self, chunks: list[bytes]) -> list[bytes]:
         sizes = torch.tensor([len(c) for c in chunks], dtype=torch.int64)
         incoming = torch.empty_like(sizes)
-        try:
-            dist.all_to_all_single(incoming, sizes, group=self.group)
-            send = torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8) if sizes.sum() else \
-                torch.empty(0, dtype=torch.uint8)
-            received = torch.empty(int(incoming.sum()), dtype=torch.uint8)
-            dist.all_to_all_single(received, send, incoming.tolist(), sizes.tolist(), group=self.group)
-        except Exception as exc:
-            raise self._fail("all_to_all", exc) from exc
+        self._collective("all_to_all", lambda: dist.all_to_all_single(incoming, sizes, group=self.group))
+        send = torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8) if sizes.sum() else \
+            torch.empty(0, dtype=torch.uint8)
+        received = torch.empty(int(incoming.sum()), dtype=torch.uint8)
+        self._collective("all_to_all", lambda: dist.all_to_all_single(received, send, incoming.tolist(),
+                                                                      sizes.tolist(), group=self.group))
         data, out, offset = received.numpy().tobytes(), [], 0
         for size in incoming.tolist():
             out.append(data[offset : offset + size])
@@ -165,6 +206,7 @@ class GlooTransport(Transport):
 
     def close(self) -> None:
         # Destroying a subgroup is itself collective in some backends; leave it to destroy_process_group().
+        self.liveness.stop()
         self.group = None
 
 
@@ -206,8 +248,8 @@ class VirtualTransport(Transport):
         return [sent[self.rank] for sent in self.hub.exchange(self.rank, chunks)]
 
 
-def default_transport(timeout_s: float) -> Transport:
+def default_transport(timeout_s: float, liveness_timeout_s: float = 30.0) -> Transport:
     """Gloo when torch.distributed is initialized with more than one rank, else a local transport."""
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        return GlooTransport(timeout_s)
+        return GlooTransport(timeout_s, liveness_timeout_s)
     return LocalTransport()

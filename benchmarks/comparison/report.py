@@ -7,7 +7,8 @@ from pathlib import Path
 from benchmarks.comparison import peers
 
 SHOWN_IN_PLOTS = ("standard", "group_by_length", "reference_default", "reference_buffer512", "deepspeed_seqlen",
-                  "packing", "oracle_padded", "odb_padded", "odb_tokens")
+                  "packing", "oracle_padded", "odb_padded_local", "odb_padded", "odb_tokens")
+ODB_GLOBAL = ("odb_padded", "odb_tokens", "odb_attention")  # the default config: global planning at W > 1
 
 
 def _cell(row: dict | None, key: str, fmt: str = "{:.3f}") -> str:
@@ -63,36 +64,105 @@ def peers_label(name: str) -> str:
 
 
 def targets_table(result: dict) -> list[str]:
-    """ODB (padded) against the oracle, the rank-local bound and the reference release, per workload and W."""
+    """ODB (padded), global and rank-local, against the oracle, the rank-local bound and the reference release."""
     index, names = _index(result["quality"]), _workload_names(result)
-    lines = ["| workload | W | ODB / oracle | ODB / rank-local bound | ODB / ref default | ODB / ref buffer 512 |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| workload | W | global / oracle | rank-local / oracle | moved (global) | rank-local / rank-local bound "
+             "| global / ref default | global / ref buffer 512 |", "|---|---|---|---|---|---|---|---|"]
     for name in names:
         for world in result["worlds"]:
-            odb = index.get((name, world, "odb_padded"))
-            if odb is None:
+            odb, local = index.get((name, world, "odb_padded")), index.get((name, world, "odb_padded_local"))
+            if odb is None or local is None:
                 continue
             refs = []
             for ref in ("reference_default", "reference_buffer512"):
                 r = index.get((name, world, ref))
                 refs.append("n/a" if r is None or "unavailable" in r
                             else f"{odb['budget_utilization'] / r['budget_utilization']:.2f}x")
-            lines.append(f"| {name} | {world} | {odb['vs_oracle']:.3f} | {odb['vs_rank_bound']:.3f} | "
+            lines.append(f"| {name} | {world} | {odb['vs_oracle']:.3f} | {local['vs_oracle']:.3f} | "
+                         f"{_cell(odb, 'moved_fraction', '{:.2f}') or '-'} | {local['vs_rank_bound']:.3f} | "
                          + " | ".join(refs) + " |")
     return lines
 
 
+MODES_COLUMNS = (("odb_padded", "budget_utilization"), ("odb_padded_local", "budget_utilization"),
+                 ("oracle_padded", "budget_utilization"), ("odb_tokens", "budget_utilization"),
+                 ("odb_tokens_local", "budget_utilization"), ("deepspeed_seqlen", "budget_utilization"),
+                 ("deepspeed_dataloader", "budget_utilization"), ("packing", "budget_utilization"),
+                 ("oracle_tokens", "budget_utilization"), ("odb_padded", "moved_fraction"))
+
+
+def modes_table(result: dict) -> list[str]:
+    """ODB global and rank-local beside DeepSpeed, packing and the oracles, per workload and W (utilization)."""
+    index = _index(result["quality"])
+    lines = ["| workload | W | ODB global (padded) | ODB rank-local (padded) | oracle (padded) | ODB global (tokens) "
+             "| ODB rank-local (tokens) | DeepSpeed (seqlen) | DeepSpeed (default) | packing | oracle (tokens) "
+             "| moved (ODB global, padded) |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for name in _workload_names(result):
+        for world in result["worlds"]:
+            cells = [_cell(index.get((name, world, m)), key) or "-" for m, key in MODES_COLUMNS]
+            lines.append(f"| {name} | {world} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def alignment_table(result: dict) -> list[str]:
-    lines = ["| W | source | rounds | ODB B sent/round | ODB B received/round | ODB ms/round | "
-             "ODB B received/epoch | ref (buffer 8) B received/epoch | ref (buffer 512) B received/epoch |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for row in result["alignment"]:
+    """Per round and rank, both planning modes: metadata bytes, moved samples and bytes, latency."""
+    lines = ["| W | source | planning | rounds | steps/round | meta B sent/round | meta B received/round | meta ms/round "
+             "| moved fraction | moved samples/round | moved B received/round | move ms/round | meta B received/epoch "
+             "| ref (buffer 8) B received/epoch | ref (buffer 512) B received/epoch |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for row in result["alignment"]["rows"]:
         ref = row["reference_release"]
-        latency = "" if row["latency_ms_per_round"] is None else f"{row['latency_ms_per_round']:.2f}"
-        epoch = row["bytes_received_per_round"] * row["rounds"]
         refs = [ref[k]["bytes_received_per_round"] * ref[k]["rounds_per_epoch"] for k in ("buffer8", "buffer512")]
-        lines.append(f"| {row['world_size']} | {row['source']} | {row['rounds']} | {row['bytes_sent_per_round']:.0f} | "
-                     f"{row['bytes_received_per_round']:.0f} | {latency} | {epoch:,.0f} | {refs[0]:,} | {refs[1]:,} |")
+        local = row["planning"] == "local"
+        moved = "-" if local else f"{row['moved_bytes_per_round']:,.0f}" + (" (est.)" if row.get("moved_bytes_estimated")
+                                                                            else "")
+        lines.append(
+            f"| {row['world_size']} | {row['source']} | {row['planning']} | {row['rounds']} | "
+            f"{row['steps'] / row['rounds']:.1f} | {row['bytes_sent_per_round']:,.0f} | "
+            f"{row['bytes_received_per_round']:,.0f} | {_ms(row['latency_ms_per_round'])} | "
+            f"{row['moved_fraction']:.2f} | {row['moved_samples_per_round']:.1f} | {moved} | "
+            f"{'-' if local else _ms(row['move_ms_per_round'])} | {row['bytes_received_per_round'] * row['rounds']:,.0f} | "
+            f"{refs[0]:,} | {refs[1]:,} |")
+    return lines
+
+
+def _ms(value: float | None) -> str:
+    return "" if value is None else f"{value:.2f}"
+
+
+def exchange_tables(result: dict) -> list[str]:
+    """The collective probe, the moved-bytes estimate check and the W = 256 extrapolation (alignment part)."""
+    a = result["alignment"]
+    lines = ["Measured Gloo cost on this machine (loopback, W processes on 2 shared cores; median of "
+             "the probe's repeats), fitted to t = (W - 1)(alpha + S / B):", "",
+             "| W | collective | alpha (us) | B (GB/s) |", "|---|---|---|---|"]
+    for fit in a["probe_fits"]:
+        bandwidth = "" if fit["bandwidth_GBps"] is None else f"{fit['bandwidth_GBps']:.2f}"
+        lines.append(f"| {fit['world_size']} | {fit['collective']} | {fit['alpha_us']:.0f} | {bandwidth} |")
+    pay = a["payload"]
+    lines += ["", f"Moved-sample bytes (send): {pay['per_token']:.2f} B per token + {pay['per_sample']:.0f} B per "
+              "sample (pickled `input_ids` + `labels`, int64); estimate against the gloo runs:", "",
+              "| W | measured B/round | estimated B/round |", "|---|---|---|"]
+    for c in a["payload_checks"]:
+        lines.append(f"| {c['world_size']} | {c['measured_bytes_per_round']:,.0f} | {c['estimated_bytes_per_round']:,.0f} |")
+    lines += ["", "The same model with this machine's fitted alpha and B against the measured gloo latency (the "
+              "measured figures also include waiting for the slowest rank's planning):", "",
+              "| W | planning | metadata ms/round: model / measured | moves ms/round: model / measured |", "|---|---|---|---|"]
+    for c in a["model_checks"]:
+        moves = "-" if c["planning"] == "local" else \
+            f"{c['model_move_ms_per_round']:.1f} / {c['measured_move_ms_per_round']:.1f}"
+        lines.append(f"| {c['world_size']} | {c['planning']} | {c['model_metadata_ms_per_round']:.1f} / "
+                     f"{c['measured_metadata_ms_per_round']:.1f} | {moves} |")
+    plan = [r for r in a["profiles_256"] if "plan_ms_first_round" in r]
+    lines += ["", "Extrapolated to W = 256 (a model, not a measurement)"
+              + "".join(f"; measured beside it: the pooled plan of {r['source']} takes {r['plan_ms_first_round']:.0f} ms "
+                        "of CPU per round on every rank (this machine)" for r in plan) + ":", "",
+              "| workload | planning | network model (assumed) | steps/round | metadata ms/round | moves ms/round "
+              "| metadata ms/step | moves ms/step |", "|---|---|---|---|---|---|---|---|"]
+    for e in a["extrapolated"]:
+        lines.append(f"| {e['workload']} | {e['planning']} | {e['network']} | {e['steps_per_round']:.1f} | "
+                     f"{e['metadata_ms_per_round']:.1f} | {e['move_ms_per_round']:.1f} | "
+                     f"{e['metadata_ms_per_step']:.2f} | {e['move_ms_per_step']:.2f} |")
     return lines
 
 
@@ -118,7 +188,7 @@ def markdown(result: dict) -> str:
     if result["quality"]:
         parts += quality_sections(result)
     if result.get("alignment"):
-        parts += ["", "## Alignment cost per round", "", *alignment_table(result)]
+        parts += ["", "## Exchange cost per round", "", *alignment_table(result), "", *exchange_tables(result)]
     if result.get("training"):
         parts += ["", "## CPU training throughput", "", *training_table(result)]
     return "\n".join(parts) + "\n"
@@ -136,9 +206,15 @@ def quality_sections(result: dict) -> list[str]:
     for world in result["worlds"][1:]:
         parts += ["", f"## Mean per-step rank imbalance (CV of rank costs), W = {world}", "",
                   *method_table(result, world, "mean_rank_imbalance")]
+    for world in result["worlds"][1:]:
+        parts += ["", f"## Samples moved to another rank (ODB global), fraction, W = {world}", "",
+                  *method_table(result, world, "moved_fraction", methods=set(ODB_GLOBAL))]
     parts += ["", f"## Samples dropped, W = {result['worlds'][-1]}", "",
               *method_table(result, result["worlds"][-1], "dropped", "{:,}")]
-    parts += ["", "## Targets: ODB (padded) against the oracle, the rank-local bound and the reference release", "",
+    parts += ["", "## ODB global and rank-local against DeepSpeed, packing and the oracle (budget utilization; the "
+                  "oracle dealt to W ranks)", "", *modes_table(result)]
+    parts += ["", "## Targets: ODB (padded), global and rank-local, against the oracle, the rank-local bound and "
+                  "the reference release", "",
               *targets_table(result)]
     notes = unavailable_notes(result)
     if notes:
@@ -201,23 +277,30 @@ def plot_vs_world(result: dict, workload: str, key: str, path: Path, ylabel: str
 
 def plot_alignment(result: dict, path: Path) -> None:
     plt = _plt()
-    rows = sorted((r for r in result["alignment"] if r["source"] != "gloo"), key=lambda r: r["world_size"])
-    gloo = [r for r in result["alignment"] if r["source"] == "gloo"]
-    worlds = [r["world_size"] for r in rows]
+    rows = result["alignment"]["rows"]
     fig, ax = plt.subplots(figsize=(6.5, 4))
-    ax.plot(worlds, [r["bytes_received_per_round"] * r["rounds"] for r in rows], "o-",
-            label="ODB (virtual ranks W <= 16, simulated above)")
-    ax.plot([r["world_size"] for r in gloo], [r["bytes_received_per_round"] * r["rounds"] for r in gloo], "k^",
-            label="ODB over real Gloo")
+    for planning, style in (("global", "o-"), ("local", "s-")):
+        mine = sorted((r for r in rows if r["planning"] == planning and r["source"] != "gloo"),
+                      key=lambda r: r["world_size"])
+        gloo = [r for r in rows if r["planning"] == planning and r["source"] == "gloo"]
+        ax.plot([r["world_size"] for r in mine], [r["bytes_received_per_round"] * r["rounds"] for r in mine], style,
+                label=f"ODB {planning}: metadata (virtual W <= 16, simulated above)")
+        ax.plot([r["world_size"] for r in gloo], [r["bytes_received_per_round"] * r["rounds"] for r in gloo], "k^")
+        if planning == "global":
+            ax.plot([r["world_size"] for r in mine], [r["moved_bytes_per_round"] * r["rounds"] for r in mine], "o:",
+                    label="ODB global: moved samples (send; estimated above W = 16)")
+    local = sorted((r for r in rows if r["planning"] == "local" and r["source"] != "gloo"), key=lambda r: r["world_size"])
     for key, label in (("buffer8", "reference, default buffer 8"), ("buffer512", "reference, buffer 512")):
-        ax.plot(worlds, [r["reference_release"][key]["bytes_received_per_round"]
-                         * r["reference_release"][key]["rounds_per_epoch"] for r in rows], "s--", label=label)
+        ax.plot([r["world_size"] for r in local], [r["reference_release"][key]["bytes_received_per_round"]
+                                                   * r["reference_release"][key]["rounds_per_epoch"] for r in local],
+                "x--", label=label)
+    ax.plot([], [], "k^", label="measured over real Gloo")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("W")
-    ax.set_ylabel("metadata bytes received per rank per epoch")
-    ax.set_title("Alignment traffic per epoch (512 samples per rank)", fontsize=10)
-    ax.legend(fontsize=8)
+    ax.set_ylabel("bytes received per rank per epoch")
+    ax.set_title("Exchange per epoch (512 samples per rank)", fontsize=10)
+    ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -45,9 +45,11 @@ class CostModel:
 
 @dataclass(slots=True)
 class Schedule:
-    """One epoch of one method on W ranks (see the module docstring)."""
+    """One epoch of one method on W ranks (see the module docstring). `moved`: samples that ran on another rank
+    than the one whose stream read them (ODB global planning; None where the method does not say)."""
 
     steps: list[list[Group | None]]
+    moved: int | None = None
 
     @property
     def world_size(self) -> int:
@@ -63,7 +65,7 @@ class Schedule:
     def padded(self) -> Schedule:
         """Every rank filled with empty slots up to the longest rank's step count."""
         n = self.n_steps
-        return Schedule([list(rank) + [None] * (n - len(rank)) for rank in self.steps])
+        return Schedule([list(rank) + [None] * (n - len(rank)) for rank in self.steps], self.moved)
 
 
 def deal_round_robin(groups: Sequence[Group], world_size: int) -> Schedule:

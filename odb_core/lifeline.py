@@ -1,0 +1,68 @@
+"""DataLoader workers die with their rank.
+
+NOTE [ Workers die with their rank ]
+A worker started by `fork` inherits every open socket of its rank, the Gloo group's included. If the rank dies
+(SIGKILL, a crash) while a worker lives on, the peers' connections to the dead rank stay open and they wait for
+the whole `sync_timeout_s` instead of failing at once; torch's own worker watchdog only looks every few seconds
+and not while the worker is busy. So every ODB worker, whatever the start method, runs `Lifeline` first: on Linux
+the kernel kills it when its parent dies (`PR_SET_PDEATHSIG`, for fork and spawn, whose parent is the rank), and
+a daemon thread checks every `POLL_S` that the rank process itself is still running (forkserver workers are
+children of the fork server, not of the rank) and exits the worker otherwise. The user's own `worker_init_fn`
+runs after it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+POLL_S = 0.5
+PR_SET_PDEATHSIG = 1
+
+
+def rank_alive(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie, dead but not yet reaped, counts as dead)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+
+
+def _watch(rank_pid: int) -> None:
+    while rank_alive(rank_pid):
+        time.sleep(POLL_S)
+    os._exit(0)
+
+
+@dataclass(frozen=True, slots=True)
+class Lifeline:
+    """The `worker_init_fn` of ODB's workers (picklable for spawn/forkserver); see NOTE [ Workers die with their
+    rank ]. `user_init` is the user's own `worker_init_fn`, called afterwards."""
+
+    rank_pid: int
+    user_init: Callable[[int], None] | None = None
+
+    def __call__(self, worker_id: int) -> None:
+        if sys.platform.startswith("linux"):
+            try:
+                ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+            except (OSError, AttributeError):
+                pass  # the watchdog below still applies
+        if not rank_alive(self.rank_pid):
+            os._exit(0)
+        threading.Thread(target=_watch, args=(self.rank_pid,), name="odb-lifeline", daemon=True).start()
+        if self.user_init is not None:
+            self.user_init(worker_id)

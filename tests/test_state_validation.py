@@ -1,0 +1,174 @@
+"""A loaded state proves itself (NOTE [ A state proves itself ] in odb_core/state.py): an edited, truncated,
+out-of-range or inconsistent state is refused with an error that names the field, never resumed into lost or
+duplicated samples, and ranks whose states were saved at different steps fail at their first exchange."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import random
+import threading
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from conftest import LengthDataset, lognormal_lengths
+from odb_core import DesyncError, ODBDataLoader, VirtualHub, VirtualTransport
+from odb_core.resume import ElasticResumeError, merge_states
+from odb_core.state import StateError, digest_of
+
+N = 200
+EXAMPLES = int(os.environ.get("ODB_FAULT_EXAMPLES", "40"))  # bounded in make test; raise it for a longer search
+DATASET = LengthDataset(lognormal_lengths(N, 1.0, 96, seed=5, hi=900))
+
+
+def make(transport=None, **kw) -> ODBDataLoader:
+    return ODBDataLoader(DATASET, transport=transport, **{**dict(token_budget=1024, window=32, shuffle=True,
+                                                                  seed=3, prefetch_steps=0), **kw})
+
+
+def saved_after(steps: int, **kw) -> tuple[list[int], dict]:
+    loader = make(**kw)
+    it = iter(loader)
+    before = [i for _ in range(steps) for i in next(it).info.indices]
+    return before, json.loads(json.dumps(loader.state_dict()))
+
+
+def resigned(state: dict) -> dict:
+    """The state as a writer would have signed it (what a bug, not an edit, produces)."""
+    return {**state, "digest": digest_of(state)}
+
+
+EDITS = {  # name: (edit of the state, what the error names)
+    "consumed_negative": (lambda s: s["position"]["start"].update(consumed=-3), r"start\.consumed=-3"),
+    "consumed_past_the_shard": (lambda s: s["position"]["start"].update(consumed=10**6), "past the end"),
+    "steps_consumed_negative": (lambda s: s["position"].update(steps_consumed=-3), "steps_consumed=-3"),
+    "epoch_negative": (lambda s: s.update(epoch=-1), r"state\.epoch=-1"),
+    "buffer_duplicated": (lambda s: s["position"]["start"].update(buffer=s["position"]["start"]["buffer"] * 2),
+                          "start.buffer"),
+    "buffer_unread_index": (lambda s: s["position"]["start"]["buffer"].append(10**5), "start.buffer"),
+    "emitted_foreign": (lambda s: s["position"]["round_emitted"].append(10**5), "round_emitted"),
+    "carry_past_the_window": (lambda s: s["position"]["start"].update(carry_count=7), "carry_count=7"),
+    "metrics_not_counters": (lambda s: s["metrics"].update(steps="many"), "metrics"),
+    "rank_out_of_range": (lambda s: s.update(rank=4), r"state\.rank=4"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(EDITS))
+def test_an_inconsistent_state_is_refused_naming_the_field(name):
+    edit, names = EDITS[name]
+    _, state = saved_after(5)
+    edited = copy.deepcopy(state)
+    edit(edited)
+    with pytest.raises(ValueError, match="digest does not match"):  # edited after the save
+        make().load_state_dict(edited)
+    with pytest.raises(ValueError, match=names):  # written that way: the checks still refuse it
+        make().load_state_dict(resigned({k: v for k, v in edited.items() if k != "digest"}))
+
+
+@pytest.mark.parametrize("bad", [None, [1, 2], "state", {"version": 3}], ids=["none", "list", "str", "truncated"])
+def test_a_state_that_is_not_one_raises_a_clear_error(bad):
+    with pytest.raises(StateError):
+        make().load_state_dict(bad)
+
+
+def test_a_truncated_state_names_the_missing_field():
+    _, state = saved_after(5)
+    cut = resigned({k: v for k, v in state.items() if k not in ("position", "digest")})
+    with pytest.raises(StateError, match="no 'position'"):
+        make().load_state_dict(cut)
+
+
+EDITABLE = ("consumed", "steps_done", "round", "carry_count", "carry_tokens", "dummy_index", "buffer",
+            "steps_consumed", "round_emitted", "epoch", "epoch_complete", "metrics_steps")
+
+
+def _edit(state: dict, field: str, rng: random.Random) -> None:
+    position, start = state["position"], state["position"]["start"]
+    if field == "buffer":
+        start["buffer"] = start["buffer"][: rng.randrange(len(start["buffer"]) + 1)]
+    elif field == "round_emitted":
+        position["round_emitted"] = position["round_emitted"] + [rng.randrange(N)]
+    elif field in ("steps_consumed", "epoch_complete"):
+        position[field] = (not position[field]) if field == "epoch_complete" else position[field] + rng.choice([-1, 1])
+    elif field == "epoch":
+        state["epoch"] += rng.choice([-1, 1])
+    elif field == "metrics_steps":
+        state["metrics"]["steps"] += 1
+    else:
+        start[field] = (start[field] or 0) + rng.choice([-1, 1, 5])
+
+
+@settings(max_examples=EXAMPLES, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(1, 12), st.sampled_from(EDITABLE), st.integers(0, 2**16))
+def test_any_edit_after_the_save_is_refused(steps, field, seed):
+    """An edited state never resumes: it would lose or repeat samples, or weight the loss wrongly."""
+    _, state = saved_after(steps)
+    edited = copy.deepcopy(state)
+    _edit(edited, field, random.Random(seed))
+    if edited == state:
+        return
+    with pytest.raises(StateError, match="digest"):
+        make().load_state_dict(edited)
+
+
+def _on_two_ranks(fn):
+    hub, results, errors = VirtualHub(2, timeout_s=30), [None, None], []
+
+    def target(rank):
+        try:
+            results[rank] = fn(rank, VirtualTransport(hub, rank))
+        except BaseException as exc:  # noqa: BLE001 - inspected below
+            errors.append(exc)
+    threads = [threading.Thread(target=target, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return results, errors
+
+
+def _states_after(steps: list[int], planning: str) -> list[dict]:
+    def rank_main(rank, transport):
+        loader = make(transport, planning=planning)
+        it = iter(loader)
+        for _ in range(max(steps)):
+            next(it)
+            if loader.state_dict()["position"]["steps_consumed"] == steps[rank]:
+                state = json.loads(json.dumps(loader.state_dict()))
+        loader.close()
+        return state
+    results, errors = _on_two_ranks(rank_main)
+    assert not errors, errors
+    return results
+
+
+@pytest.mark.parametrize("planning", ["global", "local"])
+def test_ranks_resumed_one_step_apart_fail_at_their_first_exchange(planning):
+    """Each rank loads its own state, saved one step apart inside the same round: before, they resumed with 34
+    and 33 steps left (a DDP hang); now the first exchange raises DesyncError on both."""
+    states = _states_after([4, 3], planning)
+    assert states[0]["position"]["start"] == states[1]["position"]["start"] or planning == "global"
+
+    def rank_main(rank, transport):
+        loader = make(transport, planning=planning)
+        loader.load_state_dict(states[rank])
+        return sum(1 for _ in loader)
+    _, errors = _on_two_ranks(rank_main)
+    assert len(errors) == 2 and all(isinstance(e, DesyncError) for e in errors), errors
+    assert "resumed at different steps [4, 3]" in str(errors[0])
+    with pytest.raises(ElasticResumeError, match="after different steps"):
+        merge_states(states)  # the merged path refuses the same set before any rank starts
+
+
+def test_a_merged_state_with_a_duplicated_buffer_is_refused():
+    states = _states_after([9, 9], "global")
+    assert all(s["position"]["start"]["buffer"] for s in states), "the saved round should begin with a buffer"
+    bad = copy.deepcopy(states)
+    body = {k: v for k, v in bad[1].items() if k != "digest"}
+    body["position"]["start"]["buffer"] = body["position"]["start"]["buffer"] * 2
+    bad[1] = resigned(body)
+    with pytest.raises(ValueError, match="buffer"):
+        make(VirtualTransport(VirtualHub(1), 0)).load_state_dict(merge_states(bad))
