@@ -27,7 +27,9 @@ Anything else raises with the cause and the one-line fix (docs/guarantees.md G6 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -85,6 +87,29 @@ def causal_lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor, ignore_index:
     shifted_logits = logits[..., :-1, :].reshape(-1, logits.shape[-1])
     shifted_labels = labels[..., 1:].reshape(-1).to(shifted_logits.device)
     return F.cross_entropy(shifted_logits, shifted_labels, ignore_index=ignore_index, reduction="sum")
+
+
+def logits_of(output: Any) -> torch.Tensor:
+    """The logits of a model's output: the tensor itself, `output["logits"]`, `output.logits`, or a tuple's first."""
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, Mapping) and "logits" in output:
+        return output["logits"]
+    if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
+        return output[0]  # a model called with return_dict=False and no labels
+    logits = getattr(output, "logits", None)
+    if logits is None:
+        raise TypeError(f"expected logits or a model output with .logits, got {type(output).__name__}")
+    return logits
+
+
+def causal_lm_loss(outputs: Any, labels: torch.Tensor, num_items_in_batch: torch.Tensor | int | None = None) -> Any:
+    """Summed next-token CE / num_items_in_batch (the micro-batch's token mean without it), with the signature of
+    the HF Trainer's `compute_loss_func` (exported there as `odb_hf.causal_lm_loss`)."""
+    total = causal_lm_loss_sum(logits_of(outputs), labels)
+    if num_items_in_batch is None:
+        return total / max(int((labels[..., 1:] != IGNORE_INDEX).sum()), 1)
+    return total / num_items_in_batch
 
 
 def normalized_share(loss: torch.Tensor, normalizer: torch.Tensor) -> float:

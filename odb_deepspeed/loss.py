@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from odb_core import StepInfo
-from odb_core.loss import TokenLossScale, causal_lm_loss_sum
+from odb_core.loss import TokenLossScale, causal_lm_loss_sum, logits_of
 
 
 def loss_scale(info: StepInfo, engine: Any) -> float:
@@ -54,17 +54,6 @@ def weighting_factor(info: StepInfo, engine: Any) -> float:
                           micro_batch_divisor=engine.gradient_accumulation_steps()).factor
 
 
-def _logits_of(output: Any) -> torch.Tensor:
-    if isinstance(output, torch.Tensor):
-        return output
-    if isinstance(output, Mapping) and "logits" in output:
-        return output["logits"]
-    logits = getattr(output, "logits", None)
-    if logits is None:
-        raise TypeError(f"expected logits or a model output with .logits, got {type(output).__name__}")
-    return logits
-
-
 def token_weighted_loss(output: Any, batch: Mapping[str, Any], engine: Any, *,
                         info: StepInfo | None = None) -> torch.Tensor:
     """The loss to pass to `engine.backward` for one ODB micro-batch of a causal LM.
@@ -80,4 +69,4 @@ def token_weighted_loss(output: Any, batch: Mapping[str, Any], engine: Any, *,
     if info is None:
         raise ValueError("token_weighted_loss needs the batch's StepInfo: pass the ODBBatch, or info=batch.info "
                          "when the batch was copied to the device")
-    return causal_lm_loss_sum(_logits_of(output), batch["labels"]) * loss_scale(info, engine)
+    return causal_lm_loss_sum(logits_of(output), batch["labels"]) * loss_scale(info, engine)

@@ -9,9 +9,10 @@ without loss kwargs next to a `compute_loss` override. See docs/guides/hf-traine
 exact, and how the callback takes effect.
 """
 
+from odb_core.loss import causal_lm_loss
 from odb_hf.arguments import ODBSetupError
 from odb_hf.attach import with_odb
 from odb_hf.callback import ODBCallback
-from odb_hf.trainer import ODBTrainer, ODBTrainerMixin, causal_lm_loss
+from odb_hf.trainer import ODBTrainer, ODBTrainerMixin
 
 __all__ = ["ODBCallback", "ODBSetupError", "ODBTrainer", "ODBTrainerMixin", "causal_lm_loss", "with_odb"]

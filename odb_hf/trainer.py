@@ -19,7 +19,7 @@ refused; each refusal names whose loss it is (an override, `compute_loss_func`, 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -29,7 +29,7 @@ from transformers import Trainer
 from odb_core.accumulation import window_normalizer
 from odb_core.epoch_length import EpochView, plan_epoch_length
 from odb_core.loader import ODBDataLoader
-from odb_core.loss import TokenLossScale, causal_lm_loss_sum, normalized_share
+from odb_core.loss import TokenLossScale, causal_lm_loss_sum, logits_of, normalized_share
 from odb_core.metrics import StepMeter
 from odb_hf.arguments import ODBSetupError, build_loader, check_collator_keeps_labels
 
@@ -45,18 +45,6 @@ def _is_arrow_dataset(dataset: Any) -> bool:
     except ImportError:
         return False
     return isinstance(dataset, datasets.Dataset)
-
-
-def causal_lm_loss(outputs: Any, labels: torch.Tensor, num_items_in_batch: torch.Tensor | int | None = None) -> Any:
-    """A `compute_loss_func` for causal LMs: summed next-token CE / num_items_in_batch (the mean without it).
-
-    For a model whose forward takes no loss kwargs next to a `compute_loss` override (TRL's SFTTrainer, your own):
-    `Trainer(..., compute_loss_func=odb_hf.causal_lm_loss)` keeps the override in the loop and the loss exact."""
-    logits = outputs["logits"] if isinstance(outputs, Mapping) else outputs[0]
-    total = causal_lm_loss_sum(logits, labels)
-    if num_items_in_batch is None:
-        return total / max(int((labels[..., 1:] != -100).sum()), 1)
-    return total / num_items_in_batch
 
 
 @dataclass(slots=True)
@@ -150,10 +138,9 @@ class ODBTrainerMixin:
                                 f"and {bypassed.__name__}.compute_loss would not run: pass Trainer(..., "
                                 "compute_loss_func=odb_hf.causal_lm_loss) to keep it, or remove the override")
         outputs = model(**{key: value for key, value in inputs.items() if key != "labels"})
-        logits = outputs["logits"] if isinstance(outputs, dict) else outputs[0]
         scale = TokenLossScale(window_tokens=int(num_items_in_batch), world_size=self.accelerator.num_processes,
                                micro_batch_divisor=self.current_gradient_accumulation_steps)
-        loss = scale.apply(causal_lm_loss_sum(logits, inputs["labels"]))
+        loss = scale.apply(causal_lm_loss_sum(logits_of(outputs), inputs["labels"]))
         return (loss, outputs) if return_outputs else loss
 
     def _odb_check_loss(self, loss: torch.Tensor, normalizer: torch.Tensor) -> None:

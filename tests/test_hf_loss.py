@@ -202,3 +202,20 @@ def test_a_compute_loss_above_the_mixin_is_refused_when_the_trainer_is_built(cha
 
     with pytest.raises(ODBSetupError, match=r"Above.compute_loss is defined above ODBTrainerMixin"):
         train_frozen(tmp_path, hf_support.tiny_llama(), chat_data.train[:8], Above)
+
+
+def test_the_shared_loss_reads_logits_from_every_output_form_and_divides_by_the_given_tokens():
+    """odb_core.loss.logits_of / causal_lm_loss (odb_hf.causal_lm_loss; odb_deepspeed.token_weighted_loss reads
+    logits the same way): a tensor, a mapping, an output object, a return_dict=False tuple."""
+    from types import SimpleNamespace
+
+    from odb_core.loss import logits_of
+
+    logits, labels = torch.randn(2, 5, 7, dtype=torch.float64), torch.tensor([[1, 2, 3, -100, -100], [4, 5, 6, 1, 2]])
+    for output in (logits, {"logits": logits}, SimpleNamespace(logits=logits), (logits,)):
+        assert logits_of(output) is logits
+    total, tokens = causal_lm_loss_sum(logits, labels), int((labels[:, 1:] != -100).sum())
+    assert torch.equal(causal_lm_loss({"logits": logits}, labels, torch.tensor(10.0)), total / 10.0)
+    assert torch.allclose(causal_lm_loss((logits,), labels), total / tokens)
+    with pytest.raises(TypeError, match="expected logits or a model output with .logits, got list"):
+        logits_of([logits])
