@@ -7,7 +7,8 @@ writes its facts to `--out` and the tests assert on them. Scenarios:
               `grads-fsdp-*`: the same under FSDP2, full shard (see CpuFSDPTrainer);
   odb/std   : ODB and a plain Trainer on real chat text, same samples and epochs; eval loss, steps per rank;
   resumed   : the ODB run resumed in a new Trainer from the checkpoint of the `--kill` launch (below);
-  no-use-cpu: TrainingArguments without use_cpu=True on this GPU-less machine: the error ODBCallback raises.
+  refusals  : what ODBCallback refuses on 2 ranks (no use_cpu=True on this GPU-less machine, per-rank token
+              normalisation, train() after evaluate()): the error messages.
 `--kill` (its own torchrun launch, or plain python for one process) runs the ODB run until the checkpoint at
 STOP_AT (mid-epoch) is on disk on every rank, then every rank SIGKILLs itself, as a lost node takes a job down.
 Nothing here works around torch or transformers: a resumed multi-process CPU run needs what odb_hf does itself
@@ -119,16 +120,35 @@ def train_chat(name: str, out: Path, data: Path, odb: bool, resume: str | None =
         torch.save({k: v.detach().clone() for k, v in trainer.model.state_dict().items()}, out / f"{name}.params.pt")
 
 
-def no_use_cpu(out: Path) -> None:
-    """TrainingArguments without use_cpu=True on this GPU-less machine: accelerate counts 1 process per rank."""
-    args = TrainingArguments(output_dir=str(out / "no-use-cpu"), report_to=[], save_strategy="no")
-    facts: dict = {"args_world_size": args.world_size, "error": None}
+def refused(build) -> str | None:
+    """The ODBSetupError message of `build()` (None if it raised none)."""
     try:
-        Trainer(model=hf_support.tiny_llama(), args=args, train_dataset=hf_support.ListDataset([]),
-                callbacks=[ODBCallback(token_budget=1024)])
+        build()
     except ODBSetupError as exc:
-        facts["error"] = str(exc)
-    (out / f"no-use-cpu.rank{rank()}.json").write_text(json.dumps(facts))
+        return str(exc)
+    return None
+
+
+def refusals(out: Path, data: Path) -> None:
+    """What ODBCallback refuses on 2 ranks: TrainingArguments without use_cpu=True on this GPU-less machine
+    (accelerate counts 1 process per rank), average_tokens_across_devices=False, and train() after evaluate()
+    (transformers then skips the DDP wrap)."""
+    samples = hf_support.ListDataset(hf_support.load_samples(data / "train.json")[:16])
+    collator = PadCollator(pad_token_id=hf_support.PAD)
+
+    def trainer(**overrides) -> Trainer:
+        args = TrainingArguments(output_dir=str(out / "refusals"), report_to=[], save_strategy="no",
+                                 disable_tqdm=True, **overrides)
+        return Trainer(model=hf_support.tiny_llama(), args=args, train_dataset=samples, eval_dataset=samples,
+                       data_collator=collator, callbacks=[ODBCallback(token_budget=1024)])
+
+    evaluated = trainer(use_cpu=True, max_steps=1)
+    evaluated.evaluate()
+    facts = {"args_world_size": TrainingArguments(output_dir=str(out / "refusals"), report_to=[]).world_size,
+             "no_use_cpu": refused(lambda: trainer()),
+             "per_rank_tokens": refused(lambda: trainer(use_cpu=True, average_tokens_across_devices=False)),
+             "evaluated_first": refused(evaluated.train)}
+    (out / f"refusals.rank{rank()}.json").write_text(json.dumps(facts))
 
 
 def main() -> None:
@@ -158,7 +178,7 @@ def main() -> None:
     for planning in ("global", "local"):
         grads(f"grads-fsdp-{planning}", hf_support.tiny_llama(dtype=torch.float64), samples, ns.out, 3,
               planning=planning, fsdp=True)
-    no_use_cpu(ns.out)
+    refusals(ns.out, ns.data)
     dist.barrier()
     if rank() == 0:
         (ns.out / "done").write_text("ok")

@@ -158,11 +158,20 @@ def test_resume_after_sigkill_mid_epoch_continues_exactly_on_one_process(single_
 
 def test_without_use_cpu_the_refusal_names_the_missing_ddp_and_not_deepspeed(dist_run):
     """On CPU without TrainingArguments(use_cpu=True), transformers sets up no DDP (each rank alone on all data)."""
-    for rank in facts(dist_run, "no-use-cpu"):
+    for rank in facts(dist_run, "refusals"):
         assert rank["args_world_size"] == 1
         assert re.search(r"counts 1 process\(es\) but torch.distributed runs 2 ranks.*transformers sets up no DDP.*"
-                         r"pass use_cpu=True", rank["error"]), rank["error"]
-        assert "DeepSpeed" not in rank["error"]
+                         r"pass use_cpu=True", rank["no_use_cpu"]), rank["no_use_cpu"]
+        assert "DeepSpeed" not in rank["no_use_cpu"]
+
+
+def test_per_rank_normalisation_and_training_after_evaluate_are_refused_naming_the_cause(dist_run):
+    for rank in facts(dist_run, "refusals"):
+        assert rank["per_rank_tokens"].startswith("average_tokens_across_devices=False normalises each rank's loss "
+                                                  "by its own tokens"), rank["per_rank_tokens"]
+        assert rank["evaluated_first"].startswith("the model is not wrapped for data-parallel training, so gradients "
+                                                  "would not be synchronised"), rank["evaluated_first"]
+        assert "trainer.evaluate() ran before train()" in rank["evaluated_first"]
 
 
 def test_rank_zero_says_once_per_training_run_that_odb_is_on(dist_run):
