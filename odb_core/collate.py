@@ -59,7 +59,7 @@ class PadCollator:
             values = [s[key] if key in s else _text_only_default(key, s) for s in samples]
             if key in SEQUENCE_PAD:
                 pad = self.pad_token_id if key == "input_ids" else SEQUENCE_PAD[key]
-                batch[key] = self._pad([_as_long(v) for v in values], longest, pad)
+                batch[key] = self._pad(values, longest, pad)
             else:
                 batch[key] = default_collate(values)
         if "attention_mask" not in batch:
@@ -68,16 +68,24 @@ class PadCollator:
         return batch
 
     @staticmethod
-    def _pad(rows: list[torch.Tensor], length: int, value: int) -> torch.Tensor:
-        """Rows right-padded to `length` with `value`: one preallocated array and a copy per row (faster than
-        `pad_sequence` for the short batches of a token budget); `pad_sequence` for what numpy cannot hold."""
+    def _pad(values: list[Any], length: int, value: int) -> torch.Tensor:
+        """Rows right-padded to `length` with `value`, as int64 unless the rows are tensors of another dtype.
+
+        Hot path: equal-length tensors are stacked; lists and arrays are copied straight into one preallocated
+        array (no per-row tensor); tensors numpy cannot view (grad, off the CPU) go through `pad_sequence`."""
+        if all(type(v) is list for v in values):
+            out = np.full((len(values), length), value, dtype=np.int64)
+            for i, v in enumerate(values):
+                out[i, : len(v)] = v
+            return torch.from_numpy(out)
+        rows = [_as_long(v) for v in values]
+        if len({r.dtype for r in rows}) == 1 and all(r.shape[0] == length for r in rows):
+            return torch.stack(rows)
         try:
             arrays = [r.numpy() for r in rows]  # refuses tensors with grad, off the CPU, or of numpy-less dtypes
         except (RuntimeError, TypeError):
             arrays = None
         if arrays is not None and len({a.dtype for a in arrays}) == 1:
-            if all(a.shape[0] == length for a in arrays):
-                return torch.stack(rows)
             out = np.full((len(arrays), length), value, dtype=arrays[0].dtype)
             for i, a in enumerate(arrays):
                 out[i, : a.shape[0]] = a

@@ -150,11 +150,16 @@ class StepMeter:
     previous flush, under `odb/` keys (the HF Trainer's log, so `report_to` backends such as TensorBoard get them):
       * `odb/samples_per_second`, `odb/tokens_per_second`: samples and real input tokens over every rank per second;
       * `odb/padding_ratio`, `odb/budget_utilization`, `odb/patch_utilization` (with `max_patches`): as above;
-      * `odb/idle_steps`: IDLE micro-batches on this rank; `odb/samples_per_step`: global samples per optimizer step.
+      * `odb/idle_steps`: IDLE micro-batches on this rank; `odb/samples_per_step`: global samples per optimizer step;
+      * `odb/moved_fraction`, `odb/moved_bytes` (global planning, world > 1): of the samples this rank's loader
+        planned since the previous log, the share read by another rank, and the bytes received for them (these two
+        come from the loader's own counters, `loader_metrics`, which run up to `prefetch_steps` ahead of the trainer).
     """
 
-    def __init__(self, config: ODBConfig, world_size: int) -> None:
-        self.config, self.world_size = config, world_size
+    def __init__(self, config: ODBConfig, loader_metrics: LoaderMetrics) -> None:
+        self.config, self.world_size = config, loader_metrics.world_size
+        self.loader_metrics = loader_metrics
+        self.moves_logged = (0, 0, 0)  # (moved samples, moved bytes, local samples) at the previous flush
         self.seen = self.logged = StepCounts()
         self.last: StepInfo | None = None  # the latest consumed micro-batch
         self.since = time.perf_counter()
@@ -175,5 +180,14 @@ class StepMeter:
         }
         if config.max_patches:
             logs["odb/patch_utilization"] = delta.patch_utilization(config.max_patches, self.world_size)
+        if self.world_size > 1 and config.planning == "global":
+            logs.update(self._moves())
         self.logged, self.since = self.seen, now
         return logs
+
+    def _moves(self) -> dict[str, float]:
+        m = self.loader_metrics
+        now = (m.moved_samples, m.moved_bytes, m.counts.local_samples)
+        moved, moved_bytes, local = (a - b for a, b in zip(now, self.moves_logged, strict=True))
+        self.moves_logged = now
+        return {"odb/moved_fraction": moved / local if local else 0.0, "odb/moved_bytes": float(moved_bytes)}

@@ -100,7 +100,7 @@ class ODBTrainerMixin:
                                  slack=extras["length_slack"], sample_size=extras["estimate_sample_size"])
         view = EpochView(loader, plan, resumed=resumed)
         checks = 0 if self.is_deepspeed_enabled else self.args.gradient_accumulation_steps
-        odb.run = ODBRun(loader=loader, view=view, meter=StepMeter(loader.config, loader.transport.world_size),
+        odb.run = ODBRun(loader=loader, view=view, meter=StepMeter(loader.config, loader.metrics),
                          checks_left=checks)
         return view
 

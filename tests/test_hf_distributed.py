@@ -187,3 +187,6 @@ def test_odb_metrics_are_in_the_trainer_log(dist_run):
     logs = facts(dist_run, "odb")[0]["odb_logs"]
     assert logs and all(0 < entry["odb/budget_utilization"] <= 1 and 0 <= entry["odb/padding_ratio"] < 1
                         and entry["odb/samples_per_second"] > 0 for entry in logs)
+    moved = [entry["odb/moved_fraction"] for entry in logs]  # global planning (the default) at W = 2
+    assert all(0 <= f <= 1 for f in moved) and any(f > 0 for f in moved)
+    assert all((entry["odb/moved_bytes"] > 0) == (entry["odb/moved_fraction"] > 0) for entry in logs)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -45,6 +46,43 @@ def test_resumed_loader_yields_exactly_the_uninterrupted_batches(accumulation_st
         resumed.load_state_dict(state)
         _take(resumed, iter(resumed), len(reference), got)
         assert got == reference, f"resume after {stop} steps diverged"
+
+
+class CountingDataset(LengthDataset):
+    """Counts the samples read, to see how far the background producer has run ahead of the consumer."""
+
+    def __init__(self, lengths) -> None:
+        super().__init__(lengths)
+        self.reads = 0
+
+    def __getitem__(self, index: int) -> dict:
+        self.reads += 1
+        return super().__getitem__(index)
+
+
+def test_a_state_saved_while_the_background_producer_is_rounds_ahead_resumes_exactly():
+    """The producer thread plans and collates up to `prefetch_steps` batches (here several rounds) ahead; the state
+    must describe what the trainer consumed, not what the producer read."""
+    options = dict(prefetch_steps=24)
+    window = 64  # _make
+    reference_loader = _make(LengthDataset(lognormal_lengths(300, 1.0, 128, seed=4, hi=1024)), **options)
+    reference = [_record(b) for b in reference_loader]
+    dataset = CountingDataset(lognormal_lengths(300, 1.0, 128, seed=4, hi=1024))
+    loader = _make(dataset, **options)
+    got: list = []
+    running = _take(loader, iter(loader), 3, got)  # held: dropping the iterator would stop its producer
+    consumed = sum(len(r[2]) for r in got)
+    deadline = time.monotonic() + 30
+    while dataset.reads < consumed + 2 * window and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert dataset.reads >= consumed + 2 * window, "the producer never got two windows ahead"
+    state = json.loads(json.dumps(loader.state_dict()))
+    assert running is not None
+    loader.close()
+    resumed = _make(LengthDataset(dataset.lengths), **options)
+    resumed.load_state_dict(state)
+    got += [_record(b) for b in resumed]
+    assert got == reference
 
 
 def test_load_state_dict_refuses_a_different_budget():

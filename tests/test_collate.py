@@ -1,0 +1,36 @@
+"""PadCollator: lists, arrays and tensors of the same ids give the same batch, on every padding path."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from odb_core.collate import PadCollator
+
+ROWS = [[5, 6, 7], [8], [9, 10, 11, 12]]
+LABELS = [[-100, 6, 7], [8], [-100, -100, 11, 12]]
+EXPECTED_IDS = torch.tensor([[5, 6, 7, 0], [8, 0, 0, 0], [9, 10, 11, 12]])
+EXPECTED_LABELS = torch.tensor([[-100, 6, 7, -100], [8, -100, -100, -100], [-100, -100, 11, 12]])
+EXPECTED_MASK = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [1, 1, 1, 1]])
+
+
+@pytest.mark.parametrize("kind", [list, np.array, torch.tensor])
+def test_ragged_rows_pad_the_same_whatever_their_container(kind):
+    batch = PadCollator()([{"input_ids": kind(i), "labels": kind(l)} for i, l in zip(ROWS, LABELS, strict=True)])
+    assert batch["input_ids"].dtype == torch.long and batch["labels"].dtype == torch.long
+    assert torch.equal(batch["input_ids"], EXPECTED_IDS)
+    assert torch.equal(batch["labels"], EXPECTED_LABELS)
+    assert torch.equal(batch["attention_mask"], EXPECTED_MASK)
+
+
+def test_equal_length_rows_are_stacked_and_a_tensor_with_grad_still_pads():
+    same = PadCollator(pad_token_id=3)([{"input_ids": torch.tensor([1, 2])}, {"input_ids": [4, 5]}])
+    assert torch.equal(same["input_ids"], torch.tensor([[1, 2], [4, 5]]))
+    assert torch.equal(same["attention_mask"], torch.ones(2, 2, dtype=torch.long))
+    weights = [torch.ones(2, requires_grad=True), torch.ones(1, requires_grad=True)]
+    mixed = PadCollator()([{"input_ids": [1, 2], "position_ids": [0, 1], "w": 1.0},
+                           {"input_ids": [4], "position_ids": [0], "w": 2.0}])
+    assert torch.equal(mixed["position_ids"], torch.tensor([[0, 1], [0, 0]]))
+    assert torch.equal(mixed["w"], torch.tensor([1.0, 2.0], dtype=torch.float64))
+    assert PadCollator._pad(weights, 2, 0).tolist() == [[1.0, 1.0], [1.0, 0.0]]
