@@ -2,7 +2,8 @@
 
   compare, mm_bench                  every peer on the same workloads (writes results/)
   utilization, alignment,            single measures of odb's own loader
-  loader_throughput
+  loader_throughput, hot_path        (hot_path: ODB against a plain DataLoader on three real dataset shapes)
+  pool_plan                          CPU time of one pooled (global) round's plan at W = 256
   global_scale, move_modes           global against rank-local planning (odb plan at scale), send against fetch
   demo                               `make demo`: CPU fine-tuning, Standard against ODB
   gpu.train_throughput               training throughput and peak memory on one GPU

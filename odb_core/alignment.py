@@ -13,7 +13,7 @@ import random
 from dataclasses import dataclass
 
 from odb_core.budget import GroupBudget, Item
-from odb_core.grouping import Group, WindowPlan, split_group
+from odb_core.grouping import Group, WindowPlan, split_widest
 
 Slot = Group | None
 
@@ -26,19 +26,6 @@ class Adjustment:
     kept: tuple[Item, ...]
     n_split: int
     n_pushed_back: int
-
-
-def _split_until(groups: list[Group], target: int, budget: GroupBudget) -> int:
-    """Split the group with the most samples (first on ties) until there are `target` groups or none splits."""
-    n_split = 0
-    while len(groups) < target:
-        widest = max(range(len(groups)), key=lambda i: (groups[i].size, -i), default=None)
-        if widest is None or groups[widest].size < 2:
-            break
-        first, second = split_group(groups[widest], budget)
-        groups[widest : widest + 1] = [first, second]
-        n_split += 1
-    return n_split
 
 
 def adjust(plan: WindowPlan, target: int, budget: GroupBudget) -> Adjustment:
@@ -56,7 +43,7 @@ def adjust(plan: WindowPlan, target: int, budget: GroupBudget) -> Adjustment:
         kept = [item for i in pushed for item in ready[i].items] + held_items
         return Adjustment(slots=tuple(ready[i] for i in chosen), kept=tuple(kept), n_split=0,
                           n_pushed_back=len(pushed))
-    n_split = _split_until(ready, target, budget)
+    n_split = split_widest(ready, target, budget)
     slots: list[Slot] = [*ready, *([None] * (target - len(ready)))]
     return Adjustment(slots=tuple(slots), kept=tuple(held_items), n_split=n_split, n_pushed_back=0)
 

@@ -20,6 +20,8 @@ Everything here is a pure function of lengths and the budget; there is no random
 
 from __future__ import annotations
 
+import heapq
+
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -68,14 +70,20 @@ class WindowPlan:
         return self.groups[self.n_ready :]
 
 
-def sort_longest_first(items: Sequence[Item]) -> list[Item]:
-    """Deterministic order: longest first, then most patches, then dataset index (one numpy lexsort)."""
+def sort_longest_first(items: Sequence[Item], *, by_owner: bool = False) -> list[Item]:
+    """Deterministic order: longest first, then most patches, then (`by_owner`: owner rank, then) dataset index.
+    One numpy lexsort for 64 items or more."""
     if len(items) < 64:
+        if by_owner:
+            return sorted(items, key=lambda it: (-it.length, -it.patches, it.owner, it.index))
         return sorted(items, key=lambda it: (-it.length, -it.patches, it.index))
-    order = np.lexsort((np.fromiter((it.index for it in items), np.int64, len(items)),
-                        -np.fromiter((it.patches for it in items), np.int64, len(items)),
-                        -np.fromiter((it.length for it in items), np.int64, len(items))))
-    return [items[k] for k in order.tolist()]
+    n = len(items)
+    keys = [np.fromiter((it.index for it in items), np.int64, n)]
+    if by_owner:
+        keys.append(np.fromiter((it.owner for it in items), np.int64, n))
+    keys += [-np.fromiter((it.patches for it in items), np.int64, n),
+             -np.fromiter((it.length for it in items), np.int64, n)]
+    return [items[k] for k in np.lexsort(keys).tolist()]
 
 
 def pack_sorted(items: Sequence[Item], budget: GroupBudget) -> list[Group]:
@@ -118,6 +126,27 @@ def split_group(group: Group, budget: GroupBudget) -> tuple[Group, Group]:
     middle = group.size // 2
     first, second = group.items[:middle], group.items[middle:]
     return (Group(first, budget.cost_of_items(first)), Group(second, budget.cost_of_items(second)))
+
+
+def split_widest(groups: list[Group], count: int, budget: GroupBudget) -> int:
+    """Split the group with the most samples (the earliest on ties) until `groups` holds `count` groups or none
+    can be split; halves take their parent's place in order. Returns the number of splits.
+
+    A heap keyed by (-size, position path): a half's path is its parent's plus 0 or 1, so comparing paths orders
+    groups as the list does, without re-scanning the list per split (O(s log n) for s splits, not O(s n))."""
+    if len(groups) >= count:
+        return 0
+    heap = [(-g.size, (i,), g) for i, g in enumerate(groups)]
+    heapq.heapify(heap)
+    n_split, total = 0, len(groups)
+    while total < count and heap and heap[0][0] <= -2:
+        _, path, group = heapq.heappop(heap)
+        for k, half in enumerate(split_group(group, budget)):
+            heapq.heappush(heap, (-half.size, (*path, k), half))
+        n_split, total = n_split + 1, total + 1
+    done = sorted([(path, g) for _, path, g in heap], key=lambda pg: pg[0])
+    groups[:] = [g for _, g in done]
+    return n_split
 
 
 def oracle_groups(items: Sequence[Item], budget: GroupBudget) -> list[Group]:

@@ -28,7 +28,7 @@ from odb_core.estimate import estimate_steps
 from odb_core.metrics import LoaderMetrics
 from odb_core.pipeline import EpochReport, EpochRun, RunContext
 from odb_core.prefetch import BackgroundIterator
-from odb_core.resume import MergedState, check_elastic, is_merged, remainder_plan
+from odb_core.resume import restore
 from odb_core.round_log import RoundLog
 from odb_core.rounds import RoundsFactory, move_mode
 from odb_core.sample import LengthFn
@@ -111,8 +111,7 @@ class ODBDataLoader:
         self.dataset = dataset
         self.transport = transport if transport is not None else default_transport(config.sync_timeout_s,
                                                                                        config.liveness_timeout_s)
-        self.metrics = LoaderMetrics(token_budget=config.token_budget, world_size=self.transport.world_size,
-                                     patch_budget=config.max_patches or 0)
+        self.metrics = self._new_metrics()
         stream_options = StreamOptions(sampler=sampler, shuffle=shuffle, seed=config.seed, num_workers=num_workers,
                                        shard_iterable=shard_iterable, fetch_chunk=config.fetch_chunk,
                                        worker_timeout_s=config.worker_timeout_s, worker_options=worker_options,
@@ -181,16 +180,14 @@ class ODBDataLoader:
         points at the start of the next epoch. To resume at another world size, merge every rank's state with
         `odb_core.resume.merge_states`. Size: O(window) ints (plus O(W x window) during a remainder epoch).
         """
-        me = self._identity()
-        cursor = self._cursor
-        epoch, plan, position, metrics = cursor.epoch, cursor.plan, cursor.position, self.metrics.snapshot()
-        current = self._current
-        if current is not None and not current.finished:
+        current, cursor, me = self._current, self._cursor, self._identity()
+        if current is not None and not current.finished:  # where the trainer stands, not the producer thread
             epoch, plan, position, metrics = current.epoch, current.plan, current.log.position, current.start_metrics
-        if position is not None:
-            metrics = position.metrics
+        else:
+            epoch, plan, position, metrics = cursor.epoch, cursor.plan, cursor.position, self.metrics.snapshot()
         return LoaderState(world_size=me.world_size, rank=me.rank, config=me.config, source=me.source, epoch=epoch,
-                           plan=plan, position=position, metrics=dict(metrics)).to_dict()
+                           plan=plan, position=position,
+                           metrics=dict(position.metrics if position is not None else metrics)).to_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a `state_dict()` (or a `merge_states()` of every rank's); the next `iter()` continues from it.
@@ -200,20 +197,11 @@ class ODBDataLoader:
         Refuses (ValueError) a different batching config, dataset size or sampler, and a single rank's state
         from another world size.
         """
-        me = self._identity()
-        if is_merged(state):
-            merged = MergedState.from_dict(state)
-            if merged.world_size != me.world_size:
-                self._load_elastic(merged, me)
-                return
-            loaded = merged.states[me.rank]
-        else:
-            loaded = LoaderState.from_dict(state)
-        loaded.check_resumable_by(me)
-        loaded.check_against_shard(self._shard_order(loaded), self.config.window, self.config.accumulation_steps)
+        restored = restore(state, self._identity(), self._shard_order, self.config.window,
+                           self.config.accumulation_steps)
         self.close()
-        self.metrics.restore(dict(loaded.metrics))
-        self._cursor.load(loaded.epoch, loaded.position, loaded.plan)
+        self.metrics.restore(restored.metrics if restored.metrics is not None else self._new_metrics().snapshot())
+        self._cursor.load(restored.epoch, restored.position, restored.plan)
 
     def _shard_order(self, loaded: LoaderState) -> list[int] | None:
         """This rank's index order of the loaded epoch (its remainder after an elastic resume); None: a stream."""
@@ -223,15 +211,9 @@ class ODBDataLoader:
             return loaded.plan.indices(self.transport.rank, loaded.epoch)
         return self._stream.epoch_indices(loaded.epoch)
 
-    def _load_elastic(self, merged: MergedState, me: LoaderIdentity) -> None:
-        check_elastic(merged, me)
-        plan = remainder_plan(merged.states, me.world_size)
-        if plan is not None:  # recompute every old rank's remainder now: an inconsistent one is refused at load
-            plan.indices(me.rank, merged.states[0].progress()[0])
-        self.close()
-        self.metrics.restore(LoaderMetrics(token_budget=self.config.token_budget, world_size=me.world_size,
-                                           patch_budget=self.config.max_patches or 0).snapshot())
-        self._cursor.load(merged.states[0].progress()[0], None, plan)
+    def _new_metrics(self) -> LoaderMetrics:
+        return LoaderMetrics(token_budget=self.config.token_budget, world_size=self.transport.world_size,
+                             patch_budget=self.config.max_patches or 0)
 
     # -- length ---------------------------------------------------------------------------------------------
     def estimate_steps(self, sample_size: int = 512) -> int:

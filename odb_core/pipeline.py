@@ -181,7 +181,9 @@ class EpochRun(Iterator[ODBBatch]):
         rank = self.ctx.transport.rank
         samples = [sample_of(item, planned, rank, self.reader.take) for item in slot.items]
         batch = run_collate(self.ctx.collate_fn, samples, slot.indices)
-        real = sum(input_tokens(s) for s in samples)
+        # without a length_fn an item's length is its input tokens, counted when it was admitted
+        real = (sum(item.length for item in slot.items) if self.ctx.length_fn is None
+                else sum(input_tokens(s) for s in samples))
         return _Built(batch=batch, indices=slot.indices, samples=slot.size, tokens=supervised_tokens(batch, samples),
                       input_tokens=real, padded=padded_tokens(batch, real), cost=round(slot.cost),
                       patches=sum(item.patches for item in slot.items))

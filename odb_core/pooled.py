@@ -42,16 +42,11 @@ from odb_core.alignment import RoundKey, Slot, step_permutation
 from odb_core.budget import GroupBudget, Item, build_budget
 from odb_core.config import ODBConfig
 from odb_core.engine import WindowEngine
-from odb_core.grouping import Group, pack_sorted, split_group
+from odb_core.grouping import Group, pack_sorted, sort_longest_first, split_widest
 from odb_core.termination import (Decision, PoolFacts, RankState, align_to_accumulation, build_termination,
                                   check_same_progress)
 
 POOL_FIELDS = 3  # per buffered item in the round's all_gather: index, length, patches
-
-
-def pool_order(item: Item) -> tuple[int, int, int, int]:
-    """The pooled sort key: longest first, then most patches, then owner and dataset index (total)."""
-    return (-item.length, -item.patches, item.owner, item.index)
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,18 +74,6 @@ def _fresh(group: Group) -> bool:
     return not any(it.carried for it in group.items)
 
 
-def _split_to(groups: list[Group], count: int, budget: GroupBudget) -> int:
-    """Split the widest groups (first on ties) until there are `count` groups or none can be split."""
-    n_split = 0
-    while len(groups) < count:
-        widest = max(range(len(groups)), key=lambda i: (groups[i].size, -i), default=None)
-        if widest is None or groups[widest].size < 2:
-            break
-        groups[widest : widest + 1] = list(split_group(groups[widest], budget))
-        n_split += 1
-    return n_split
-
-
 def _assign_band(band: Sequence[Slot], world: int) -> list[Slot]:
     """One band's groups to ranks: largest overlap first (the rank holding most of a group's samples)."""
     pairs = sorted(((-count, g, owner) for g, group in enumerate(band) if group is not None
@@ -109,14 +92,25 @@ def _assign_band(band: Sequence[Slot], world: int) -> list[Slot]:
 
 
 def _kept(buffers: Sequence[Sequence[Item]], emitted: Sequence[Slot]) -> tuple[tuple[Item, ...], ...]:
-    """Each owner's buffer minus its emitted items (a multiset: an index may repeat in a buffer)."""
-    gone = Counter((it.owner, it.index) for g in emitted if g is not None for it in g.items)
+    """Each owner's buffer minus its emitted items (a multiset: an index may repeat in a buffer). Emitted items
+    come from the buffers, so an owner that emitted as many items as it buffered keeps nothing."""
+    gone: list[Counter[int]] = [Counter() for _ in buffers]
+    for group in emitted:
+        if group is not None:
+            for it in group.items:
+                gone[it.owner][it.index] += 1
     kept = []
-    for buffer in buffers:
+    for buffer, out in zip(buffers, gone, strict=True):
+        if not out:
+            kept.append(tuple(buffer))
+            continue
+        if out.total() == len(buffer):
+            kept.append(())
+            continue
         stay = []
         for item in buffer:
-            if gone[(item.owner, item.index)] > 0:
-                gone[(item.owner, item.index)] -= 1
+            if out[item.index] > 0:
+                out[item.index] -= 1
             else:
                 stay.append(item)
         kept.append(tuple(stay))
@@ -137,7 +131,7 @@ def plan_pooled_round(buffers: Sequence[Sequence[Item]], request: PoolRequest, c
     """The round's plan over every rank's buffer (see NOTE [ Pooled rounds ]). Pure and deterministic."""
     budget = budget if budget is not None else build_budget(config)
     world = len(buffers)
-    groups = pack_sorted(sorted((it for b in buffers for it in b), key=pool_order), budget)
+    groups = pack_sorted(sort_longest_first([it for b in buffers for it in b], by_owner=True), budget)
     any_active = any(request.active)
     hold_tail = any_active and len(groups) > 1 and not all(it.carried for it in groups[-1].items)
     n_ready = len(groups) - 1 if hold_tail else len(groups)
@@ -148,7 +142,7 @@ def plan_pooled_round(buffers: Sequence[Sequence[Item]], request: PoolRequest, c
     eligible = len(groups) if decision.final else n_ready  # the final round may emit the tail too
     fullest = sorted(range(eligible), key=lambda i: (_fresh(groups[i]), -groups[i].cost, i))[:slots]
     emitted = [groups[i] for i in sorted(fullest)]
-    n_split = _split_to(emitted, slots, budget)
+    n_split = split_widest(emitted, slots, budget)
     ranked = sorted(range(len(emitted)), key=lambda i: (-emitted[i].cost, i))
     by_cost: list[Slot] = [emitted[i] for i in ranked] + [None] * (slots - len(emitted))
     bands = [_assign_band(by_cost[k * world : (k + 1) * world], world) for k in range(decision.target)]

@@ -34,12 +34,12 @@ Costs: the state holds O(window) ints per rank; an elastic load recomputes every
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from odb_core.state import (MERGED_FORMAT, RECOMPUTABLE, STATE_VERSION, ElasticResumeError, LoaderIdentity,
-                            LoaderState, RemainderPart, RemainderSource, ShardedSource, StateError)
+                            LoaderState, RemainderPart, RemainderSource, SavedPosition, ShardedSource, StateError)
 
 __all__ = ["ElasticResumeError", "MergedState", "merge_states", "remainder_plan"]
 ELASTIC_VERSIONS = (2, STATE_VERSION)
@@ -175,3 +175,39 @@ def _part(state: LoaderState) -> RemainderPart:
     start = state.position.point.start
     return RemainderPart(rank=state.rank, source=source, consumed=start.consumed, buffer=start.buffer,
                          emitted=state.position.point.round_emitted)
+
+
+@dataclass(frozen=True, slots=True)
+class Restored:
+    """What a loaded state makes of a loader: the epoch to continue with its pending position (exact resume) or
+    remainder plan (elastic), and the metrics counters to restore (None: they restart at zero)."""
+
+    epoch: int
+    position: SavedPosition | None
+    plan: RemainderSource | None
+    metrics: dict[str, Any] | None
+
+
+def restore(state: Any, me: LoaderIdentity, shard_order: Callable[[LoaderState], list[int] | None],
+            window: int, accumulation_steps: int) -> Restored:
+    """Check a `state_dict()` or `merge_states()` result against the loader `me` and say where it continues.
+
+    A rank state, or a merged state of the same world size, resumes exactly after `check_resumable_by` and the
+    check against this rank's shard (`shard_order(loaded)`: its index order of the loaded epoch, None for a
+    stream). A merged state of another world size continues on the remainder (NOTE [ Elastic resume ]); every
+    old rank's remainder is recomputed here, so an inconsistent one is refused at load, not mid-epoch."""
+    if is_merged(state):
+        merged = MergedState.from_dict(state)
+        if merged.world_size != me.world_size:
+            check_elastic(merged, me)
+            epoch = merged.states[0].progress()[0]
+            plan = remainder_plan(merged.states, me.world_size)
+            if plan is not None:
+                plan.indices(me.rank, epoch)
+            return Restored(epoch=epoch, position=None, plan=plan, metrics=None)
+        loaded = merged.states[me.rank]
+    else:
+        loaded = LoaderState.from_dict(state)
+    loaded.check_resumable_by(me)
+    loaded.check_against_shard(shard_order(loaded), window, accumulation_steps)
+    return Restored(epoch=loaded.epoch, position=loaded.position, plan=loaded.plan, metrics=dict(loaded.metrics))

@@ -35,6 +35,9 @@ def sequence_length(value: Any) -> int | None:
     """Length of a 1-D token sequence given as a tensor, ndarray, list or tuple; None if it is not 1-D."""
     if type(value) is list:  # the common cases first: this runs per sample
         return len(value)
+    if type(value) is torch.Tensor:
+        shape = value.shape
+        return shape[0] if len(shape) == 1 else None
     if isinstance(value, torch.Tensor | np.ndarray):
         shape = value.shape
         return int(shape[0]) if len(shape) == 1 else None
@@ -53,6 +56,9 @@ def count_patches(sample: Mapping[str, Any]) -> int:
     if pixels is not None and hasattr(pixels, "shape") and len(pixels.shape) >= 1:
         return int(pixels.shape[0])
     return 0
+
+
+INTEGER_DTYPES = frozenset({torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8})  # one lookup, hot path
 
 
 def non_integer(value: Any) -> str | None:
@@ -78,7 +84,7 @@ def _checked_length(index: int, key: str, value: Any) -> int:
     if isinstance(value, torch.Tensor):
         if value.ndim != 1:
             raise SampleError(index, _not_1d(key, value))
-        if value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
+        if value.dtype not in INTEGER_DTYPES and non_integer(value) is not None:
             raise SampleError(index, _not_integer(key, f"dtype {value.dtype}"))
         return value.shape[0]
     n = sequence_length(value)

@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 from conftest import lognormal_lengths
 from odb_core import Item, ODBConfig, simulate_epoch
 from odb_core.budget import AttentionBudget, CountCap, PaddedBudget, PatchCap, TokenBudget, build_budget
-from odb_core.grouping import Group, oracle_groups, pack_sorted, plan_window, sort_longest_first, split_group
+from odb_core.grouping import (Group, oracle_groups, pack_sorted, plan_window, sort_longest_first, split_group,
+                               split_widest)
 
 
 def items_of(lengths, patches=None) -> list[Item]:
@@ -204,3 +205,42 @@ def test_simulated_utilization_is_within_five_percent_of_the_oracle(cv, world):
     plan = simulate_epoch([items[r::world] for r in range(world)], config)
     utilization = sum(lengths) / (plan.n_steps * world * budget_tokens)
     assert utilization >= 0.95 * oracle_utilization
+
+
+def _split_widest_by_scanning(groups, count, budget):
+    """The definition: rescan for the widest group (earliest on ties) and split it in place, one at a time."""
+    n_split = 0
+    while len(groups) < count:
+        widest = max(range(len(groups)), key=lambda i: (groups[i].size, -i), default=None)
+        if widest is None or groups[widest].size < 2:
+            break
+        groups[widest : widest + 1] = list(split_group(groups[widest], budget))
+        n_split += 1
+    return n_split
+
+
+@settings(max_examples=200, deadline=None)
+@given(sizes=st.lists(st.integers(1, 12), max_size=12), extra=st.integers(0, 40))
+def test_split_widest_splits_exactly_the_groups_a_rescan_would(sizes, extra):
+    budget = build_budget(ODBConfig(token_budget=10_000))
+    groups, start = [], 0
+    for size in sizes:
+        members = tuple(Item(index=start + k, length=5 + (start + k) % 7) for k in range(size))
+        groups.append(Group(members, budget.cost_of_items(members)))
+        start += size
+    fast, slow = list(groups), list(groups)
+    assert split_widest(fast, len(groups) + extra, budget) == _split_widest_by_scanning(slow, len(groups) + extra,
+                                                                                          budget)
+    assert [g.indices for g in fast] == [g.indices for g in slow]
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 50), st.integers(0, 3), st.integers(0, 5)), min_size=64, max_size=150))  # the lexsort path
+def test_the_vectorised_sort_matches_the_key_sort(rows):
+    items = [Item(index=i % 37, length=n, patches=p, owner=o) for i, (n, p, o) in enumerate(rows)]
+    for by_owner in (False, True):
+        key = ((lambda it: (-it.length, -it.patches, it.owner, it.index)) if by_owner
+               else (lambda it: (-it.length, -it.patches, it.index)))
+        got = [(it.length, it.patches, it.owner, it.index) for it in sort_longest_first(items, by_owner=by_owner)]
+        want = [(it.length, it.patches, it.owner, it.index) for it in sorted(items, key=key)]
+        assert got == want  # both sorts are stable, so even full ties keep the input order

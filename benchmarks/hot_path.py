@@ -1,0 +1,176 @@
+"""The loader's hot path: ODB against a plain DataLoader, side by side in one process, on three real shapes.
+
+    python -m benchmarks.hot_path [--workers 0,2,4] [--repeats 5] [--samples 4000] [--rss]
+
+Datasets (map-style, what trainers feed):
+  * `trivial`: 20,000 in-memory samples of 64 tokens (`torch.full`): the loader machinery alone;
+  * `arrow`: a pre-tokenized HF `datasets.Dataset` of ChitChat conversations (DeepSeek tokenizer, lists of ids),
+    what LLaMA-Factory and TRL users load; read with `__getitems__` by both loaders;
+  * `tokenize`: the same conversations as raw turns, templated and tokenized in `__getitem__`.
+Plain = `DataLoader(batch_size=16)`; ODB = `ODBDataLoader(token_budget=16 x mean length, cost="tokens")` with its
+default background producer, and `odb_inline` the same with `prefetch_steps=0` (planned in the caller's thread), so that
+both form batches of about 16 samples; both collate with `odb_core.PadCollator` (padded tensors and an attention
+mask), except `trivial`, where plain keeps `default_collate` (what `DataLoader(batch_size=B)` does). Every repeat
+runs one epoch of each, back to back; samples/s is the median over repeats, the ratio the median of the
+per-repeat ratios. ODB's own work per sample = 1 / ODB's rate - 1 / plain's rate: the time ODB adds beyond reading
+and collating the same samples; and, less sensitive to a loaded machine, the trainer process's CPU time per sample
+(all its threads, no worker process; best of the repeats) of each loader and their difference. `--rss` measures peak RSS of one epoch of each in a fresh process, and ODB's
+extra RSS on a 200,000-sample epoch of `trivial`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.utils.data import DataLoader
+
+from benchmarks import RESULTS
+from odb_core import ODBDataLoader, PadCollator
+
+BATCH = 16
+SEQ = 64
+
+
+class Trivial(torch.utils.data.Dataset):
+    def __init__(self, n: int = 20_000) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> dict:
+        ids = torch.full((SEQ,), index % 1000, dtype=torch.long)
+        return {"input_ids": ids, "labels": ids}
+
+
+class Tokenizing(torch.utils.data.Dataset):
+    """Raw conversations, templated and tokenized on every fetch (the processing ODB waits for)."""
+
+    def __init__(self, conversations: list, max_len: int = 4096) -> None:
+        from benchmarks.data import chat_data
+
+        self.conversations, self.max_len = conversations, max_len
+        self.tokenizer = chat_data.load_tokenizer()
+
+    def __len__(self) -> int:
+        return len(self.conversations)
+
+    def __getitem__(self, index: int) -> dict:
+        from benchmarks.data import chat_data
+
+        return chat_data.tokenize(self.conversations[index], self.tokenizer, self.max_len)
+
+
+def build(name: str, samples: int):
+    """(dataset, mean length) of a named shape."""
+    if name == "trivial":
+        return Trivial(), SEQ
+    from benchmarks.data import chat_data
+
+    conversations = chat_data.conversations()[:samples]
+    if name == "tokenize":
+        data = Tokenizing(conversations)
+        return data, statistics.fmean(len(data[i]["input_ids"]) for i in range(0, len(data), 10))
+    import datasets
+
+    corpus = chat_data.build_corpus(n=samples)
+    arrow = datasets.Dataset.from_dict({"input_ids": [s["input_ids"] for s in corpus.samples],
+                                        "labels": [s["labels"] for s in corpus.samples]})
+    return arrow, statistics.fmean(corpus.lengths())
+
+
+def epoch_rate(loader, count) -> tuple[float, float]:
+    """(samples per wall second, trainer-process CPU microseconds per sample) of one epoch. The CPU time counts
+    every thread of this process (ODB's producer included) and no worker process."""
+    start, cpu = time.perf_counter(), time.process_time()
+    n = sum(count(batch) for batch in loader)
+    return n / (time.perf_counter() - start), 1e6 * (time.process_time() - cpu) / n
+
+
+def loaders(name: str, dataset, mean: float, workers: int, prefetch_steps: int | None = None):
+    options = {"num_workers": workers}
+    if workers:
+        options.update(persistent_workers=True, multiprocessing_context="fork")
+    collate = None if name == "trivial" else PadCollator()
+    plain = DataLoader(dataset, batch_size=BATCH, collate_fn=collate, **options)
+    if prefetch_steps is not None:  # None: ODB's default
+        options["prefetch_steps"] = prefetch_steps
+    odb = ODBDataLoader(dataset, token_budget=int(BATCH * mean), cost="tokens", collate_fn=collate or PadCollator(),
+                        **options)
+    return plain, odb
+
+
+def compare(name: str, workers: int, repeats: int, samples: int) -> dict:
+    dataset, mean = build(name, samples)
+    plain, odb = loaders(name, dataset, mean, workers)
+    _, inline = loaders(name, dataset, mean, workers, prefetch_steps=0)
+    runs = (("plain", plain, lambda b: b["input_ids"].shape[0]), ("odb", odb, lambda b: b.info.local_samples),
+            ("odb_inline", inline, lambda b: b.info.local_samples))
+    rates: dict[str, list[float]] = {which: [] for which, _, _ in runs}
+    cpu: dict[str, list[float]] = {which: [] for which, _, _ in runs}
+    for _ in range(repeats):
+        for which, loader, count in runs:
+            rate, us = epoch_rate(loader, count)
+            rates[which].append(rate)
+            cpu[which].append(us)
+    odb.close()
+    inline.close()
+    plain_sps, odb_sps = statistics.median(rates["plain"]), statistics.median(rates["odb"])
+    ratios = [o / p for o, p in zip(rates["odb"], rates["plain"], strict=True)]
+    plain_cpu, odb_cpu = min(cpu["plain"]), min(cpu["odb"])
+    return {"dataset": name, "workers": workers, "samples": len(dataset), "plain_samples_per_s": round(plain_sps),
+            "odb_samples_per_s": round(odb_sps), "ratio": round(statistics.median(ratios), 3),
+            "ratio_range": [round(min(ratios), 3), round(max(ratios), 3)],
+            "odb_own_us_per_sample": round(1e6 * (1 / odb_sps - 1 / plain_sps), 1),
+            "inline_ratio": round(statistics.median(
+                [o / p for o, p in zip(rates["odb_inline"], rates["plain"], strict=True)]), 3),
+            "trainer_cpu_us_per_sample": {which: round(min(us), 1) for which, us in cpu.items()},
+            "odb_own_cpu_us_per_sample": round(odb_cpu - plain_cpu, 1),
+            "odb_inline_own_cpu_us_per_sample": round(min(cpu["odb_inline"]) - plain_cpu, 1)}
+
+
+def peak_rss_mb(which: str, name: str, n: int) -> float:
+    """Peak RSS of one epoch of `which` loader in a fresh process."""
+    code = (f"import resource, sys; from benchmarks.hot_path import Trivial, build, loaders; "
+            f"ds, mean = (Trivial({n}), {SEQ}) if '{name}' == 'trivial' else build('{name}', {n}); "
+            f"plain, odb = loaders('{name}', ds, mean, 0); loader = {which}; "
+            "[None for _ in loader]; print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                          cwd=Path(__file__).resolve().parents[1])
+    return int(done.stdout.strip().splitlines()[-1]) / 1024
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--datasets", default="trivial,arrow,tokenize")
+    parser.add_argument("--workers", default="0,2,4")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--samples", type=int, default=4000, help="conversations for arrow/tokenize")
+    parser.add_argument("--rss", action="store_true")
+    parser.add_argument("--out", type=Path, default=RESULTS / "hot_path.json")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    rows = []
+    for name in args.datasets.split(","):
+        for workers in (int(w) for w in args.workers.split(",")):
+            rows.append(compare(name, workers, args.repeats, args.samples))
+            print(json.dumps(rows[-1]), flush=True)
+    result = {"rows": rows, "command": " ".join(["python -m benchmarks.hot_path", *(argv or sys.argv[1:])])}
+    if args.rss:
+        result["rss_mb"] = {f"{which}_{name}_{n}": round(peak_rss_mb(which, name, n), 1)
+                            for name, n in (("trivial", 200_000), ("arrow", args.samples))
+                            for which in ("plain", "odb")}
+        print(json.dumps(result["rss_mb"]), flush=True)
+    args.out.write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
