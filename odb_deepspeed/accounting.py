@@ -62,9 +62,12 @@ class DeepSpeedODBLoader:
                               supervised_tokens=done.global_supervised_tokens, input_tokens=done.global_input_tokens)
 
     def __iter__(self) -> Iterator[ODBBatch]:
+        serve = getattr(self.engine, "odb_serve", None)  # ODB's engine weights and checks the loss (engine.py)
         for batch in self.odb:
             self._check_aligned(batch.info)
             self._count(batch.info)
+            if serve is not None:
+                serve(batch, batch.info)
             yield batch
 
     def __len__(self) -> int:

@@ -1,7 +1,8 @@
-"""What the Trainer iterates: one ODB epoch per Trainer epoch, with a length the Trainer can plan with.
+"""An epoch length for trainers that plan with `len()`: one ODB epoch per trainer epoch (the HF Trainer, and
+LLaMA-Factory through it; any loop that sizes its schedule from `len(dataloader)` before the first batch).
 
 NOTE [ Epochs under the HF Trainer ]
-The Trainer reads `len(train_dataloader)` once and runs every epoch as `range(ceil(len / G))` optimizer steps,
+The HF Trainer reads `len(train_dataloader)` once and runs every epoch as `range(ceil(len / G))` optimizer steps,
 each pulling G micro-batches; once the iterator is exhausted the remaining iterations get no batch and do nothing.
 ODB epochs vary in length (batch sizes follow the observed lengths), so:
   * epoch-based runs (`max_steps <= 0`): `len()` is an upper bound U = estimate x (1 + slack), rounded up to G.
@@ -23,11 +24,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from odb_core.loader import ODBDataLoader
-from odb_core.step_info import ODBBatch
+from odb_core.step_info import ODBBatch, StepInfo
 
 
 @dataclass(frozen=True, slots=True)
-class EpochPlan:
+class EpochLength:
     """Lengths the Trainer plans with. `length` None: no len() (step-based or unsized data)."""
 
     length: int | None
@@ -36,11 +37,11 @@ class EpochPlan:
     stop_epoch: int | None
 
 
-def plan_epochs(loader: ODBDataLoader, *, max_steps: int, num_train_epochs: float, slack: float,
-                sample_size: int) -> EpochPlan:
+def plan_epoch_length(loader: ODBDataLoader, *, max_steps: int, num_train_epochs: float, slack: float,
+                sample_size: int) -> EpochLength:
     """Estimate the steps per epoch (one all_gather of one int; every rank calls it at the same point)."""
     if max_steps > 0:
-        return EpochPlan(length=None, estimate=None, planned_steps=None, stop_epoch=None)
+        return EpochLength(length=None, estimate=None, planned_steps=None, stop_epoch=None)
     accumulation = loader.config.accumulation_steps
     try:
         estimate = loader.estimate_steps(sample_size=sample_size)
@@ -48,14 +49,14 @@ def plan_epochs(loader: ODBDataLoader, *, max_steps: int, num_train_epochs: floa
         raise TypeError(f"an epoch-based run needs an epoch length, but {exc}; set max_steps > 0") from exc
     bound = math.ceil(math.ceil(estimate * (1.0 + slack)) / accumulation) * accumulation
     planned = max(math.ceil(num_train_epochs * estimate / accumulation), 1)
-    return EpochPlan(length=max(bound, accumulation), estimate=estimate, planned_steps=planned,
+    return EpochLength(length=max(bound, accumulation), estimate=estimate, planned_steps=planned,
                      stop_epoch=math.ceil(num_train_epochs))
 
 
-class TrainerEpochView:
+class EpochView:
     """`len()`, `set_epoch()` and `iter()` for the Trainer over an `ODBDataLoader` (see the NOTE above)."""
 
-    def __init__(self, loader: ODBDataLoader, plan: EpochPlan, *, resumed: bool) -> None:
+    def __init__(self, loader: ODBDataLoader, plan: EpochLength, *, resumed: bool) -> None:
         self.loader, self.plan, self.resumed = loader, plan, resumed
         self.dataset = loader.dataset  # Trainer.num_examples() reads len(dataloader.dataset)
         self._trainer_epoch: int | None = None
@@ -70,10 +71,6 @@ class TrainerEpochView:
 
     def set_epoch(self, epoch: int) -> None:
         self._trainer_epoch = epoch
-
-    @property
-    def next_epoch(self) -> int:
-        return self.loader.epoch
 
     def done(self) -> bool:
         """All `num_train_epochs` ODB epochs have run (epoch-based runs only)."""
@@ -94,19 +91,30 @@ class TrainerEpochView:
         return self._follow(self._running)
 
     def _follow(self, source: Iterator[ODBBatch]) -> Iterator[ODBBatch]:
-        yield from source
+        for batch in source:  # not `yield from`: closing this generator must not close the epoch (end_epoch does)
+            yield batch
         self.finished = True
 
-    def overflowed(self) -> bool:
-        """Whether the current epoch holds more batches than the Trainer took (checked at the epoch's end).
+    def progress(self, info: StepInfo) -> float | None:
+        """The epoch count after the step `info`: its epoch plus the fraction of the estimated length done
+        (None without an estimate: step-based runs)."""
+        if self.plan.estimate is None:
+            return None
+        return info.epoch + min((info.step + 1) / self.plan.estimate, 1.0)
+
+    def end_epoch(self) -> float:
+        """At the trainer's epoch end: the whole epoch count, or `RuntimeError` if the ODB epoch holds more
+        batches than the trainer took (never a silent cut).
 
         Pulls one batch if the epoch is not known to be finished: every rank calls it at the same point.
         """
-        if self.finished or self._running is None:
-            return False
-        try:
-            next(self._running)
-        except StopIteration:
-            self.finished = True
-            return False
-        return True
+        if not self.finished and self._running is not None:
+            try:
+                next(self._running)
+            except StopIteration:
+                self.finished = True
+            else:
+                raise RuntimeError(f"ODB epoch {self.loader.epoch - 1} has more than the {len(self)} steps the "
+                                   f"trainer planned (estimate {self.plan.estimate}); raise length_slack "
+                                   "(ODBCallback(length_slack=...), odb_length_slack) or set max_steps")
+        return float(self.loader.epoch)
