@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import statistics
 import subprocess
 import sys
@@ -138,14 +137,24 @@ def compare(name: str, workers: int, repeats: int, samples: int) -> dict:
 
 
 def peak_rss_mb(which: str, name: str, n: int) -> float:
-    """Peak RSS of one epoch of `which` loader in a fresh process."""
-    code = (f"import resource, sys; from benchmarks.hot_path import Trivial, build, loaders; "
+    """Extra peak RSS of one epoch of `which` loader in a fresh process: the peak during the epoch (VmHWM, reset
+    after the set-up through /proc/self/clear_refs) minus the resident size before it, in MiB."""
+    code = (f"from benchmarks.hot_path import Trivial, build, loaders, _vm; "
             f"ds, mean = (Trivial({n}), {SEQ}) if '{name}' == 'trivial' else build('{name}', {n}); "
             f"plain, odb = loaders('{name}', ds, mean, 0); loader = {which}; "
-            "[None for _ in loader]; print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")
+            "open('/proc/self/clear_refs', 'w').write('5'); before = _vm('VmRSS'); "
+            "[None for _ in loader]; print(_vm('VmHWM') - before)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                           cwd=Path(__file__).resolve().parents[1])
     return int(done.stdout.strip().splitlines()[-1]) / 1024
+
+
+def _vm(field: str) -> int:
+    """A /proc/self/status memory field, in KiB."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise KeyError(field)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -3,7 +3,8 @@
 With `accumulation_steps = G`, an optimizer step is G consecutive micro-batch steps, and its exact loss
 normaliser is the supervised tokens of all G steps on all ranks (`StepInfo.window_tokens`, NOTE [ Exact
 token-weighted loss ] in loss.py). A window may span two rounds, so steps are staged here until the window is
-whole. Pure: no I/O, no threads.
+whole (`AccumulationWindow`); a trainer checks the windows it pulls with `window_normalizer`. Pure: no I/O, no
+threads.
 
 NOTE [ Steps of a target size ]
 With `samples_per_step` (or `tokens_per_step`) = S, an optimizer step is instead the run of consecutive
@@ -20,10 +21,11 @@ trainer sees the first micro-batch. The open window at a round start (`carry_*`)
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Generic, Literal, TypeVar
 
+from odb_core.loss import step_normalizer
 from odb_core.step_info import StepInfo
 
 T = TypeVar("T")
@@ -144,3 +146,18 @@ def step_windows(batches: Iterator[T]) -> Iterator[StepWindow[T]]:
     if staged:
         raise RuntimeError(f"the loader ended inside an optimizer step ({len(staged)} micro-batches of "
                            f"{staged[0].info.window_steps}); its windows must be whole")  # type: ignore[attr-defined]
+
+def window_normalizer(infos: Sequence[StepInfo], accumulation_steps: int | None) -> int:
+    """N (`step_normalizer`) of one optimizer step from the `StepInfo`s of the micro-batches a trainer pulled for
+    it, after checking that they are one whole, aligned window (a trainer and a loader that disagree on G, or a
+    loop that skipped a batch, would otherwise mix two windows' normalisers). `accumulation_steps` None: a window
+    of a target size (NOTE [ Steps of a target size ]), whole when it runs from its first to its last micro-batch."""
+    if accumulation_steps is None:
+        whole = infos[0].window_index == 0 and infos[-1].ends_window and len(infos) == infos[0].window_steps
+    else:
+        whole = len(infos) == accumulation_steps and infos[0].step % accumulation_steps == 0
+    if not whole or len({info.window_tokens for info in infos}) != 1:
+        raise RuntimeError(f"ODB accumulation window broken: got steps {[i.step for i in infos]} of epoch "
+                           f"{infos[0].epoch} for {accumulation_steps} accumulation steps; the loader and the "
+                           "trainer disagree")
+    return step_normalizer(infos[0].window_tokens)

@@ -22,6 +22,7 @@ import json
 import math
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -162,8 +163,15 @@ def _print_reports(reports: Sequence[PlanReport]) -> None:
         print(f"{key:>26}: " + "".join(f"{cell:>14}" for cell in cells))
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="odb", description="Online Dynamic Batching tools")
+class OneLineParser(argparse.ArgumentParser):
+    """argparse whose errors are one line on stderr (exit 2); `--help` prints the usage and exits 0."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def build_parser() -> OneLineParser:
+    parser = OneLineParser(prog="odb", description="Online Dynamic Batching tools")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("plan", help="simulate an epoch and estimate the gain over fixed batching")
     p.add_argument("lengths", type=Path, help=".npy, .txt or .jsonl file of sample lengths")
@@ -181,10 +189,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--time-model", type=float, nargs=3, metavar=("A", "B", "C"), default=(0.0, 1.0, 0.0))
     p.add_argument("--suggest", action="store_true", help="also compare a range of budgets")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def plan(args: argparse.Namespace) -> int:
+    """`odb plan`: read the lengths, simulate, print (raises OSError/ValueError/KeyError on bad input)."""
     lengths = read_lengths(args.lengths, args.field)
     if not lengths:
-        parser.error(f"{args.lengths} holds no lengths")
+        raise ValueError(f"{args.lengths} holds no lengths")
+    if args.world_size < 1:
+        raise ValueError(f"--world-size {args.world_size} is invalid: it must be >= 1")
     plannings = ("global", "local") if args.planning == "both" and args.world_size > 1 else (
         ("global",) if args.planning == "both" else (args.planning,))
     configs = [ODBConfig(token_budget=args.token_budget, cost=args.cost, attention_alpha=args.attention_alpha,
@@ -206,6 +220,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"\nsuggested token_budget: {good[0]}..{good[-1]} (utilization >= 0.9); pick the largest that "
                   "fits your accelerator's memory")
     return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`odb plan ...`: 0 on success; a usage or input error is one line on stderr and exit status 2."""
+    args = build_parser().parse_args(argv)
+    try:
+        return plan(args)
+    except (OSError, ValueError, KeyError) as exc:
+        message = f"field {exc} is missing" if isinstance(exc, KeyError) else str(exc)
+        print(f"odb plan: error: {message}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -12,11 +12,24 @@ by G before backward (c gets a factor G). Summing the W x G backward passes then
 IDLE micro-batches have every label at -100: S = 0 and n = 0, so they contribute exactly zero. A step with no
 supervised token at all (N = 0) has S = 0 everywhere; its normaliser is clamped to 1 so the loss is 0, not NaN.
 Cost: nothing beyond the loss itself; N comes with the batch, so no collective is needed per step.
+
+NOTE [ Exact or loud ]
+A framework hands the loss it backpropagates to code ODB does not own (a model's loss, a Trainer subclass, a
+loss function), and a per-micro-batch mean there makes the step silently inexact. The adapters check the first
+optimizer step, where a wrong normalisation shows (every check costs nothing afterwards):
+  * `normalized_share` (HF Trainer): the loss gets N as a leaf tensor that records gradients; -dL/dN * N / L is
+    the share of the loss that is divided by N: 1 for sum / N, 0 for a loss that ignores N (a mean per batch or
+    per sequence). Only the path from the loss to N is differentiated (no model gradient is computed).
+  * `weighting_error` (DeepSpeed): the loss against `causal_lm_loss_sum(logits, labels) * factor`, computed here
+    sample by sample without gradients (no more memory than one sample's logits).
+Anything else raises with the cause and the one-line fix (docs/guarantees.md G6 lists the cases).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -74,3 +87,46 @@ def causal_lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor, ignore_index:
     shifted_logits = logits[..., :-1, :].reshape(-1, logits.shape[-1])
     shifted_labels = labels[..., 1:].reshape(-1).to(shifted_logits.device)
     return F.cross_entropy(shifted_logits, shifted_labels, ignore_index=ignore_index, reduction="sum")
+
+
+def logits_of(output: Any) -> torch.Tensor:
+    """The logits of a model's output: the tensor itself, `output["logits"]`, `output.logits`, or a tuple's first."""
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, Mapping) and "logits" in output:
+        return output["logits"]
+    if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
+        return output[0]  # a model called with return_dict=False and no labels
+    logits = getattr(output, "logits", None)
+    if logits is None:
+        raise TypeError(f"expected logits or a model output with .logits, got {type(output).__name__}")
+    return logits
+
+
+def causal_lm_loss(outputs: Any, labels: torch.Tensor, num_items_in_batch: torch.Tensor | int | None = None) -> Any:
+    """Summed next-token CE / num_items_in_batch (the micro-batch's token mean without it), with the signature of
+    the HF Trainer's `compute_loss_func` (exported there as `odb_hf.causal_lm_loss`)."""
+    total = causal_lm_loss_sum(logits_of(outputs), labels)
+    if num_items_in_batch is None:
+        return total / max(int((labels[..., 1:] != IGNORE_INDEX).sum()), 1)
+    return total / num_items_in_batch
+
+
+def normalized_share(loss: torch.Tensor, normalizer: torch.Tensor) -> float:
+    """The share of `loss` that is divided by the leaf tensor `normalizer` (NOTE [ Exact or loud ]); 1.0 for a
+    zero loss (nothing to tell)."""
+    value = float(loss.detach())
+    if value == 0.0:
+        return 1.0
+    if not loss.requires_grad:
+        return 0.0
+    (grad,) = torch.autograd.grad(loss, normalizer, retain_graph=True, allow_unused=True)
+    return 0.0 if grad is None else float(-grad * normalizer.detach()) / value
+
+
+@torch.no_grad()
+def weighting_error(loss: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor, factor: float) -> float:
+    """Relative difference between `loss` and the token-weighted loss `sum CE * factor` of these logits."""
+    expected = sum(float(causal_lm_loss_sum(logits[row : row + 1], labels[row : row + 1]))
+                   for row in range(logits.shape[0])) * factor
+    return abs(float(loss) - expected) / max(abs(expected), 1e-12)

@@ -10,13 +10,16 @@ Definitions (every adapter reports these, computed here only):
     over the steps completed): how near a step target (`samples_per_step` / `tokens_per_step`) the steps come;
   * moved samples/bytes (global planning) = samples that ran on this rank but were read by another, and the
     bytes received for them (NOTE [ Moving samples ]).
+`StepMeter` turns the consumed steps into a trainer's periodic log (`odb/...` keys, a delta since the last log).
 """
 
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import asdict, dataclass, field, fields, replace
 
+from odb_core.config import ODBConfig
 from odb_core.step_info import StepInfo
 
 
@@ -177,3 +180,54 @@ def cost_cv(cost_sum: int, cost_sq_sum: int, world_size: int) -> float:
     mean = cost_sum / world_size
     variance = max(cost_sq_sum / world_size - mean * mean, 0.0)
     return math.sqrt(variance) / mean
+
+
+class StepMeter:
+    """What a trainer consumed, for its periodic log: `add()` once per micro-batch; `flush()` the metrics since the
+    previous flush, under `odb/` keys (the HF Trainer's log, so `report_to` backends such as TensorBoard get them):
+      * `odb/samples_per_second`, `odb/tokens_per_second`: samples and real input tokens over every rank per second;
+      * `odb/padding_ratio`, `odb/budget_utilization`, `odb/patch_utilization` (with `max_patches`): as above;
+      * `odb/idle_steps`: IDLE micro-batches on this rank; `odb/samples_per_step`: global samples per optimizer step,
+        and `odb/samples_per_step_std` their standard deviation over the logged steps (how near `samples_per_step`
+        the steps come); with `tokens_per_step`, `odb/tokens_per_step` and `odb/tokens_per_step_std` too;
+      * `odb/moved_fraction`, `odb/moved_bytes` (global planning, world > 1): of the samples this rank's loader
+        planned since the previous log, the share read by another rank, and the bytes received for them (these two
+        come from the loader's own counters, `loader_metrics`, which run up to `prefetch_steps` ahead of the trainer).
+    """
+
+    def __init__(self, config: ODBConfig, loader_metrics: LoaderMetrics) -> None:
+        self.config, self.world_size = config, loader_metrics.world_size
+        self.loader_metrics = loader_metrics
+        self.moves_logged = (0, 0, 0)  # (moved samples, moved bytes, local samples) at the previous flush
+        self.seen = self.logged = StepCounts()
+        self.last: StepInfo | None = None  # the latest consumed micro-batch
+        self.since = time.perf_counter()
+
+    def add(self, info: StepInfo) -> None:
+        self.seen, self.last = self.seen.add(info), info
+
+    def flush(self) -> dict[str, float]:
+        now = time.perf_counter()
+        seconds, delta, config = max(now - self.since, 1e-9), self.seen - self.logged, self.config
+        logs = {
+            "odb/samples_per_second": delta.global_samples / seconds,
+            "odb/tokens_per_second": delta.global_input_tokens / seconds,
+            "odb/padding_ratio": delta.padding_ratio,
+            "odb/budget_utilization": delta.budget_utilization(config.token_budget, self.world_size),
+            "odb/idle_steps": float(delta.idle_steps),
+        }
+        for unit in ("samples", "tokens") if config.tokens_per_step is not None else ("samples",):
+            logs[f"odb/{unit}_per_step"], logs[f"odb/{unit}_per_step_std"] = delta.step_size(unit)
+        if config.max_patches:
+            logs["odb/patch_utilization"] = delta.patch_utilization(config.max_patches, self.world_size)
+        if self.world_size > 1 and config.planning == "global":
+            logs.update(self._moves())
+        self.logged, self.since = self.seen, now
+        return logs
+
+    def _moves(self) -> dict[str, float]:
+        m = self.loader_metrics
+        now = (m.moved_samples, m.moved_bytes, m.counts.local_samples)
+        moved, moved_bytes, local = (a - b for a, b in zip(now, self.moves_logged, strict=True))
+        self.moves_logged = now
+        return {"odb/moved_fraction": moved / local if local else 0.0, "odb/moved_bytes": float(moved_bytes)}

@@ -151,40 +151,41 @@ class IndexedIterable(IterableDataset):
     With `shard=True` rank r keeps stream positions p with p % W == r; the tag is the global position p. With
     `shard=False` (the dataset is already split by node, e.g. `datasets.distributed.split_dataset_by_node`) the
     k-th sample of this rank is tagged k * W + r, which is unique across ranks. Chunk c of this rank's samples
-    goes to worker c % num_workers, so the DataLoader's round-robin returns chunks in stream order. This needs
-    the dataset to yield the same stream in every worker: one that splits itself by `get_worker_info()` would
-    lose samples (refused for datasets with `num_shards`, such as HF datasets' IterableDataset).
+    goes to worker c % num_workers, so the DataLoader's round-robin returns chunks in stream order; every worker
+    reads the whole stream for that.
+
+    NOTE [ Streams that split themselves over workers ]
+    A dataset with `num_shards` (HF datasets' IterableDataset; LLaMA-Factory streams a local file as
+    `dataloader_num_workers` shards) gives each DataLoader worker only its own shards. Then every worker w of n
+    reads its part and keeps all of it: the k-th sample of part w has position k * n + w, and rank r keeps the
+    samples with k % W == r (tags as above, from that position), so the parts are read once, in parallel. The
+    stream's order is the DataLoader's round-robin over the workers' chunks, which is fixed for a given
+    `num_workers` (a resume re-reads it the same way), but differs between worker counts, as it would without ODB.
     """
 
     def __init__(self, dataset: IterableDataset, *, rank: int, world_size: int, shard: bool, chunk: int) -> None:
         self.dataset, self.rank, self.world_size = dataset, rank, world_size
-        self.shard, self.chunk, self.start = shard, chunk, 0
+        self.shard, self.chunk = shard, chunk
 
-    def tagged(self) -> Iterator[tuple[int, Any]]:
-        """This rank's samples with their tags, in stream order, in the calling process."""
-        if self.shard:
-            for position, sample in enumerate(self.dataset):
-                if position % self.world_size == self.rank:
-                    yield position, sample
-        else:
-            for k, sample in enumerate(self.dataset):
-                yield k * self.world_size + self.rank, sample
+    def tagged(self, part: int = 0, parts: int = 1) -> Iterator[tuple[int, Any]]:
+        """This rank's samples of the stream this process reads (part `part` of `parts`), with their tags."""
+        for k, sample in enumerate(self.dataset):
+            position = k * parts + part
+            if not self.shard:
+                yield position * self.world_size + self.rank, sample
+            elif k % self.world_size == self.rank:
+                yield position, sample
 
     def __iter__(self) -> Iterator[list[tuple[int, Any]]]:
         info = get_worker_info()
         worker, n_workers = (info.id, info.num_workers) if info is not None else (0, 1)
-        if n_workers > 1 and hasattr(self.dataset, "num_shards"):
-            raise ValueError(f"{type(self.dataset).__name__} has num_shards: it splits its shards over DataLoader "
-                             "workers (as HF datasets' IterableDataset does), but ODB's workers must each read "
-                             "the whole stream and take chunks in turn, so samples would be lost. Use "
-                             "num_workers=0 (ODB's workers do not parallelise reading an IterableDataset anyway: each "
-                             "reads the whole stream)")
-        stream = itertools.islice(self.tagged(), self.start, None)
+        splits = n_workers > 1 and hasattr(self.dataset, "num_shards")  # see the NOTE above
+        stream = self.tagged(worker, n_workers) if splits else self.tagged()
         for c in itertools.count():
             chunk = list(itertools.islice(stream, self.chunk))
             if not chunk:
                 return
-            if c % n_workers == worker:
+            if splits or c % n_workers == worker:
                 yield [(index, pack_sample(sample)) for index, sample in chunk] if info is not None else chunk
 
 

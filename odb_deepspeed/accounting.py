@@ -65,12 +65,15 @@ class DeepSpeedODBLoader:
                               supervised_tokens=done.global_supervised_tokens, input_tokens=done.global_input_tokens)
 
     def __iter__(self) -> Iterator[ODBBatch]:
+        serve = getattr(self.engine, "odb_serve", None)  # ODB's engine weights and checks the loss (engine.py)
         target = self.odb.config.step_target is not None
         for batch in self.odb:
             self._check_aligned(batch.info)
             self._count(batch.info)
             if target:  # a step of a target size ends where the loader says (NOTE [ Steps of a target size ])
                 self.engine.set_gradient_accumulation_boundary(batch.info.ends_window)
+            if serve is not None:
+                serve(batch, batch.info)
             yield batch
 
     def __len__(self) -> int:

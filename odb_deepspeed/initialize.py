@@ -9,7 +9,8 @@ back as is. With `"odb": {"enabled": true, ...}`:
   3. the ODB loader is built from `training_data` (a dataset, with `collate_fn`) with that config and
      `accumulation_steps` = the engine's `gradient_accumulation_steps()` (`ODBSettings.derive`), or checked
      against them if it already is an `ODBDataLoader`;
-  4. it returns `(engine, optimizer, DeepSpeedODBLoader, lr_scheduler)`.
+  4. it returns `(engine, optimizer, DeepSpeedODBLoader, lr_scheduler)`, the engine with ODB's loss weighting and
+     checks mixed in (NOTE [ The plain DeepSpeed loop under ODB ] in engine.py), and logs "odb: on, ..." on rank 0.
 Cost: one Gloo group for ODB's metadata (created collectively, so call this on every rank in the same order).
 """
 
@@ -22,9 +23,11 @@ from typing import Any
 from torch.utils.data import DataLoader
 
 from odb_core import ODBDataLoader
+from odb_core.console import announce
 from odb_core.ds_section import load_ds_config, split_ds_config
 from odb_core.settings import ODBSettings
 from odb_deepspeed.accounting import DeepSpeedODBLoader
+from odb_deepspeed.engine import with_odb
 
 DEFAULT_PORT = 29500  # deepspeed.constants.TORCH_DISTRIBUTED_DEFAULT_PORT
 
@@ -77,7 +80,8 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
         passthrough["args"].deepspeed_config = None
     engine, optimizer, _, scheduler = deepspeed.initialize(**passthrough, config=split.deepspeed)
     loader = _build_loader(training_data, section, engine, collate_fn)
-    return engine, optimizer, DeepSpeedODBLoader(loader, engine), scheduler
+    announce(loader, "DeepSpeed")
+    return with_odb(engine), optimizer, DeepSpeedODBLoader(loader, engine), scheduler
 
 
 def _check_data(training_data: Any, collate_fn: Callable | None) -> None:

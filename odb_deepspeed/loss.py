@@ -17,7 +17,9 @@ token-weighted loss ] there). Each factor is applied once: nothing else here div
 IDLE micro-batches have every label at -100: sum_CE = 0, a zero gradient, and they still run forward and backward,
 so ZeRO's per-micro-batch reductions stay matched across ranks.
 `engine.backward(l)` returns l / G = sum_CE * W / N; summed over the window and averaged over ranks, that is
-the step's per-token mean loss (see docs/guides/deepspeed.md).
+the step's per-token mean loss (see docs/guides/deepspeed.md). With ODB on, the engine applies the same l to the
+model's own `output.loss` and checks what reaches `engine.backward` (NOTE [ The plain DeepSpeed loop under ODB ]
+in engine.py).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from typing import Any
 import torch
 
 from odb_core import StepInfo
-from odb_core.loss import TokenLossScale, causal_lm_loss_sum
+from odb_core.loss import TokenLossScale, causal_lm_loss_sum, logits_of
 
 
 def loss_scale(info: StepInfo, engine: Any) -> float:
@@ -36,22 +38,20 @@ def loss_scale(info: StepInfo, engine: Any) -> float:
 
     Use it with your own loss: `engine.backward(my_sum_loss * odb_deepspeed.loss_scale(batch.info, engine))`.
     G is `engine.gradient_accumulation_steps()`, W is `engine.dp_world_size` when DeepSpeed averages gradients
-    (`gradient_allreduce_op` "mean", the default) and 1 when it sums them.
+    (`gradient_allreduce_op` "mean", the default) and 1 when it sums them. With ODB's engine this also tells it
+    that the loop weights this batch's loss itself (engine.py).
     """
+    mark = getattr(engine, "odb_mark_scaled", None)
+    if mark is not None:
+        mark(info)
+    return weighting_factor(info, engine)
+
+
+def weighting_factor(info: StepInfo, engine: Any) -> float:
+    """G * W / N of `loss_scale`, without telling the engine anything."""
     ranks = engine.dp_world_size if engine.gradient_average else 1
     return TokenLossScale(window_tokens=info.window_tokens, world_size=ranks,
                           micro_batch_divisor=engine.gradient_accumulation_steps()).factor
-
-
-def _logits_of(output: Any) -> torch.Tensor:
-    if isinstance(output, torch.Tensor):
-        return output
-    if isinstance(output, Mapping) and "logits" in output:
-        return output["logits"]
-    logits = getattr(output, "logits", None)
-    if logits is None:
-        raise TypeError(f"expected logits or a model output with .logits, got {type(output).__name__}")
-    return logits
 
 
 def token_weighted_loss(output: Any, batch: Mapping[str, Any], engine: Any, *,
@@ -69,4 +69,4 @@ def token_weighted_loss(output: Any, batch: Mapping[str, Any], engine: Any, *,
     if info is None:
         raise ValueError("token_weighted_loss needs the batch's StepInfo: pass the ODBBatch, or info=batch.info "
                          "when the batch was copied to the device")
-    return causal_lm_loss_sum(_logits_of(output), batch["labels"]) * loss_scale(info, engine)
+    return causal_lm_loss_sum(logits_of(output), batch["labels"]) * loss_scale(info, engine)

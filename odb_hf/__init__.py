@@ -4,13 +4,15 @@
                       callbacks=[ODBCallback(token_budget=16384)])
 
 With `TrainingArguments(deepspeed=...)`, `ODBCallback.from_deepspeed_config(args)` reads the config's `odb` section.
-ODB's state on the Trainer is `trainer.odb`, the attached callback. See docs/guides/hf-trainer.md for the knobs, what is
+ODB's state on the Trainer is `trainer.odb`, the attached callback. `causal_lm_loss` is a `compute_loss_func` for models
+without loss kwargs next to a `compute_loss` override. See docs/guides/hf-trainer.md for the knobs, what is
 exact, and how the callback takes effect.
 """
 
+from odb_core.loss import causal_lm_loss
 from odb_hf.arguments import ODBSetupError
 from odb_hf.attach import with_odb
 from odb_hf.callback import ODBCallback
 from odb_hf.trainer import ODBTrainer, ODBTrainerMixin
 
-__all__ = ["ODBCallback", "ODBSetupError", "ODBTrainer", "ODBTrainerMixin", "with_odb"]
+__all__ = ["ODBCallback", "ODBSetupError", "ODBTrainer", "ODBTrainerMixin", "causal_lm_loss", "with_odb"]

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from dataclasses import fields
 from typing import Any
 
+import torch.distributed as dist
 from transformers import Trainer, TrainingArguments
 
 from odb_core.loader import WORKER_OPTIONS, ODBDataLoader
@@ -60,12 +61,18 @@ def check_trainer(trainer: Trainer) -> None:
         raise ODBSetupError("label_smoothing_factor != 0 uses a per-batch mean loss that ODB cannot weight "
                             "exactly; pass a compute_loss_func that sums token losses and divides by "
                             "num_items_in_batch instead")
+    if getattr(args, "packing", False):  # TRL's SFTConfig
+        raise ODBSetupError("SFTConfig(packing=True) packs samples into fixed max_length rows before batching, so "
+                            "ODB would only batch equal rows and its gain is gone: set packing=False and let ODB "
+                            "batch the samples (padding_free=True with ODBCallback(cost='tokens') for a collator "
+                            "without padding), or keep packing without ODB")
     if args.n_gpu > 1:
         raise ODBSetupError(f"n_gpu={args.n_gpu} means torch.nn.DataParallel; ODB aligns one process per "
                             "device: launch with torchrun / accelerate launch instead")
     if args.world_size > 1 and not args.average_tokens_across_devices:
         raise ODBSetupError("average_tokens_across_devices=False normalises each rank's loss by its own tokens; "
                             "ODB's exact loss divides by the step's tokens over all ranks: set it to True")
+    check_process_count(trainer.accelerator.num_processes, deepspeed=args.deepspeed is not None)
     if args.per_device_train_batch_size != _default("per_device_train_batch_size") and not args.deepspeed:
         # (under DeepSpeed the Trainer requires it to equal train_micro_batch_size_per_gpu: set for that, not ODB)
         warnings.warn(f"per_device_train_batch_size={args.per_device_train_batch_size} is ignored: ODB sizes "
@@ -74,6 +81,24 @@ def check_trainer(trainer: Trainer) -> None:
     if args.dataloader_drop_last:
         warnings.warn("dataloader_drop_last=True is ignored: ODB drops no sample (every rank drains its data)",
                       stacklevel=4)
+
+
+def check_process_count(trainer_processes: int, deepspeed: bool) -> None:
+    """The Trainer's process count must be torch.distributed's: ODB shards over the latter, the loss uses the former.
+
+    On a machine without a GPU, accelerate 1.16 finds no device backend unless use_cpu=True: it counts 1 process
+    (index 0) on every rank, so without DeepSpeed the Trainer sets up no DDP at all (every rank trains alone on all
+    the data) and under DeepSpeed the loss would be W times too small.
+    """
+    ranks = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    if ranks == trainer_processes:
+        return
+    cause = ("the Trainer still runs DeepSpeed over the ranks but ODB's loss scale would be W times too small"
+             if deepspeed else "transformers sets up no DDP: every rank would train alone, on all the data")
+    raise ODBSetupError(f"the Trainer counts {trainer_processes} process(es) but torch.distributed runs {ranks} "
+                        "ranks: on a machine without a GPU, accelerate finds no device backend unless "
+                        f"TrainingArguments(use_cpu=True), so {cause}; pass use_cpu=True (accelerate then runs gloo on "
+                        "every rank; see docs/guides/hf-trainer.md)")
 
 
 def build_loader(args: TrainingArguments, dataset: Any, collate_fn: Any, settings: ODBSettings) -> ODBDataLoader:

@@ -10,7 +10,8 @@ A callback only observes events, but ODB must own `get_train_dataloader`, `get_b
     holding the callback (`inspect`'s public frame API; subclasses such as SFTTrainer reach it through
     `super().__init__`).
   * Checks, then changes: `arguments.check_trainer` refuses Trainer classes and arguments that conflict with ODB
-    (`ODBSetupError`) before anything is changed; so does `ds_config.resolve` for a DeepSpeed `odb` section.
+    (`ODBSetupError`) before anything is changed; so does `ds_config.resolve` for a DeepSpeed `odb` section, and
+    `attach_odb` for a `compute_loss` defined above the mixin (ODB checks the loss it gets from below).
   * What changes, on that instance only: its class becomes `ODB<Class>(ODBTrainerMixin, <Class>)` (`with_odb`, one
     class per base) unless it mixes ODB in already, and `trainer.odb` is set to the callback, which holds the
     settings and the run state of this Trainer (so a callback serves one Trainer). Nothing else is set on the
@@ -28,7 +29,7 @@ import inspect
 
 from transformers import Trainer, TrainerCallback
 
-from odb_hf.arguments import check_trainer
+from odb_hf.arguments import ODBSetupError, check_trainer
 from odb_hf.trainer import ODBTrainerMixin
 
 
@@ -56,6 +57,12 @@ def initialising_trainer(callback: TrainerCallback) -> Trainer | None:
 def attach_odb(trainer: Trainer, callback: TrainerCallback) -> None:
     """Check `trainer`, then mix ODB into this instance and set `trainer.odb = callback` (see the NOTE above)."""
     check_trainer(trainer)
+    mro = type(trainer).__mro__
+    above = [c for c in mro[:mro.index(ODBTrainerMixin)] if "compute_loss" in vars(c)] if ODBTrainerMixin in mro else []
+    if above:  # ODB checks the loss it gets from below (trainer.py NOTE [ Exact loss under the HF Trainer ])
+        raise ODBSetupError(f"{above[0].__name__}.compute_loss is defined above ODBTrainerMixin in the MRO, so ODB "
+                            "cannot check the loss it returns: move it into a base class that comes after "
+                            "ODBTrainerMixin, or drop the mixin (ODBCallback alone puts ODB above your class)")
     if not isinstance(trainer, ODBTrainerMixin):
         trainer.__class__ = with_odb(type(trainer))
     trainer.odb = callback

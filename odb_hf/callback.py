@@ -16,11 +16,12 @@ from typing import Any
 
 from transformers import Trainer, TrainerCallback
 
+from odb_core.console import announce
 from odb_core.settings import ODBSettings, combine, read_settings
 from odb_hf import ds_config
 from odb_hf.arguments import CALLBACK, ODBSetupError
 from odb_hf.attach import attach_odb, initialising_trainer
-from odb_hf.checkpoint import DataPosition, save_loader_state
+from odb_hf.checkpoint import DataPosition, save_position
 from odb_hf.trainer import ODBRun
 
 
@@ -112,26 +113,27 @@ class ODBCallback(TrainerCallback):
 
     @_when_on
     def on_train_begin(self, args, state, control, **kwargs):
-        planned = self._run().view.plan.planned_steps
-        trainer = self.trainer
+        run, trainer = self._run(), self.trainer
         ds_config.check_engine(trainer)
         if args.world_size > 1 and not trainer.is_fsdp_enabled and trainer.model_wrapped is trainer.model:
             raise ODBSetupError("the model is not wrapped for data-parallel training, so gradients would not be "
                                 "synchronised across ranks (transformers skips the DDP wrap when "
                                 "trainer.evaluate() ran before train()); evaluate after training or on another "
                                 "Trainer instance")
+        planned = run.view.plan.planned_steps
         if planned is not None:  # ratio logging/eval/save steps follow the plan, not the bound
             state.compute_steps(args, planned)
-        if self._run().view.plan.exact:  # the real count: the progress bar (created after this) and the stop
+        if run.view.plan.exact:  # the real count: the progress bar (created after this) and the stop
             state.max_steps = planned
+        announce(run.loader, trainer.odb_adapter or f"HF {type(trainer).__name__.removeprefix('ODB')}")
 
     @_when_on
     def on_step_end(self, args, state, control, **kwargs):
         run = self._run()
-        info, estimate = run.meter.last, run.view.plan.estimate
-        if info is None or estimate is None:
+        epoch = run.view.progress(run.meter.last) if run.meter.last is not None else None
+        if epoch is None:
             return
-        state.epoch = info.epoch + min((info.step + 1) / estimate, 1.0)
+        state.epoch = epoch
         if args.num_train_epochs % 1 and state.epoch >= args.num_train_epochs:
             control.should_training_stop = True
 
@@ -141,17 +143,13 @@ class ODBCallback(TrainerCallback):
         requested_stop = control.should_training_stop and state.global_step < state.max_steps
         if view.plan.length is None or control.should_epoch_stop or requested_stop:
             return  # step-based run, or a stop asked for by a callback: the epoch is left on purpose
-        if view.overflowed():
-            raise RuntimeError(f"ODB epoch {view.next_epoch - 1} has more than the {len(view)} steps the Trainer "
-                               f"planned (estimate {view.plan.estimate}); raise ODBCallback(length_slack=...) "
-                               "above its current value or set max_steps")
-        state.epoch = float(view.next_epoch)  # the epoch is whole, whatever the estimate said its length was
+        state.epoch = view.end_epoch()  # whole, whatever the estimate said its length was; raises on an overflow
         if view.done():
             control.should_training_stop = True
 
     @_when_on
     def on_save(self, args, state, control, **kwargs):
-        save_loader_state(self._run().loader, args.output_dir, state.global_step)
+        save_position(self._run().loader, args.output_dir, state.global_step)
 
     @_when_on
     def on_train_end(self, args, state, control, **kwargs):

@@ -1,26 +1,26 @@
-"""ODB's data position in Trainer checkpoints: `odb_loader_rank{r}.json` (the loader's `state_dict()`) per rank.
+"""ODB's data position in Trainer checkpoints: `odb_loader_rank{r}.json` per rank (`odb_core.checkpoints`).
 
 Written at every save beside the Trainer's own files; read before the first batch of a resumed `train()`. With
 `ignore_data_skip=False` (the default) the Trainer asks for the exact data position: ODB restores it from its own
 state and sets `ignore_data_skip=True`, with a warning, so that the Trainer does not skip batches a second time.
 A user's own `ignore_data_skip=True` is honoured: no restore, the checkpoint's epoch restarts from its beginning.
+A resumed multi-process CPU run also needs torch to read `cpu:N` locations (NOTE [ Indexed CPU devices in
+torch.load ] in odb_core/checkpoints.py), which `start` registers.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any
 
 from transformers import TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
+from odb_core.checkpoints import allow_indexed_cpu_location, load_loader_state, save_loader_state
 from odb_core.loader import ODBDataLoader
 from odb_hf.arguments import ODBSetupError
 
-LOADER_STATE = "odb_loader_rank{rank}.json"
 logger = logging.getLogger(__name__)
 
 
@@ -33,6 +33,8 @@ class DataPosition:
 
     def start(self, args: TrainingArguments, resume_from_checkpoint: str | bool | None) -> None:
         """At `train(resume_from_checkpoint)`, before the Trainer builds the dataloader."""
+        if resume_from_checkpoint and args.device.type == "cpu":
+            allow_indexed_cpu_location()
         restore = bool(resume_from_checkpoint) and (not args.ignore_data_skip or self.flipped_data_skip)
         if restore and not args.ignore_data_skip:
             logger.warning("ODB restores the exact data position from the checkpoint's odb_loader_rank*.json; "
@@ -47,18 +49,14 @@ class DataPosition:
         """Load the saved position into a new `loader`; False when this `train()` does not resume."""
         if self.resume_from is None:
             return False
-        path = os.path.join(self.resume_from, LOADER_STATE.format(rank=loader.transport.rank))
-        if not os.path.isfile(path):
-            raise ODBSetupError(f"{path} is missing: the checkpoint was not written by an ODB run with this world "
-                                "size, so the data position cannot be restored; pass ignore_data_skip=True to "
-                                "restart the checkpoint's epoch from its beginning instead")
-        with open(path) as f:
-            loader.load_state_dict(json.load(f))
+        try:
+            load_loader_state(loader, self.resume_from, loader.transport.rank, missing="pass ignore_data_skip=True "
+                              "to restart the checkpoint's epoch from its beginning instead")
+        except FileNotFoundError as exc:
+            raise ODBSetupError(str(exc)) from exc
         return True
 
 
-def save_loader_state(loader: ODBDataLoader, output_dir: str, global_step: int) -> None:
+def save_position(loader: ODBDataLoader, output_dir: str, global_step: int) -> None:
     folder = os.path.join(output_dir, f"{PREFIX_CHECKPOINT_DIR}-{global_step}")
-    os.makedirs(folder, exist_ok=True)
-    with open(os.path.join(folder, LOADER_STATE.format(rank=loader.transport.rank)), "w") as f:
-        json.dump(loader.state_dict(), f)
+    save_loader_state(loader, folder, loader.transport.rank)

@@ -22,7 +22,6 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-import torch.distributed as dist
 from transformers import Trainer, TrainingArguments
 
 from odb_core.ds_section import parse_odb_section
@@ -81,22 +80,7 @@ def resolve(settings: ODBSettings, trainer: Trainer) -> ODBSettings | None:
     if section is not None:
         settings = combine(settings, section)
         check_loader_options(trainer.args, section)
-    check_process_count(trainer.accelerator.num_processes)
     return settings
-
-
-def check_process_count(trainer_processes: int) -> None:
-    """The Trainer's process count must be torch.distributed's: ODB shards over the latter, the loss uses the former.
-
-    Under DeepSpeed on a machine without a GPU, accelerate 1.16 finds no device backend unless use_cpu=True: it
-    then counts 1 process (index 0) on every rank while DeepSpeed runs W, so the loss would be W times too small.
-    """
-    ranks = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    if ranks != trainer_processes:
-        raise ODBSetupError(f"the Trainer counts {trainer_processes} process(es) but torch.distributed runs {ranks} "
-                            "ranks, so ODB's loss scale would be wrong; on a machine without a GPU, pass "
-                            "TrainingArguments(use_cpu=True): accelerate then runs gloo on every rank and the "
-                            "Trainer still uses DeepSpeed (see docs/guides/hf-trainer.md)")
 
 
 def check_engine(trainer: Trainer) -> None:

@@ -10,6 +10,10 @@ ranks with different step counts hang in it) and nothing is normalised twice. A 
 loss kwargs gets the same sum / N x W from `odb_core.loss` here (times G, which `training_step` divides out).
 IDLE micro-batches have no supervised token: they add exactly zero, and every rank still runs forward/backward.
 Under DeepSpeed the same holds: `engine.backward(loss, scale_wrt_gas=False)` and its "mean" reduction over W.
+Exact or loud (NOTE [ Exact or loud ] in odb_core/loss.py): during the first optimizer step the loss that
+`compute_loss` returns must be divided by num_items_in_batch (`normalized_share`; skipped under DeepSpeed, whose
+output hooks would start a backward pass), and a `compute_loss` override that ODB's own path would bypass is
+refused; each refusal names whose loss it is (an override, `compute_loss_func`, the model) and the fix.
 
 NOTE [ Steps of a target size under the HF Trainer ]
 With `samples_per_step` (or `tokens_per_step`) an optimizer step holds a variable number k of micro-batches (the
@@ -32,12 +36,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers import Trainer
 
-from odb_core.accumulation import StepWindow
+from odb_core.accumulation import StepWindow, window_normalizer
+from odb_core.epoch_length import EpochView, plan_epoch_length
 from odb_core.loader import ODBDataLoader
-from odb_core.loss import TokenLossScale, causal_lm_loss_sum, step_normalizer
+from odb_core.loss import TokenLossScale, causal_lm_loss_sum, logits_of, normalized_share
+from odb_core.metrics import StepMeter
 from odb_hf.arguments import ODBSetupError, build_loader, check_collator_keeps_labels
-from odb_hf.epochs import TrainerEpochView, plan_epochs
-from odb_hf.metrics import StepMeter
 
 if TYPE_CHECKING:
     from odb_hf.callback import ODBCallback
@@ -55,11 +59,13 @@ def _is_arrow_dataset(dataset: Any) -> bool:
 
 @dataclass(slots=True)
 class ODBRun:
-    """One `get_train_dataloader()`'s ODB objects: the loader, the Trainer's view of it, and the log meter."""
+    """One `get_train_dataloader()`'s ODB objects: the loader, the Trainer's view of it, the log meter, and how
+    many micro-batches of the first optimizer step still have their loss checked."""
 
     loader: ODBDataLoader
-    view: TrainerEpochView
+    view: EpochView
     meter: StepMeter
+    checks_left: int = 0
 
 
 class ODBTrainerMixin:
@@ -71,6 +77,8 @@ class ODBTrainerMixin:
 
     odb: ODBCallback | None = None  # set on the instance when an ODBCallback attaches (attach.py)
     odb_owns_data = True  # arguments.check_trainer: this class's overrides of the data methods are ODB's own
+    odb_bypassed_compute_loss: tuple[type, ...] = ()  # classes whose compute_loss ODB's own loss may skip
+    odb_adapter: str | None = None  # who runs ODB, in the start line (odb_core.console); None: "HF <Trainer class>"
 
     def _odb(self) -> ODBCallback:
         if self.odb is None:
@@ -85,7 +93,7 @@ class ODBTrainerMixin:
         self._odb().position.start(self.args, resume_from_checkpoint)  # checkpoint.py: ODB's data position
         return super().train(resume_from_checkpoint, *args, **kwargs)
 
-    def get_train_dataloader(self) -> TrainerEpochView:
+    def get_train_dataloader(self) -> EpochView:
         odb = self._odb()
         if self.train_dataset is None:
             raise ValueError("Trainer: training requires a train_dataset.")
@@ -98,10 +106,13 @@ class ODBTrainerMixin:
         loader = build_loader(self.args, dataset, collator, odb.settings)
         resumed = odb.position.restore(loader)
         extras = odb.settings.extras
-        plan = plan_epochs(loader, max_steps=self.args.max_steps, num_train_epochs=self.args.num_train_epochs,
-                           extras=extras)
-        view = TrainerEpochView(loader, plan, resumed=resumed)
-        odb.run = ODBRun(loader=loader, view=view, meter=StepMeter(loader))
+        plan = plan_epoch_length(loader, max_steps=self.args.max_steps, num_train_epochs=self.args.num_train_epochs,
+                                 slack=extras["length_slack"], sample_size=extras["estimate_sample_size"],
+                                 exact=extras["exact_schedule"])
+        view = EpochView(loader, plan, resumed=resumed)
+        checks = 0 if self.is_deepspeed_enabled else self.args.gradient_accumulation_steps
+        odb.run = ODBRun(loader=loader, view=view, meter=StepMeter(loader.config, loader.metrics),
+                         checks_left=checks)
         return view
 
     def get_batch_samples(self, epoch_iterator: Iterator[Any], num_batches: int,
@@ -112,17 +123,17 @@ class ODBTrainerMixin:
         batches = [batch for _, batch in zip(range(num_batches), epoch_iterator)]
         if not batches:
             return [], None
-        windows = isinstance(batches[0], StepWindow)
+        windows = isinstance(batches[0], StepWindow)  # a step target: one item per optimizer step
         infos = list(batches[0].infos) if windows else [batch.info for batch in batches]
-        whole = (infos[0].window_index == 0 and infos[-1].ends_window and len(batches) == 1 if windows else
-                 len(batches) == self.args.gradient_accumulation_steps and infos[0].step % len(batches) == 0)
-        if not whole or len({info.window_tokens for info in infos}) != 1:
-            raise RuntimeError(f"ODB accumulation window broken: got steps {[i.step for i in infos]} of epoch "
-                               f"{infos[0].epoch} for gradient_accumulation_steps="
-                               f"{self.args.gradient_accumulation_steps}; the loader and the Trainer disagree")
+        if windows and len(batches) != 1:
+            raise RuntimeError(f"with a step target the Trainer must pull one item per optimizer step, got "
+                               f"{len(batches)}: set gradient_accumulation_steps=1")
+        normalizer = window_normalizer(infos, None if windows else self.args.gradient_accumulation_steps)
         for info in infos:
             run.meter.add(info)
-        return batches, torch.tensor(step_normalizer(infos[0].window_tokens), device=device)
+        if run.checks_left:  # a leaf that records gradients: compute_loss checks the loss is divided by it
+            return batches, torch.tensor(float(normalizer), device=device, requires_grad=True)
+        return batches, torch.tensor(normalizer, device=device)
 
     def training_step(self, model: torch.nn.Module, inputs: Any,
                       num_items_in_batch: torch.Tensor | int | None = None) -> torch.Tensor:
@@ -153,13 +164,53 @@ class ODBTrainerMixin:
             raise ODBSetupError(f"a training batch has no 'labels' (keys {sorted(inputs)}); ODB's exact loss "
                                 "needs them: use a collator that keeps or creates labels")
         if self.model_accepts_loss_kwargs or self.compute_loss_func is not None:
-            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+            result = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+            self._odb_check_loss(result[0] if return_outputs else result, num_items_in_batch)
+            return result
+        bypassed = self._odb_loss_override()
+        if bypassed is not None and bypassed not in self.odb_bypassed_compute_loss:
+            raise ODBSetupError(f"{bypassed.__name__}.compute_loss is overridden, but {self._odb_model_name()}'s "
+                                "forward takes no loss kwargs, so ODB computes the exact loss from the logits itself "
+                                f"and {bypassed.__name__}.compute_loss would not run: pass Trainer(..., "
+                                "compute_loss_func=odb_hf.causal_lm_loss) to keep it, or remove the override")
         outputs = model(**{key: value for key, value in inputs.items() if key != "labels"})
-        logits = outputs["logits"] if isinstance(outputs, dict) else outputs[0]
         scale = TokenLossScale(window_tokens=int(num_items_in_batch), world_size=self.accelerator.num_processes,
                                micro_batch_divisor=self.current_gradient_accumulation_steps)
-        loss = scale.apply(causal_lm_loss_sum(logits, inputs["labels"]))
+        loss = scale.apply(causal_lm_loss_sum(logits_of(outputs), inputs["labels"]))
         return (loss, outputs) if return_outputs else loss
+
+    def _odb_check_loss(self, loss: torch.Tensor, normalizer: torch.Tensor) -> None:
+        """During the first optimizer step: the loss must be divided by num_items_in_batch (see the NOTE)."""
+        run = self._odb_run()
+        if not run.checks_left:
+            return
+        run.checks_left -= 1
+        share = normalized_share(loss, normalizer)
+        if 0.5 <= share <= 1.001:
+            return
+        owner = self._odb_loss_override()
+        if owner is not None:
+            whose, fix = f"{owner.__name__}.compute_loss", ("divide the summed token loss by num_items_in_batch (as "
+                                                            "Trainer.compute_loss does), or remove the override")
+        elif self.compute_loss_func is not None:
+            whose, fix = "compute_loss_func", "return the summed token loss divided by num_items_in_batch"
+        else:
+            name = self._odb_model_name()
+            whose, fix = f"{name}'s loss", (f"set {name}.accepts_loss_kwargs = False (ODB then computes the exact "
+                                            "loss from the logits), or make its loss divide by num_items_in_batch")
+        raise ODBSetupError(f"{whose} is not divided by num_items_in_batch (share {share:.2f} of the loss, 1.00 "
+                            "expected), e.g. a mean per micro-batch or per sequence: with ODB's variable batches the "
+                            f"step's gradient would not be the per-token mean; {fix}")
+
+    def _odb_loss_override(self) -> type | None:
+        """The class below ODBTrainerMixin whose `compute_loss` runs under it, or None for Trainer's own."""
+        mro = type(self).__mro__
+        owner = next(c for c in mro[mro.index(ODBTrainerMixin) + 1:] if "compute_loss" in vars(c))
+        return None if owner is Trainer else owner
+
+    def _odb_model_name(self) -> str:
+        model = self.accelerator.unwrap_model(self.model)
+        return type(getattr(model, "get_base_model", lambda: model)()).__name__
 
     def create_scheduler(self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None) -> Any:
         run = self._odb_run()

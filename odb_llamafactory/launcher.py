@@ -29,15 +29,26 @@ from odb_core.settings import ODBSettings
 from odb_llamafactory.settings import ODBConfigError, check_compatible, pop_odb_settings
 
 USAGE = "usage: odb-llamafactory train CONFIG.yaml|CONFIG.json [key=value ...]"
+HELP = f"""{USAGE}
+
+LLaMA-Factory SFT with Online Dynamic Batching: `llamafactory-cli train` plus the odb keys of the config
+(odb: true, odb_token_budget: ..., odb_<field>: ...); see docs/guides/llamafactory.md. Multi-process runs use
+LLaMA-Factory's variables (FORCE_TORCHRUN=1, NPROC_PER_NODE=N, NNODES, MASTER_ADDR, ...)."""
+
+
+class UsageError(ValueError):
+    """A command line or config file odb-llamafactory cannot read; `main` prints it as one line (exit 2)."""
 
 
 def read_config(argv: Sequence[str]) -> dict[str, Any]:
     """`argv` = [config file, key=value overrides...] as a dict (llamafactory.hparams.parser.read_args' rules)."""
-    from omegaconf import OmegaConf
-
     if not argv or not argv[0].endswith((".yaml", ".yml", ".json")):
-        raise SystemExit(f"{USAGE}\n(got {list(argv)})")
+        raise UsageError(f"expected a .yaml, .yml or .json config file, got {list(argv)} ({USAGE})")
     path = Path(argv[0]).absolute()
+    if not path.is_file():
+        raise UsageError(f"{path} does not exist")
+    from omegaconf import OmegaConf  # LLaMA-Factory's config reader (installed with it)
+
     loaded = OmegaConf.load(path) if path.suffix != ".json" else OmegaConf.create(json.loads(path.read_text()))
     return OmegaConf.to_container(OmegaConf.merge(loaded, OmegaConf.from_cli(list(argv[1:]))))
 
@@ -111,15 +122,17 @@ def train(config: Mapping[str, Any], *, callbacks: Sequence[Any] = (),
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """`odb-llamafactory train ...`; `--help` exits 0, a usage or config error is one line on stderr (exit 2)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] != "train":
-        print(USAGE, file=sys.stderr)
-        return 2
-    config = read_config(argv[1:])
+    if argv[:1] in (["-h"], ["--help"], ["help"]):
+        print(HELP)
+        return 0
     try:
-        clean, settings = prepare(config)  # fail fast, before any process starts or LLaMA-Factory loads
-    except ODBConfigError as exc:
-        print(f"odb-llamafactory: {exc}", file=sys.stderr)
+        if argv[:1] != ["train"]:
+            raise UsageError(f"unknown command {argv[0] if argv else '(none)'!r}; {USAGE}")
+        clean, settings = prepare(read_config(argv[1:]))  # fail fast, before any process starts or LF loads
+    except (UsageError, ODBConfigError) as exc:
+        print(f"odb-llamafactory: error: {exc}", file=sys.stderr)
         return 2
     env = dict(os.environ)
     if wants_torchrun(env, accelerator_count):  # the parent only launches: it never imports LLaMA-Factory

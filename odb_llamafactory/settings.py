@@ -77,8 +77,24 @@ def check_compatible(config: Mapping[str, Any], settings: ODBSettings) -> None:
     if config.get("disable_shuffling") and config.get("train_sampling_strategy", "sequential") != "sequential":
         raise ODBConfigError(f"disable_shuffling: true contradicts train_sampling_strategy: "
                              f"{config['train_sampling_strategy']}; keep one of them")
+    if config.get("streaming"):
+        check_streaming(config)
     cutoff, budget, policy = config.get("cutoff_len", 2048), settings.config.token_budget, settings.config.oversize
     if isinstance(cutoff, int) and cutoff > budget:  # 2048: LLaMA-Factory's default cutoff_len
         warnings.warn(f"odb_token_budget={budget} is below cutoff_len={cutoff}: a sample longer than "
                       f"the budget {'runs alone in its own micro-batch' if policy == 'alone' else 'raises'} "
                       f"(odb_oversize: {policy})", stacklevel=2)
+
+
+def check_streaming(config: Mapping[str, Any]) -> None:
+    """`streaming: true` in LLaMA-Factory 0.9.5 (`llamafactory/data/loader.py`): a local dataset file becomes
+    `dataloader_num_workers` stream shards, each read by one worker (odb_core NOTE [ Streams that split themselves
+    over workers ]), and `max_samples` takes `len()` of the stream."""
+    workers = config.get("dataloader_num_workers", 0)
+    if workers == 0:
+        raise ODBConfigError("streaming: true needs dataloader_num_workers: 1 or more: LLaMA-Factory 0.9.5 splits a "
+                             "local dataset file into dataloader_num_workers stream shards, so 0 gives an empty "
+                             "stream (it fails in align_dataset with StopIteration, with or without ODB)")
+    if config.get("max_samples") is not None:
+        raise ODBConfigError("max_samples does not work with streaming: true (LLaMA-Factory 0.9.5 takes len() of the "
+                             "stream and fails); remove max_samples, or set streaming: false")

@@ -36,6 +36,10 @@ class ODBSeq2SeqTrainer(ODBTrainerMixin, CustomSeq2SeqTrainer):
     """LLaMA-Factory's SFT trainer with ODB batches and exact token-weighted loss (needs an `ODBCallback`)."""
 
     odb_owns_data = True  # odb_hf.arguments.check_trainer: this class's data-method overrides are ODB's own
+    # LLaMA-Factory sets model_accepts_loss_kwargs = False for models with a processor (VLMs); ODB then computes the
+    # loss itself, skipping CustomSeq2SeqTrainer.compute_loss, which only adds use_asft_loss (refused with odb: true)
+    odb_bypassed_compute_loss = (CustomSeq2SeqTrainer,)
+    odb_adapter = "LLaMA-Factory"  # the start line: "odb: on (LLaMA-Factory), token budget ..."
 
     def _get_train_sampler(self, *args: Any, **kwargs: Any) -> None:
         raise RuntimeError("ODB shards and orders the training data itself; no training sampler is used")

@@ -9,7 +9,11 @@ importing deepspeed and transformers costs ~20 s per process on these machines:
   3. equivalence: ZeRO stages 0 (float32) and 1, 2, 3 (float64 model), uneven ranks with IDLE micro-batches
      (rank-local planning), stages 2 and 3 with global planning (samples move between ranks), and stage 2 with
      the loader built from the dataset (global, the default): every optimizer step's full gradient against a
-     single-process float64 reference of the per-supervised-token mean over the step's samples.
+     single-process float64 reference of the per-supervised-token mean over the step's samples;
+  4. the plain loop (`loss = engine(**batch).loss; engine.backward(loss)`, no ODB helper) checked the same way,
+     for a model that takes loss kwargs and for one declared without them (NOTE [ The plain DeepSpeed loop under
+     ODB ] in odb_deepspeed/engine.py);
+  5. refusals: a loss ODB did not weight, scale_wrt_gas=False, a model whose loss ignores num_items_in_batch.
 Writes OUT_DIR/rank{r}.json. The test process makes the assertions.
 """
 
@@ -141,10 +145,15 @@ def reference_grads(params: dict[str, torch.Tensor], samples: list[dict]) -> tup
     return {name: p.grad for name, p in model.named_parameters()}, tokens
 
 
-def equivalence(stage: int, dtype: torch.dtype, own_loader: bool, planning: str = "local",
-                samples_per_step: int | None = None) -> dict:
+def equivalence(stage: int, dtype: torch.dtype, own_loader: bool, planning: str = "local", plain: bool = False,
+                loss_kwargs: bool = True, samples_per_step: int | None = None) -> dict:
+    """`plain`: the loop backpropagates the engine's own output.loss; `loss_kwargs=False`: a model declared without
+    loss kwargs (ODB's engine then computes the weighted loss from the logits); `samples_per_step`: optimizer steps
+    of a target size (the engine accumulates 1 micro-batch, the loader sets the boundary)."""
     dataset = UnevenDataset(60)
     model = make_model(dtype)
+    if not loss_kwargs:
+        model.accepts_loss_kwargs = False
     config = ds_config(stage, token_budget=64)
     if samples_per_step is not None:  # optimizer steps of a target size: the engine accumulates 1, ODB decides
         config["gradient_accumulation_steps"] = 1
@@ -160,7 +169,8 @@ def equivalence(stage: int, dtype: torch.dtype, own_loader: bool, planning: str 
     for batch in loader:
         if batch.info.window_index == 0:
             before, window_indices = full_params(engine), []
-        engine.backward(odb_deepspeed.token_weighted_loss(engine(**batch), batch, engine))
+        output = engine(**batch)
+        engine.backward(output.loss if plain else odb_deepspeed.token_weighted_loss(output, batch, engine))
         window_indices += batch.info.indices
         idle += int(batch.info.is_idle)
         if batch.info.ends_window:
@@ -178,9 +188,52 @@ def equivalence(stage: int, dtype: torch.dtype, own_loader: bool, planning: str 
                                 "steps": batch.info.window_steps})
         engine.step()
     return {"stage": stage, "dtype": str(dtype), "own_loader": own_loader, "planning": loader.odb.config.planning,
+            "plain": plain, "loss_kwargs": loss_kwargs,
             "window_steps": sorted({w["steps"] for w in windows}) if windows and "steps" in windows[0] else [G],
             "max_rel_error": max(errors) if errors else None, "errors": errors, "windows": windows,
             "idle_micro_batches": idle, "moved": loader.odb.metrics.moved_samples, "steps": engine.global_steps}
+
+
+class IgnoresNumItems(torch.nn.Module):
+    """Takes **kwargs (so ODB's engine passes num_items_in_batch) but returns the model's own per-batch mean."""
+
+    def __init__(self, inner: LlamaForCausalLM) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, input_ids, attention_mask=None, labels=None, **kwargs):
+        return self.inner(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
+
+
+def refused(engine, batch, backward) -> str | None:
+    output = engine(**batch)
+    try:
+        backward(output)
+    except odb_deepspeed.ODBLossError as exc:
+        return str(exc)
+    return None
+
+
+def refusals() -> dict:
+    """What `engine.backward` refuses, one served batch each, and a model whose loss ignores num_items_in_batch."""
+    model = make_model(torch.float64)
+    engine, _, loader, _ = odb_deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), 0.0),
+                                                    training_data=UnevenDataset(60), config=ds_config(2, token_budget=64))
+    batches = iter(loader)
+    result = {"rescaled": refused(engine, next(batches), lambda output: engine.backward(output.loss * 1.0)),
+              "no_gas_scale": refused(engine, next(batches),
+                                      lambda output: engine.backward(output.loss, scale_wrt_gas=False))}
+    loader.odb.close()
+    model = IgnoresNumItems(make_model(torch.float64))
+    engine, _, loader, _ = odb_deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), 0.0),
+                                                    training_data=UnevenDataset(60), config=ds_config(2, token_budget=64))
+    try:
+        engine(**next(iter(loader)))
+        result["ignores_num_items"] = None
+    except odb_deepspeed.ODBLossError as exc:
+        result["ignores_num_items"] = str(exc)
+    loader.odb.close()
+    return result
 
 
 def main(out_dir: Path) -> None:
@@ -193,6 +246,9 @@ def main(out_dir: Path) -> None:
             (3, torch.float64, True, "global")]
     result["equivalence"] = [equivalence(stage, dtype, own, planning) for stage, dtype, own, planning in runs]
     result["equivalence"].append(equivalence(2, torch.float64, False, "global", samples_per_step=12))
+    result["plain"] = [equivalence(2, torch.float64, False, "global", plain=True, loss_kwargs=kwargs)
+                       for kwargs in (True, False)]
+    result["refusals"] = refusals()
     (out_dir / f"rank{result['rank']}.json").write_text(json.dumps(result))
 
 

@@ -1,13 +1,21 @@
-"""Multi-rank HF adapter scenarios, launched once by tests/test_hf_distributed.py under torchrun (2 CPU ranks, gloo).
+"""Multi-rank HF adapter scenarios, launched by tests/test_hf_distributed.py on 2 CPU ranks (gloo).
 
-Every scenario writes its facts to `--out`; the tests assert on them. Scenarios:
+The main launch (`accelerate launch`, the CPU recipe of docs/guides/hf-trainer.md) runs every scenario; each
+writes its facts to `--out` and the tests assert on them. Scenarios:
   grads-*   : float64, lr = 0, every optimizer step's synchronised gradient (rank 0) and every rank's StepInfos,
               global planning (the default) and rank-local (`-local`, and `grads-idle` whose uneven ranks run IDLE);
+              `grads-fsdp-*`: the same under FSDP2, full shard (see CpuFSDPTrainer);
   odb/std   : ODB and a plain Trainer on real chat text, same samples and epochs; eval loss, steps per rank;
-  stopped/resumed: the ODB run stopped after STOP_AT steps, then resumed from that checkpoint in a new Trainer;
+  resumed   : the ODB run resumed in a new Trainer from the checkpoint of the `--kill` launch (below);
+  refusals  : what ODBCallback refuses on 2 ranks (no use_cpu=True on this GPU-less machine, per-rank token
+              normalisation, train() after evaluate()): the error messages;
   grads-target: as grads-*, with samples_per_step (optimizer steps of a variable number of micro-batches);
   schedule-*: two epochs with warm-up and decay (samples_per_step, and G = 2): the LR of every step, the final LR,
               the progress bar's total and position at the last step, the real optimizer steps.
+`--kill` (its own torchrun launch, or plain python for one process) runs the ODB run until the checkpoint at
+STOP_AT (mid-epoch) is on disk on every rank, then every rank SIGKILLs itself, as a lost node takes a job down.
+Nothing here works around torch or transformers: a resumed multi-process CPU run needs what odb_hf does itself
+(NOTE [ Indexed CPU devices in torch.load ] in odb_core/checkpoints.py).
 """
 
 from __future__ import annotations
@@ -15,42 +23,55 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 sys.path.insert(0, str(Path(__file__).parent))
 import hf_support  # noqa: E402
 from odb_core.collate import PadCollator  # noqa: E402
-from odb_hf import ODBCallback  # noqa: E402
+from odb_hf import ODBCallback, ODBSetupError  # noqa: E402
 
 STOP_AT = 5
 E2E = dict(learning_rate=1e-2, num_train_epochs=3, warmup_steps=2, weight_decay=0.0, lr_scheduler_type="linear",
            max_grad_norm=1.0, logging_steps=1, use_cpu=True, seed=0, report_to=[], disable_tqdm=True,
            per_device_eval_batch_size=16, eval_strategy="epoch", save_strategy="steps", save_steps=STOP_AT)
+FSDP2 = dict(fsdp="full_shard", fsdp_config={"fsdp_version": 2, "reshard_after_forward": True})
 # No trainer.evaluate() before train(): in transformers 5.6.2 it registers the bare model with accelerate, and
 # train() then skips the DDP wrap, so gradients are not synchronised (ODBCallback refuses to train then).
 
 
-class StopAt(TrainerCallback):
-    """Stops right after the checkpoint at STOP_AT is written (so the saved TrainerControl does not say stop)."""
+class KillAt(TrainerCallback):
+    """Once the checkpoint at STOP_AT is on disk on every rank (ODB's on_save ran before this one), SIGKILL."""
 
     def on_save(self, args, state, control, **kwargs):
         if state.global_step == STOP_AT:
-            control.should_training_stop = True
+            if dist.is_initialized():
+                dist.barrier()
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _restore_indexed_cpu(storage, location: str):
-    return storage if location.startswith("cpu:") else None
+class CpuFSDPTrainer(Trainer):
+    """accelerate 1.16 turns FSDP on only for accelerator backends (MULTI_GPU, ...): on CPU a Trainer with
+    `fsdp=...` silently runs DDP. This test-only class gives the Trainer's accelerator the state a GPU run gets
+    (distributed type FSDP, the plugin built from the same TrainingArguments); from there on the FSDP2 code
+    (fully_shard, the reduce-scatter over gloo, the Trainer's FSDP branches) is accelerate's and torch's own."""
+
+    def create_accelerator_and_postprocess(self):
+        super().create_accelerator_and_postprocess()
+        state = self.accelerator.state
+        state.distributed_type = DistributedType.FSDP
+        state.fsdp_plugin = FullyShardedDataParallelPlugin(**self.args.fsdp_plugin_args)
+        self.is_fsdp_enabled = True
 
 
-# transformers 5.6.2 loads the optimizer state with map_location=args.device, which is "cpu:0" in multi-process
-# CPU runs, and torch 2.13 cannot restore to "cpu:0" (an upstream issue, not ODB's). Teach torch.load that
-# location, through torch's public registration API, so that the resume scenario can run on CPU.
-torch.serialization.register_package(99, lambda obj: None, _restore_indexed_cpu)
+def rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
 
 
 def record(info) -> dict:
@@ -73,44 +94,47 @@ class BarWatch(TrainerCallback):
 
 
 def grads(name: str, model, samples, out: Path, accumulation_steps: int, budget: int = 320,
-          strategy: str = "random", planning: str = "global", **odb_options) -> None:
+          strategy: str = "random", planning: str = "global", fsdp: bool = False, **odb_options) -> None:
     infos, recorder = [], hf_support.GradRecorder()
     args = TrainingArguments(output_dir=str(out / name), gradient_accumulation_steps=accumulation_steps,
                              learning_rate=0.0, optim="sgd", max_grad_norm=0.0, num_train_epochs=1, report_to=[],
                              save_strategy="no", logging_steps=1000, use_cpu=True, seed=0, disable_tqdm=True,
-                             lr_scheduler_type="constant", train_sampling_strategy=strategy)
+                             lr_scheduler_type="constant", train_sampling_strategy=strategy, **(FSDP2 if fsdp else {}))
     odb = ODBCallback(token_budget=budget, window=16, planning=planning, observer=lambda i: infos.append(record(i)),
                       **odb_options)
-    trainer = Trainer(model=model, args=args, train_dataset=hf_support.ListDataset(samples),
-                      data_collator=PadCollator(pad_token_id=hf_support.PAD), callbacks=[odb, recorder])
+    trainer = (CpuFSDPTrainer if fsdp else Trainer)(
+        model=model, args=args, train_dataset=hf_support.ListDataset(samples),
+        data_collator=PadCollator(pad_token_id=hf_support.PAD), callbacks=[odb, recorder])
     trainer.train()
-    rank = dist.get_rank()
-    (out / f"{name}.rank{rank}.json").write_text(json.dumps({"infos": infos, "steps": trainer.state.global_step}))
-    if rank == 0:
+    facts = {"infos": infos, "steps": trainer.state.global_step, "wrapped": type(trainer.model_wrapped).__name__}
+    (out / f"{name}.rank{rank()}.json").write_text(json.dumps(facts))
+    if rank() == 0:
         torch.save(recorder.steps, out / f"{name}.grads.pt")
 
 
-def train_chat(name: str, out: Path, data: Path, odb: bool, resume: str | None = None, stop: bool = False):
+def train_chat(name: str, out: Path, data: Path, odb: bool, resume: str | None = None, kill: bool = False,
+               samples: int | None = None, epochs: int = 3) -> None:
     infos: list = []
     args = TrainingArguments(output_dir=str(out / name), gradient_accumulation_steps=2,
-                             per_device_train_batch_size=8, **E2E)
-    callbacks: list = [StopAt()] if stop else []
+                             per_device_train_batch_size=8, **{**E2E, "num_train_epochs": epochs})
+    callbacks: list = []
     if odb:
         callbacks.append(ODBCallback(token_budget=1024, window=64, observer=lambda i: infos.append(record(i))))
-    train = hf_support.ListDataset(hf_support.load_samples(data / "train.json"))
+    if kill:
+        callbacks.append(KillAt())
+    train = hf_support.ListDataset(hf_support.load_samples(data / "train.json")[:samples])
     held_out = hf_support.ListDataset(hf_support.load_samples(data / "eval.json"))
     trainer = Trainer(model=hf_support.tiny_llama(seed=0), args=args, train_dataset=train, eval_dataset=held_out,
                       data_collator=PadCollator(pad_token_id=hf_support.PAD), callbacks=callbacks)
     trainer.train(resume_from_checkpoint=resume)
     after = trainer.evaluate()["eval_loss"]
-    rank = dist.get_rank()
     losses = {entry["step"]: entry["loss"] for entry in trainer.state.log_history if "loss" in entry}
     odb_logs = [{k: v for k, v in e.items() if k.startswith("odb/")} for e in trainer.state.log_history
                 if any(k.startswith("odb/") for k in e)]
     facts = {"eval_after": after, "steps": trainer.state.global_step, "losses": losses,
              "infos": infos, "odb_logs": odb_logs, "epoch": trainer.state.epoch}
-    (out / f"{name}.rank{rank}.json").write_text(json.dumps(facts))
-    if rank == 0:
+    (out / f"{name}.rank{rank()}.json").write_text(json.dumps(facts))
+    if rank() == 0:
         torch.save({k: v.detach().clone() for k, v in trainer.model.state_dict().items()}, out / f"{name}.params.pt")
 
 
@@ -130,15 +154,52 @@ def schedule(name: str, out: Path, data: Path, accumulation_steps: int, **odb_op
     lrs = {entry["step"]: entry["learning_rate"] for entry in trainer.state.log_history if "learning_rate" in entry}
     facts = {"lrs": lrs, "final_lr": trainer.lr_scheduler.get_last_lr()[0], "steps": trainer.state.global_step,
              "max_steps": trainer.state.max_steps, "bar": watch.seen, "infos": infos}
-    (out / f"{name}.rank{dist.get_rank()}.json").write_text(json.dumps(facts))
+    (out / f"{name}.rank{rank()}.json").write_text(json.dumps(facts))
+
+
+def refused(build) -> str | None:
+    """The ODBSetupError message of `build()` (None if it raised none)."""
+    try:
+        build()
+    except ODBSetupError as exc:
+        return str(exc)
+    return None
+
+
+def refusals(out: Path, data: Path) -> None:
+    """What ODBCallback refuses on 2 ranks: TrainingArguments without use_cpu=True on this GPU-less machine
+    (accelerate counts 1 process per rank), average_tokens_across_devices=False, and train() after evaluate()
+    (transformers then skips the DDP wrap)."""
+    samples = hf_support.ListDataset(hf_support.load_samples(data / "train.json")[:16])
+    collator = PadCollator(pad_token_id=hf_support.PAD)
+
+    def trainer(**overrides) -> Trainer:
+        args = TrainingArguments(output_dir=str(out / "refusals"), report_to=[], save_strategy="no",
+                                 disable_tqdm=True, **overrides)
+        return Trainer(model=hf_support.tiny_llama(), args=args, train_dataset=samples, eval_dataset=samples,
+                       data_collator=collator, callbacks=[ODBCallback(token_budget=1024)])
+
+    evaluated = trainer(use_cpu=True, max_steps=1)
+    evaluated.evaluate()
+    facts = {"args_world_size": TrainingArguments(output_dir=str(out / "refusals"), report_to=[]).world_size,
+             "no_use_cpu": refused(lambda: trainer()),
+             "per_rank_tokens": refused(lambda: trainer(use_cpu=True, average_tokens_across_devices=False)),
+             "evaluated_first": refused(evaluated.train)}
+    (out / f"refusals.rank{rank()}.json").write_text(json.dumps(facts))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--data", type=Path, required=True)
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--kill", action="store_true", help="run `killed`: SIGKILL after the save at STOP_AT")
+    parser.add_argument("--samples", type=int, default=None, help="training samples of the --kill run")
+    parser.add_argument("--epochs", type=int, default=3, help="epochs of the --kill run")
     ns = parser.parse_args()
     torch.set_num_threads(1)
+    if ns.kill:
+        train_chat("killed", ns.out, ns.data, odb=True, kill=True, samples=ns.samples, epochs=ns.epochs)
+        raise RuntimeError(f"the run ended before its checkpoint at step {STOP_AT}")
     samples = hf_support.load_samples(ns.data / "train.json")[:41]  # odd count: the ranks get 21 and 20 samples
     grads("grads-ga1", hf_support.tiny_llama(dtype=torch.float64), samples, ns.out, 1)
     grads("grads-ga3", hf_support.tiny_llama(dtype=torch.float64), samples, ns.out, 3)
@@ -153,10 +214,13 @@ def main() -> None:
     schedule("schedule-ga2", ns.out, ns.data, 2)
     train_chat("odb", ns.out, ns.data, odb=True)
     train_chat("std", ns.out, ns.data, odb=False)
-    train_chat("stopped", ns.out, ns.data, odb=True, stop=True)
-    train_chat("resumed", ns.out, ns.data, odb=True, resume=str(ns.out / "stopped" / f"checkpoint-{STOP_AT}"))
+    train_chat("resumed", ns.out, ns.data, odb=True, resume=str(ns.out / "killed" / f"checkpoint-{STOP_AT}"))
+    for planning in ("global", "local"):
+        grads(f"grads-fsdp-{planning}", hf_support.tiny_llama(dtype=torch.float64), samples, ns.out, 3,
+              planning=planning, fsdp=True)
+    refusals(ns.out, ns.data)
     dist.barrier()
-    if os.environ.get("RANK") == "0":
+    if rank() == 0:
         (ns.out / "done").write_text("ok")
     # every rank passed the barrier: destroy the groups now, since Gloo groups left to interpreter teardown can
     # abort the process (SIGABRT, "terminate called without an active exception"; pytorch/pytorch#190489)

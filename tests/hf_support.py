@@ -80,14 +80,32 @@ def tiny_llama(seed: int = 0, dtype: torch.dtype = torch.float32, hidden: int = 
     return LlamaForCausalLM(config).to(dtype)
 
 
+class LogitsOnly(torch.nn.Module):
+    """A model whose forward takes no loss kwargs (and no labels): the Trainer cannot pass num_items_in_batch."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, input_ids, attention_mask=None):
+        return {"logits": self.inner(input_ids=input_ids, attention_mask=attention_mask).logits}
+
+
 class GradRecorder(TrainerCallback):
-    """Keeps every optimizer step's (synchronised, unclipped) gradients."""
+    """Keeps every optimizer step's (synchronised, unclipped) gradients; FSDP2's sharded ones gathered whole (a
+    collective: every rank records)."""
 
     def __init__(self) -> None:
         self.steps: list[dict[str, torch.Tensor]] = []
 
     def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
-        self.steps.append({n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad})
+        self.steps.append({n: full_tensor(p.grad).detach().clone() for n, p in model.named_parameters()
+                           if p.requires_grad})
+
+
+def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's whole value (FSDP2 shards parameters and gradients), or the tensor itself."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
 def reference_gradient(model: torch.nn.Module, samples: list[dict], pad_token_id: int = PAD) -> dict[str, torch.Tensor]:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import odb_deepspeed
-from odb_core import ODBConfig
+from odb_core import ODBConfig, ODBDataLoader
 from odb_core.ds_section import ALLOWED_KEYS, parse_odb_section, without_odb_section
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "configs/deepspeed/zero2_odb.json"
@@ -98,3 +98,9 @@ def test_initialize_refuses_a_fixed_batch_torch_dataloader():
     loader = torch.utils.data.DataLoader([{"input_ids": [1, 2]}], batch_size=4)
     with pytest.raises(TypeError, match="training_data=loader.dataset"):
         odb_deepspeed.initialize(model=torch.nn.Linear(2, 2), training_data=loader, config=_config())
+
+
+def test_initialize_refuses_a_collate_fn_next_to_a_ready_odb_loader():
+    loader = ODBDataLoader([{"input_ids": [1, 2]}], token_budget=8)
+    with pytest.raises(ValueError, match="collate_fn= was given with a ready ODBDataLoader; pass it to ODBDataLoader"):
+        odb_deepspeed.initialize(model=torch.nn.Linear(2, 2), training_data=loader, collate_fn=list, config=_config())

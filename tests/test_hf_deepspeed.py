@@ -22,7 +22,8 @@ from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 import hf_support
 from odb_core.collate import PadCollator
 from odb_hf import ODBCallback, ODBSetupError, ODBTrainer, ODBTrainerMixin
-from odb_hf.ds_config import check_engine, check_process_count
+from odb_hf.arguments import check_process_count
+from odb_hf.ds_config import check_engine
 
 pytest_plugins = ["hf_fixtures"]
 ROOT = Path(__file__).resolve().parent.parent
@@ -127,9 +128,14 @@ def test_disabled_section_refuses_an_explicit_callback_and_an_odb_trainer_class(
 
 
 def test_trainer_and_torch_distributed_must_count_the_same_processes():
-    check_process_count(1)  # one process, no process group
-    with pytest.raises(ODBSetupError, match=r"counts 2 process\(es\) but torch.distributed runs 1 ranks"):
-        check_process_count(2)
+    """The refusal names the real cause (no device backend without use_cpu=True) and the fix; DeepSpeed only when
+    the Trainer runs it (the 2-rank refusals are checked in test_hf_distributed.py and below)."""
+    check_process_count(1, deepspeed=False)  # one process, no process group
+    for deepspeed in (False, True):
+        with pytest.raises(ODBSetupError, match=r"counts 2 process\(es\) but torch.distributed runs 1 ranks.*"
+                                                r"use_cpu=True") as error:
+            check_process_count(2, deepspeed=deepspeed)
+        assert ("DeepSpeed" in str(error.value)) == deepspeed
 
 
 def test_summed_deepspeed_gradients_are_refused():
@@ -219,3 +225,4 @@ def test_a_trainer_that_counts_one_process_on_two_ranks_is_refused(ds_run):
     for rank in facts(ds_run, "naive"):
         assert rank["args_world_size"] == 1 and rank["args_process_index"] == 0
         assert "counts 1 process(es) but torch.distributed runs 2 ranks" in rank["error"]
+        assert "the Trainer still runs DeepSpeed" in rank["error"] and "pass use_cpu=True" in rank["error"]

@@ -1,7 +1,9 @@
-"""The HF adapter on 2 CPU ranks under torchrun (gloo): G2, G6 and G8 through the Trainer, and ODB vs plain Trainer.
+"""The HF adapter on 2 CPU ranks (gloo): G2, G6 (DDP and FSDP2) and G8 through the Trainer, ODB vs plain Trainer.
 
-One torchrun launch (tests/hf_dist_worker.py) runs every scenario, so the two processes import transformers once;
-each test below checks one guarantee on the facts it wrote.
+One launch (tests/hf_dist_worker.py, started with the CPU `accelerate launch` recipe of docs/guides/hf-trainer.md)
+runs every scenario, so the two processes import transformers once; each test below checks one guarantee on the
+facts it wrote. A second, shorter launch (torchrun) trains until a mid-epoch checkpoint and is SIGKILLed there;
+the main launch resumes from it. The same kill and resume runs with one process (plain python, then in this one).
 """
 
 from __future__ import annotations
@@ -9,6 +11,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -22,27 +26,60 @@ import hf_dist_worker
 pytest_plugins = ["hf_fixtures"]
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent
+WORKER = str(ROOT / "tests" / "hf_dist_worker.py")
+GUIDE = ROOT / "docs" / "guides" / "hf-trainer.md"
 TOLERANCE = 1e-6
 GRAD_SCENARIOS = {"grads-ga1": 1, "grads-ga3": 3, "grads-lora": 3, "grads-ga3-local": 3, "grads-idle": 3,
-                  "grads-uneven-global": 3, "grads-target": None}  # None: samples_per_step
+                  "grads-uneven-global": 3, "grads-fsdp-global": 3, "grads-fsdp-local": 3,
+                  "grads-target": None}  # None: samples_per_step
 UNEVEN = ("grads-idle", "grads-uneven-global")
+SINGLE = dict(samples=64, epochs=2)  # the one-process kill and resume: a shorter run
+
+
+def run(command: list[str], timeout: float = 420) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+def accelerate_cpu_recipe(port: int) -> list[str]:
+    """The guide's `accelerate launch` line for 2 CPU processes, as documented (plus a free port)."""
+    line = next(line for line in GUIDE.read_text().splitlines()
+                if line.startswith("accelerate launch") and "--num_processes 2" in line)
+    *options, script = line.split()[2:]
+    assert script == "train.py", line
+    return [str(Path(sys.executable).with_name("accelerate")), "launch", *options, "--main_process_port", str(port)]
 
 
 @pytest.fixture(scope="module")
 def dist_run(chat_data, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("dist")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               str(ROOT / "tests" / "hf_dist_worker.py"), "--data", str(chat_data.train_file.parent),
-               "--out", str(out)]
-    result = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=420)
+    from resume_launch import free_port
+
+    out, data = tmp_path_factory.mktemp("dist"), str(chat_data.train_file.parent)
+    killed = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", WORKER,
+                  "--data", data, "--out", str(out), "--kill"])
+    assert killed.returncode != 0 and "SIGKILL" in killed.stderr, killed.stderr[-6000:]
+    result = run([*accelerate_cpu_recipe(free_port()), WORKER, "--data", data, "--out", str(out)])
     assert result.returncode == 0 and (out / "done").exists(), result.stdout[-3000:] + result.stderr[-6000:]
+    (out / "launch.stderr").write_text(result.stderr)
     return out
 
 
-def facts(out: Path, name: str) -> list[dict]:
-    return [json.loads((out / f"{name}.rank{rank}.json").read_text()) for rank in range(2)]
+@pytest.fixture(scope="module")
+def single_run(chat_data, tmp_path_factory) -> Path:
+    """One process: killed by SIGKILL after its mid-epoch checkpoint, then the full and the resumed run here."""
+    out, data = tmp_path_factory.mktemp("single"), chat_data.train_file.parent
+    killed = run([sys.executable, WORKER, "--data", str(data), "--out", str(out), "--kill",
+                  "--samples", str(SINGLE["samples"]), "--epochs", str(SINGLE["epochs"])])
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-6000:]
+    hf_dist_worker.train_chat("odb", out, data, odb=True, **SINGLE)
+    checkpoint = out / "killed" / f"checkpoint-{hf_dist_worker.STOP_AT}"
+    hf_dist_worker.train_chat("resumed", out, data, odb=True, resume=str(checkpoint), **SINGLE)
+    return out
+
+
+def facts(out: Path, name: str, world_size: int = 2) -> list[dict]:
+    return [json.loads((out / f"{name}.rank{rank}.json").read_text()) for rank in range(world_size)]
 
 
 def grad_samples(chat_data, name: str) -> list[dict]:
@@ -53,8 +90,9 @@ def grad_samples(chat_data, name: str) -> list[dict]:
 @pytest.mark.parametrize("name", sorted(GRAD_SCENARIOS))
 def test_step_gradient_equals_big_batch_token_mean_on_two_ranks(dist_run, chat_data, name):
     """Every optimizer step's synchronised gradient (W=2, GA=1/3, LoRA, IDLE, global and rank-local planning,
-    samples moved between ranks) equals the float64 reference."""
+    samples moved between ranks; DDP and FSDP2 full shard) equals the float64 reference."""
     ranks = facts(dist_run, name)
+    assert ranks[0]["wrapped"] == ("FSDPLlamaForCausalLM" if "fsdp" in name else "DistributedDataParallel")
     steps = hf_support.steps_of(ranks[0]["infos"] + ranks[1]["infos"], GRAD_SCENARIOS[name])
     samples = grad_samples(chat_data, name)
     assert sorted(i for indices in steps.values() for i in indices) == list(range(len(samples)))
@@ -111,7 +149,7 @@ def test_idle_micro_batches_run_on_the_rank_that_ran_out(dist_run):
 
 
 def test_ranks_run_the_same_number_of_optimizer_steps(dist_run):
-    for name in [*GRAD_SCENARIOS, "odb", "stopped", "resumed"]:
+    for name in [*GRAD_SCENARIOS, "odb", "resumed"]:
         ranks = facts(dist_run, name)
         assert ranks[0]["steps"] == ranks[1]["steps"] > 0, name
         assert len(ranks[0]["infos"]) == len(ranks[1]["infos"]), name
@@ -128,15 +166,58 @@ def test_odb_and_plain_trainer_reach_comparable_eval_loss(dist_run):
                                                                                          plain["eval_after"])
 
 
-def test_resume_from_a_mid_epoch_checkpoint_continues_exactly(dist_run):
-    """G8 through the Trainer: stop after STOP_AT steps (mid-epoch), resume in a new Trainer: same run."""
-    stopped, resumed, full = facts(dist_run, "stopped")[0], facts(dist_run, "resumed")[0], facts(dist_run, "odb")[0]
-    assert stopped["steps"] == hf_dist_worker.STOP_AT and 0 < stopped["epoch"] < 1
-    assert resumed["steps"] == full["steps"]
-    assert resumed["losses"] == full["losses"]
-    assert resumed["infos"] and resumed["infos"] == full["infos"][-len(resumed["infos"]):]
-    a, b = torch.load(dist_run / "odb.params.pt"), torch.load(dist_run / "resumed.params.pt")
+def check_resumed_run(out: Path, world_size: int) -> None:
+    """The killed run's checkpoint is mid-epoch and the last one it wrote; the resumed run continues with exactly
+    the batches, losses and final parameters of the uninterrupted run."""
+    stop = hf_dist_worker.STOP_AT
+    state = json.loads((out / "killed" / f"checkpoint-{stop}" / "trainer_state.json").read_text())
+    assert state["global_step"] == stop and 0 < state["epoch"] % 1
+    assert [p.name for p in (out / "killed").glob("checkpoint-*")] == [f"checkpoint-{stop}"]
+    for resumed, full in zip(facts(out, "resumed", world_size), facts(out, "odb", world_size)):
+        assert resumed["steps"] == full["steps"] > stop and resumed["losses"] == full["losses"]
+        assert resumed["infos"] and resumed["infos"] == full["infos"][-len(resumed["infos"]):]
+    a, b = torch.load(out / "odb.params.pt"), torch.load(out / "resumed.params.pt")
     assert max(float((a[k] - b[k]).abs().max()) for k in a) <= TOLERANCE
+
+
+def test_resume_after_sigkill_mid_epoch_continues_exactly_on_two_processes(dist_run):
+    """G8 through Trainer.train(resume_from_checkpoint=...) on 2 CPU ranks: transformers loads the optimizer
+    state with map_location='cpu:0' there, which torch cannot restore without odb_hf's registration."""
+    check_resumed_run(dist_run, world_size=2)
+
+
+def test_resume_after_sigkill_mid_epoch_continues_exactly_on_one_process(single_run):
+    check_resumed_run(single_run, world_size=1)
+
+
+def test_without_use_cpu_the_refusal_names_the_missing_ddp_and_not_deepspeed(dist_run):
+    """On CPU without TrainingArguments(use_cpu=True), transformers sets up no DDP (each rank alone on all data)."""
+    for rank in facts(dist_run, "refusals"):
+        assert rank["args_world_size"] == 1
+        assert re.search(r"counts 1 process\(es\) but torch.distributed runs 2 ranks.*transformers sets up no DDP.*"
+                         r"pass use_cpu=True", rank["no_use_cpu"]), rank["no_use_cpu"]
+        assert "DeepSpeed" not in rank["no_use_cpu"]
+
+
+def test_per_rank_normalisation_and_training_after_evaluate_are_refused_naming_the_cause(dist_run):
+    for rank in facts(dist_run, "refusals"):
+        assert rank["per_rank_tokens"].startswith("average_tokens_across_devices=False normalises each rank's loss "
+                                                  "by its own tokens"), rank["per_rank_tokens"]
+        assert rank["evaluated_first"].startswith("the model is not wrapped for data-parallel training, so gradients "
+                                                  "would not be synchronised"), rank["evaluated_first"]
+        assert "trainer.evaluate() ran before train()" in rank["evaluated_first"]
+
+
+def test_rank_zero_says_once_per_training_run_that_odb_is_on(dist_run):
+    """The start line of odb_core.console, on stderr, from rank 0 only: one per ODB train() of the launch (the six
+    DDP gradient scenarios, the step-target one, the two schedule ones, odb, resumed, the two FSDP2 ones; not the
+    plain Trainer's)."""
+    lines = [line for line in (dist_run / "launch.stderr").read_text().splitlines() if line.startswith("odb: on")]
+    assert lines[0] == ("odb: on (HF Trainer), token budget 320 (padded cost), world 2, mode global planning + join, "
+                        "accumulation 1")
+    assert "odb: on (HF Trainer), token budget 320 (padded cost), world 2, mode global planning + join, optimizer " \
+        "steps of ~12 samples" in lines
+    assert len(lines) == 13 and lines[-1].startswith("odb: on (HF CpuFSDPTrainer), token budget 320"), lines
 
 
 def test_odb_metrics_are_in_the_trainer_log(dist_run):

@@ -10,7 +10,7 @@ from transformers import Trainer, TrainingArguments
 import hf_support
 from odb_core.collate import PadCollator
 from odb_core.loss import TokenLossScale, causal_lm_loss_sum, step_normalizer
-from odb_hf import ODBCallback
+from odb_hf import ODBCallback, ODBSetupError, ODBTrainerMixin, causal_lm_loss
 
 pytest_plugins = ["hf_fixtures"]
 TOLERANCE = 1e-6
@@ -107,3 +107,115 @@ def test_causal_loss_sum_counts_the_same_tokens_as_the_loader():
                                                  ignore_index=-100, reduction="sum")
     got = causal_lm_loss_sum(logits, labels)
     assert got.dtype == torch.float32 and torch.allclose(got, expected)
+
+
+# -- exact or loud: every loss set-up is exact or refused (docs/guides/hf-trainer.md, the table of cases) --------
+class PerSequenceMean(torch.nn.Module):
+    """Takes **kwargs (so the Trainer passes num_items_in_batch) but averages its loss per sequence, ignoring it."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, input_ids, attention_mask=None, labels=None, **kwargs):
+        logits = self.inner(input_ids=input_ids, attention_mask=attention_mask).logits
+        if labels is None:
+            return {"logits": logits}
+        return {"loss": per_sequence_loss_func({"logits": logits}, labels), "logits": logits}
+
+
+class BatchMeanTrainer(Trainer):
+    """A user override that drops num_items_in_batch: the model returns each micro-batch's own token mean."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        return super().compute_loss(model, inputs, return_outputs)
+
+
+class PassThroughTrainer(Trainer):
+    calls = 0
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        PassThroughTrainer.calls += 1
+        return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+
+def per_sequence_loss_func(outputs, labels, num_items_in_batch=None):
+    """A compute_loss_func that averages per sequence and ignores num_items_in_batch."""
+    logits, supervised = outputs["logits"], labels[:, 1:] != -100
+    ce = torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), labels[:, 1:], ignore_index=-100,
+                                           reduction="none")
+    return ((ce * supervised).sum(1) / supervised.sum(1).clamp(min=1)).mean()
+
+
+def train_frozen(tmp_path, model, samples, trainer_class=Trainer, **trainer_kwargs):
+    """GA = 2, lr = 0: the recorded step gradients (wrapper prefix `inner.` removed) and each step's indices."""
+    infos, recorder = [], hf_support.GradRecorder()
+    trainer = trainer_class(model=model, args=frozen_args(tmp_path, 2, label_names=["labels"]),
+                            train_dataset=hf_support.ListDataset(samples),
+                            data_collator=PadCollator(pad_token_id=hf_support.PAD),
+                            callbacks=[ODBCallback(token_budget=320, window=32, observer=infos.append), recorder],
+                            **trainer_kwargs)
+    trainer.train()
+    grads = [{name.removeprefix("inner."): g for name, g in step.items()} for step in recorder.steps]
+    records = [{"epoch": i.epoch, "step": i.step, "indices": list(i.indices)} for i in infos]
+    return grads, hf_support.steps_of(records, 2)
+
+
+@pytest.mark.parametrize(("make", "whose"), [
+    (lambda inner: (inner, dict(trainer_class=BatchMeanTrainer)), r"BatchMeanTrainer.compute_loss is not divided"),
+    (lambda inner: (inner, dict(compute_loss_func=per_sequence_loss_func)), r"compute_loss_func is not divided"),
+    (lambda inner: (PerSequenceMean(inner), {}), r"PerSequenceMean's loss is not divided"),
+], ids=["override-batch-mean", "loss-func-per-sequence", "model-per-sequence"])
+def test_a_loss_that_ignores_num_items_in_batch_is_refused_naming_whose_it_is(chat_data, tmp_path, make, whose):
+    model, kwargs = make(hf_support.tiny_llama(dtype=torch.float64))
+    with pytest.raises(ODBSetupError, match=whose + r".*the step's gradient would not be the per-token mean; "
+                                             r"(divide the summed token loss|return the summed token loss|"
+                                             r"set PerSequenceMean.accepts_loss_kwargs = False)"):
+        train_frozen(tmp_path, model, chat_data.train[:24], **kwargs)
+
+
+def test_a_per_sequence_model_declared_without_loss_kwargs_gets_the_exact_token_mean(chat_data, tmp_path):
+    """The fix the refusal names: accepts_loss_kwargs = False, then ODB computes the loss from the logits."""
+    samples, model = chat_data.train[:24], PerSequenceMean(hf_support.tiny_llama(dtype=torch.float64))
+    model.accepts_loss_kwargs = False
+    grads, steps = train_frozen(tmp_path, model, samples)
+    assert check_against_reference(model.inner, samples, grads, steps) <= TOLERANCE
+
+
+def test_an_override_that_odb_would_bypass_is_refused_and_causal_lm_loss_keeps_it_exact(chat_data, tmp_path):
+    """A model without loss kwargs: ODB's own loss would skip PassThroughTrainer.compute_loss, so it refuses; with
+    compute_loss_func=odb_hf.causal_lm_loss the override runs and every step is the exact token mean."""
+    samples, model = chat_data.train[:24], hf_support.LogitsOnly(hf_support.tiny_llama(dtype=torch.float64))
+    with pytest.raises(ODBSetupError, match=r"PassThroughTrainer.compute_loss is overridden, but LogitsOnly's forward "
+                                            r"takes no loss kwargs.*compute_loss_func=odb_hf.causal_lm_loss"):
+        train_frozen(tmp_path, model, samples, PassThroughTrainer)
+    PassThroughTrainer.calls = 0
+    grads, steps = train_frozen(tmp_path, model, samples, PassThroughTrainer, compute_loss_func=causal_lm_loss)
+    assert PassThroughTrainer.calls == 2 * len(steps)
+    assert check_against_reference(model.inner, samples, grads, steps) <= TOLERANCE
+
+
+def test_a_compute_loss_above_the_mixin_is_refused_when_the_trainer_is_built(chat_data, tmp_path):
+    class Above(ODBTrainerMixin, Trainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+    with pytest.raises(ODBSetupError, match=r"Above.compute_loss is defined above ODBTrainerMixin"):
+        train_frozen(tmp_path, hf_support.tiny_llama(), chat_data.train[:8], Above)
+
+
+def test_the_shared_loss_reads_logits_from_every_output_form_and_divides_by_the_given_tokens():
+    """odb_core.loss.logits_of / causal_lm_loss (odb_hf.causal_lm_loss; odb_deepspeed.token_weighted_loss reads
+    logits the same way): a tensor, a mapping, an output object, a return_dict=False tuple."""
+    from types import SimpleNamespace
+
+    from odb_core.loss import logits_of
+
+    logits, labels = torch.randn(2, 5, 7, dtype=torch.float64), torch.tensor([[1, 2, 3, -100, -100], [4, 5, 6, 1, 2]])
+    for output in (logits, {"logits": logits}, SimpleNamespace(logits=logits), (logits,)):
+        assert logits_of(output) is logits
+    total, tokens = causal_lm_loss_sum(logits, labels), int((labels[:, 1:] != -100).sum())
+    assert torch.equal(causal_lm_loss({"logits": logits}, labels, torch.tensor(10.0)), total / 10.0)
+    assert torch.allclose(causal_lm_loss((logits,), labels), total / tokens)
+    with pytest.raises(TypeError, match="expected logits or a model output with .logits, got list"):
+        logits_of([logits])

@@ -61,9 +61,9 @@ def test_odb_trainer_class_and_callback_give_the_same_run(chat_data, tmp_path):
 def test_callback_added_after_construction_must_be_attached(chat_data, tmp_path):
     trainer = make_trainer(tmp_path, chat_data.train[:16])
     trainer.add_callback(ODBCallback(token_budget=512))
-    with pytest.raises(ODBSetupError, match="attach"):
+    with pytest.raises(ODBSetupError, match=r"ODBCallback is not attached to this Trainer \(added after construction\?\)"):
         trainer.train()
-    with pytest.raises(ODBSetupError, match="no ODBCallback"):
+    with pytest.raises(ODBSetupError, match="ODBTrainer mixes in ODB but has no ODBCallback"):
         make_trainer(tmp_path, chat_data.train[:16], trainer_class=ODBTrainer).train()
     late = make_trainer(tmp_path, chat_data.train[:16])
     ODBCallback(token_budget=512).attach(late)
@@ -124,17 +124,6 @@ def test_logged_odb_metrics_reach_tensorboard(chat_data, tmp_path):
     assert 0 < events.Scalars("train/odb/budget_utilization")[-1].value <= 1
 
 
-class LogitsOnly(torch.nn.Module):
-    """A model whose forward takes no loss kwargs (so the Trainer cannot pass num_items_in_batch)."""
-
-    def __init__(self, inner):
-        super().__init__()
-        self.inner = inner
-
-    def forward(self, input_ids, attention_mask=None):
-        return {"logits": self.inner(input_ids=input_ids, attention_mask=attention_mask).logits}
-
-
 class GradRecorder(TrainerCallback):
     def __init__(self):
         self.steps = []
@@ -145,7 +134,7 @@ class GradRecorder(TrainerCallback):
 
 def test_model_without_loss_kwargs_gets_the_exact_token_mean(chat_data, tmp_path):
     samples, infos, recorder = chat_data.train[:30], [], GradRecorder()
-    model = LogitsOnly(hf_support.tiny_llama(dtype=torch.float64))
+    model = hf_support.LogitsOnly(hf_support.tiny_llama(dtype=torch.float64))
     trainer = make_trainer(tmp_path, samples, [ODBCallback(token_budget=320, observer=infos.append), recorder],
                            model=model, learning_rate=0.0, optim="sgd", max_grad_norm=0.0, label_names=["labels"],
                            gradient_accumulation_steps=3, lr_scheduler_type="constant")
@@ -169,9 +158,10 @@ def test_patch_cap_reaches_the_loader(tmp_path):
 
 
 @pytest.mark.parametrize("overrides,match", [
-    (dict(train_sampling_strategy="group_by_length"), "group_by_length"),
-    (dict(auto_find_batch_size=True), "auto_find_batch_size"),
-    (dict(label_smoothing_factor=0.1), "label_smoothing_factor"),
+    (dict(train_sampling_strategy="group_by_length"),
+     "group_by_length' conflicts with ODB, which groups samples by observed length itself"),
+    (dict(auto_find_batch_size=True), "auto_find_batch_size=True conflicts with ODB: batch sizes come from token_budget"),
+    (dict(label_smoothing_factor=0.1), "label_smoothing_factor != 0 uses a per-batch mean loss that ODB cannot weight"),
 ])
 def test_conflicting_training_arguments_raise(chat_data, tmp_path, overrides, match):
     with pytest.raises(ODBSetupError, match=match):
@@ -183,7 +173,8 @@ def test_custom_sampler_and_odb_owned_options_raise(chat_data, tmp_path):
         def _get_train_sampler(self, train_dataset=None):
             return torch.utils.data.SequentialSampler(self.train_dataset)
 
-    with pytest.raises(ODBSetupError, match="_get_train_sampler"):
+    with pytest.raises(ODBSetupError, match="SamplerTrainer._get_train_sampler is overridden, but ODB builds the "
+                                            "training batches itself and would silently bypass it"):
         make_trainer(tmp_path, chat_data.train[:8], [ODBCallback(token_budget=512)], SamplerTrainer)
     with pytest.raises(TypeError, match="gradient_accumulation_steps"):
         ODBCallback(token_budget=512, accumulation_steps=4)
@@ -244,3 +235,21 @@ def test_a_step_target_needs_gradient_accumulation_1_and_trains_every_sample_wit
     trainer.train()
     assert sorted(seen) == list(range(30)) and not odb.run.view.plan.exact
     assert trainer.state.global_step == odb.run.loader.metrics.counts.optimizer_steps
+def test_a_callback_outside_a_trainer_says_how_to_attach_it(tmp_path):
+    from transformers import TrainerControl, TrainerState
+
+    with pytest.raises(ODBSetupError, match=r"ODBCallback could not find the Trainer being built; call "
+                                            r"ODBCallback\(\.\.\.\)\.attach\(trainer\)"):
+        ODBCallback(token_budget=512).on_init_end(make_args(tmp_path), TrainerState(), TrainerControl())
+
+
+def test_resuming_from_a_checkpoint_without_odb_state_names_the_missing_file_and_the_fix(chat_data, tmp_path):
+    """A checkpoint of a run without ODB (no odb_loader_rank0.json) cannot give the exact data position."""
+    plain = make_trainer(tmp_path / "plain", chat_data.train[:8], max_steps=1, save_strategy="steps", save_steps=1,
+                         per_device_train_batch_size=4)
+    plain.train()
+    checkpoint = tmp_path / "plain" / "checkpoint-1"
+    resumed = make_trainer(tmp_path / "odb", chat_data.train[:8], [ODBCallback(token_budget=512)], max_steps=2)
+    with pytest.raises(ODBSetupError, match=r"odb_loader_rank0.json is missing: the checkpoint was not written by an "
+                                            r"ODB run with this world size.*pass ignore_data_skip=True"):
+        resumed.train(resume_from_checkpoint=str(checkpoint))

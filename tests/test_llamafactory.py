@@ -38,12 +38,13 @@ def assets(tmp_path_factory) -> dict[str, Path]:
     return {**lf_fixtures.build_all(root), "root": root}
 
 
-def overrides(assets: dict[str, Path], out: str, **extra) -> list[str]:
+def overrides(assets: dict[str, Path], out: str, keep: tuple[str, ...] = (), **extra) -> list[str]:
+    """key=value overrides of an example config for this machine; `keep` names settings left as the config has them."""
     values = {"model_name_or_path": assets["model"], "dataset_dir": assets["data"], "output_dir": assets["root"] / out,
               "dataset": "chitchat_alpaca,chitchat_sharegpt", "cutoff_len": 256, "odb_token_budget": BUDGET,
               "max_samples": "null", "preprocessing_num_workers": "null", "dataloader_num_workers": 0,
               "bf16": "false", "logging_steps": 1, "save_steps": 1000, "plot_loss": "false", **extra}
-    return [f"{key}={value}" for key, value in values.items()]
+    return [f"{key}={value}" for key, value in values.items() if key not in keep]
 
 
 def run_lf(command: list[str], log: Path, timeout: float, **env: str) -> subprocess.CompletedProcess:
@@ -104,11 +105,13 @@ def test_lora_sft_with_odb_logs_the_token_weighted_loss_of_each_optimizer_step(l
 
 def test_cli_trains_to_the_end_with_and_without_odb(assets):
     """`odb-llamafactory train`: LoRA with odb=false (plain LLaMA-Factory) and full fine-tuning with ODB on a
-    streaming dataset (LLaMA-Factory streams local files into dataloader_num_workers shards), side by side."""
+    streaming dataset, side by side. The full example config is used with streaming switched on as its comment
+    says, keeping its own dataloader_num_workers (4: LLaMA-Factory streams the local file as 4 shards, which ODB's
+    4 workers read once each) and its lack of max_samples. ODB says that it is on, in the console."""
     cli = str(LF_BIN / "odb-llamafactory")
     plain = [cli, "train", str(LORA), *overrides(assets, "plain", odb="false", max_steps=2, dataset="chitchat_alpaca")]
-    full = [cli, "train", str(FULL), *overrides(assets, "full-stream", dataset="chitchat_sharegpt", streaming="true",
-                                                max_steps=3, dataloader_num_workers=1)]
+    full = [cli, "train", str(FULL), *overrides(assets, "full-stream", keep=("max_samples", "dataloader_num_workers"),
+                                                dataset="chitchat_sharegpt", streaming="true", max_steps=3)]
     with ThreadPoolExecutor(2) as pool:
         runs = list(pool.map(lambda c: run_lf(c[0], assets["root"] / f"{c[1]}.log", timeout=400),
                              [(plain, "plain"), (full, "full-stream")]))
@@ -118,6 +121,8 @@ def test_cli_trains_to_the_end_with_and_without_odb(assets):
     assert plain_state["global_step"] == 2 and full_state["global_step"] == 3
     assert not any(key.startswith("odb/") for entry in plain_state["log_history"] for key in entry)
     assert all("odb/budget_utilization" in entry for entry in full_state["log_history"] if "loss" in entry)
+    assert f"odb: on (LLaMA-Factory), token budget {BUDGET}" in runs[1].output and "world 1" in runs[1].output
+    assert "odb: on" not in runs[0].output
 
 
 def test_two_ranks_with_uneven_data_run_equal_steps_after_torchrun_relaunch(assets):
@@ -144,3 +149,13 @@ def test_cli_names_an_unknown_odb_key_and_the_allowed_keys_before_training(asset
     assert done.returncode == 2
     assert "unknown key 'odb_joins' (did you mean 'odb_join'?)" in done.output
     assert "odb_token_budget" in done.output and "Traceback" not in done.output
+
+
+def test_cli_names_the_dataloader_workers_that_streaming_needs_before_training(assets, tmp_path):
+    """The example config with streaming and 0 workers (an empty stream in LLaMA-Factory 0.9.5): one line, exit 2."""
+    done = run_lf([str(LF_BIN / "odb-llamafactory"), "train", str(FULL), "streaming=true", "max_steps=3",
+                   "dataloader_num_workers=0"], tmp_path / "stream0.log", timeout=120)
+    assert done.returncode == 2 and done.output.strip().splitlines() == [
+        "odb-llamafactory: error: streaming: true needs dataloader_num_workers: 1 or more: LLaMA-Factory 0.9.5 splits "
+        "a local dataset file into dataloader_num_workers stream shards, so 0 gives an empty stream (it fails in "
+        "align_dataset with StopIteration, with or without ODB)"]

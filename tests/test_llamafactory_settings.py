@@ -90,3 +90,16 @@ def test_torchrun_relaunch_targets_this_module_in_every_rank():
     assert command[command.index("--nproc-per-node") + 1] == "2"
     assert command[command.index("--master-port") + 1] == "29555"
     assert command[-5:] == ["-m", "odb_llamafactory.launcher", "train", "cfg.yaml", "odb_join=false"]
+
+
+def test_streaming_names_the_dataloader_workers_it_needs_and_refuses_max_samples():
+    """LLaMA-Factory 0.9.5 streams a local file as dataloader_num_workers shards (0: an empty stream) and takes
+    len() of the stream for max_samples; ODB reads any number >= 1 of shards (tests/test_resume_streaming.py)."""
+    settings = pop_odb_settings({"odb": True, "odb_token_budget": 4096})
+    streaming = {**BASE, "streaming": True, "max_steps": 10}
+    with pytest.raises(ODBConfigError, match=r"streaming: true needs dataloader_num_workers: 1 or more"):
+        check_compatible(streaming, settings)
+    with pytest.raises(ODBConfigError, match=r"max_samples does not work with streaming: true"):
+        check_compatible({**streaming, "dataloader_num_workers": 2, "max_samples": 1000}, settings)
+    for workers in (1, 2, 4):
+        check_compatible({**streaming, "dataloader_num_workers": workers, "max_samples": None}, settings)

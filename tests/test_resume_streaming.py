@@ -39,17 +39,35 @@ def test_uneven_streams_align_steps_and_emit_every_sample_once(tmp_path, world_s
     assert sum(r["torch"]["moved"] for r in ranks) > 0
 
 
-class SelfSplittingStream(torch.utils.data.IterableDataset):
-    """Looks like an HF IterableDataset: it has `num_shards` (and would split them over DataLoader workers)."""
+def hf_sharded_stream(n: int = 60, shards: int = 4):
+    """An HF datasets stream in `shards` shards, as LLaMA-Factory streams a local file: each DataLoader worker
+    reads only its own shards. Sample i's tokens are all i + 3, so batches tell which samples they hold."""
+    from datasets import Dataset
 
-    num_shards = 4
-
-    def __iter__(self):
-        return iter([{"input_ids": torch.arange(5 + i % 7)} for i in range(40)])
+    rows = [{"input_ids": [i + 3] * (4 + (i * 7) % 19)} for i in range(n)]
+    return Dataset.from_list(rows).to_iterable_dataset(num_shards=shards)
 
 
-def test_a_stream_that_splits_itself_over_workers_is_refused():
-    loader = ODBDataLoader(SelfSplittingStream(), token_budget=256, num_workers=2)
-    with pytest.raises(ValueError, match="num_workers=0"):
-        list(loader)
-    assert sum(1 for _ in ODBDataLoader(SelfSplittingStream(), token_budget=256, num_workers=0)) > 0
+def sample_ids(batches) -> list[int]:
+    return [int(row[0]) - 3 for batch in batches for row in batch["input_ids"] if not batch.info.is_idle]
+
+
+@pytest.mark.parametrize("workers", [0, 1, 2, 3])
+def test_a_stream_that_splits_itself_over_workers_is_read_once_with_any_worker_count(workers):
+    """NOTE [ Streams that split themselves over workers ]: every worker reads its own shards, every sample once."""
+    loader = ODBDataLoader(hf_sharded_stream(), token_budget=96, num_workers=workers)
+    assert sorted(sample_ids(loader)) == list(range(60))
+
+
+def test_a_stream_split_over_workers_resumes_exactly():
+    """G8 with 2 workers over 4 shards: the resumed loader re-reads the stream the same way."""
+    full = list(ODBDataLoader(hf_sharded_stream(), token_budget=96, num_workers=2))
+    stopped = ODBDataLoader(hf_sharded_stream(), token_budget=96, num_workers=2)
+    head = [batch for _, batch in zip(range(4), stopped)]
+    state = stopped.state_dict()
+    stopped.close()
+    resumed = ODBDataLoader(hf_sharded_stream(), token_budget=96, num_workers=2)
+    resumed.load_state_dict(state)
+    rest = list(resumed)
+    assert [b.info.indices for b in head + rest] == [b.info.indices for b in full]
+    assert sample_ids(head + rest) == sample_ids(full)

@@ -1,0 +1,63 @@
+"""The command lines follow CLI conventions: `--help` exits 0, an error exits non-zero with one clear line.
+
+`--help` runs as a user runs it (`python -m` of the console scripts' modules, in a subprocess); the errors call the
+same `main` in this process (the console scripts are `sys.exit(main())`). `odb-llamafactory`'s launcher imports
+odb_core only before `train` starts, so all of this runs in the main environment.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+from odb_core import cli
+from odb_llamafactory import launcher
+
+ODB = [sys.executable, "-m", "odb_core.cli"]
+ODB_LLAMAFACTORY = [sys.executable, "-m", "odb_llamafactory.launcher"]
+
+
+def run(command: list[str]) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run(command, capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+
+
+@pytest.mark.parametrize("command", [[*ODB, "--help"], [*ODB, "plan", "--help"], [*ODB_LLAMAFACTORY, "--help"]],
+                         ids=["odb", "odb-plan", "odb-llamafactory"])
+def test_help_prints_the_usage_and_exits_0(command):
+    done = run(command)
+    assert done.returncode == 0, done.stderr
+    assert "usage: " in done.stdout and not done.stderr
+
+
+def exit_status(main, argv: list[str]) -> int:
+    try:
+        return main(argv)
+    except SystemExit as exc:  # argparse exits by itself
+        return exc.code
+
+
+@pytest.mark.parametrize(("main", "args", "cause"), [
+    (cli.main, [], "the following arguments are required: command"),
+    (cli.main, ["plan", "lengths.npy"], "required: --token-budget"),
+    (cli.main, ["plan", "missing.npy", "--token-budget", "1024"], "No such file or directory: 'missing.npy'"),
+    (cli.main, ["plan", "LENGTHS", "--token-budget", "0"], "ODBConfig.token_budget=0 is invalid"),
+    (cli.main, ["plan", "LENGTHS", "--token-budget", "64", "--world-size", "0"], "--world-size 0 is invalid"),
+    (launcher.main, [], "unknown command '(none)'"),
+    (launcher.main, ["trian", "cfg.yaml"], "unknown command 'trian'"),
+    (launcher.main, ["train", "cfg.txt"], "expected a .yaml, .yml or .json config file"),
+    (launcher.main, ["train", "missing.yaml"], "missing.yaml does not exist"),
+], ids=["odb", "plan-args", "plan-file", "plan-budget", "plan-world", "lf-none", "lf-typo", "lf-ext", "lf-file"])
+def test_errors_exit_2_with_one_line_naming_the_cause(tmp_path, capsys, main, args, cause):
+    lengths = tmp_path / "lengths.txt"
+    lengths.write_text("5\n9\n12\n")
+    status = exit_status(main, [str(lengths) if a == "LENGTHS" else a for a in args])
+    out, err = capsys.readouterr()
+    assert status == 2 and not out
+    assert len(err.strip().splitlines()) == 1 and cause in err, err
+    assert err.startswith(("odb: error:", "odb plan: error:", "odb-llamafactory: error:"))
