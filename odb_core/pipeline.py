@@ -171,6 +171,7 @@ class EpochRun(Iterator[ODBBatch]):
         for k, b in enumerate(built):
             totals = reduced[k * STEP_SUM_FIELDS : (k + 1) * STEP_SUM_FIELDS]
             self._stage(b, totals, planned.index, first_step + k)
+        metrics.publish_moves()
         if self.engine.finished:
             self.log.end_epoch(self.engine.steps_done, metrics.snapshot())
 
