@@ -43,9 +43,13 @@ def save_loader_state(loader: Stateful, folder: str | os.PathLike, rank: int) ->
     os.makedirs(folder, exist_ok=True)
     path = loader_state_path(folder, rank)
     temporary = f"{path}.tmp"
-    with open(temporary, "w") as handle:
-        json.dump(loader.state_dict(), handle)
-    os.replace(temporary, path)
+    try:
+        with open(temporary, "w") as handle:
+            json.dump(loader.state_dict(), handle)
+        os.replace(temporary, path)
+    finally:
+        if os.path.exists(temporary):  # the dump failed: leave no half-written file behind
+            os.remove(temporary)
     return path
 
 

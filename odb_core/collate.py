@@ -69,27 +69,35 @@ class PadCollator:
 
     @staticmethod
     def _pad(values: list[Any], length: int, value: int) -> torch.Tensor:
-        """Rows right-padded to `length` with `value`, as int64 unless the rows are tensors of another dtype.
+        """Rows right-padded to `length` (or to the longest row, if a field is longer than `input_ids`) with
+        `value`, as int64 unless the rows are tensors of another dtype.
 
-        Hot path: equal-length tensors are stacked; lists and arrays are copied straight into one preallocated
-        array (no per-row tensor); tensors numpy cannot view (grad, off the CPU) go through `pad_sequence`."""
+        Hot path: lists of ids and 1-D arrays/tensors are copied straight into one preallocated array (no tensor
+        per row; equal-length tensors are stacked); anything else (rows of 2 or more axes, tensors numpy cannot
+        view: grad, off the CPU) goes through `pad_sequence`, as before the fast paths existed."""
         if all(type(v) is list for v in values):
-            out = np.full((len(values), length), value, dtype=np.int64)
-            for i, v in enumerate(values):
-                out[i, : len(v)] = v
-            return torch.from_numpy(out)
+            try:
+                out = np.full((len(values), max(length, max(map(len, values)))), value, dtype=np.int64)
+                for i, v in enumerate(values):
+                    out[i, : len(v)] = v
+                return torch.from_numpy(out)
+            except (TypeError, ValueError):  # nested lists (e.g. multi-axis position ids): the general path
+                pass
         rows = [_as_long(v) for v in values]
-        if len({r.dtype for r in rows}) == 1 and all(r.shape[0] == length for r in rows):
-            return torch.stack(rows)
-        try:
-            arrays = [r.numpy() for r in rows]  # refuses tensors with grad, off the CPU, or of numpy-less dtypes
-        except (RuntimeError, TypeError):
-            arrays = None
-        if arrays is not None and len({a.dtype for a in arrays}) == 1:
-            out = np.full((len(arrays), length), value, dtype=arrays[0].dtype)
-            for i, a in enumerate(arrays):
-                out[i, : a.shape[0]] = a
-            return torch.from_numpy(out)
+        if all(r.ndim == 1 for r in rows):
+            width = max(length, max(r.shape[0] for r in rows))
+            same_dtype = len({r.dtype for r in rows}) == 1
+            if same_dtype and all(r.shape[0] == width for r in rows):
+                return torch.stack(rows)
+            try:
+                arrays = [r.numpy() for r in rows]  # refuses tensors with grad, off the CPU, or numpy-less dtypes
+            except (RuntimeError, TypeError):
+                arrays = None
+            if arrays is not None and same_dtype:
+                out = np.full((len(arrays), width), value, dtype=arrays[0].dtype)
+                for i, a in enumerate(arrays):
+                    out[i, : a.shape[0]] = a
+                return torch.from_numpy(out)
         padded = pad_sequence(rows, batch_first=True, padding_value=value)
         if padded.shape[1] < length:  # a field shorter than input_ids in every row
             padded = torch.nn.functional.pad(padded, (0, length - padded.shape[1]), value=value)

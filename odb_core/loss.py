@@ -19,7 +19,9 @@ loss function), and a per-micro-batch mean there makes the step silently inexact
 optimizer step, where a wrong normalisation shows (every check costs nothing afterwards):
   * `normalized_share` (HF Trainer): the loss gets N as a leaf tensor that records gradients; -dL/dN * N / L is
     the share of the loss that is divided by N: 1 for sum / N, 0 for a loss that ignores N (a mean per batch or
-    per sequence). Only the path from the loss to N is differentiated (no model gradient is computed).
+    per sequence). Only the path from the loss to N is differentiated (no model gradient is computed). Shares from
+    0.5 to 1 pass: a model may add a term that is no token mean (a MoE router's auxiliary loss, a regulariser),
+    which the check cannot tell from a loss divided by N only in part; a loss that ignores N scores 0.
   * `weighting_error` (DeepSpeed): the loss against `causal_lm_loss_sum(logits, labels) * factor`, computed here
     sample by sample without gradients (no more memory than one sample's logits).
 Anything else raises with the cause and the one-line fix (docs/guarantees.md G6 lists the cases).

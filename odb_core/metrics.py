@@ -122,11 +122,17 @@ class LoaderMetrics:
     moved_bytes: int = 0  # and their bytes (move="send"), received by this rank
     sync_bytes: int = 0
     sync_seconds: float = 0.0
+    # (moved samples, moved bytes, local samples) after the last whole round, published in one assignment so that
+    # a reader on the trainer's thread never sees a round's moves without its samples; derived, not saved
+    moves: tuple[int, int, int] = (0, 0, 0)
 
     def snapshot(self) -> dict[str, float | int]:
         """Raw counters, for a loader state dict (flat: the step counts beside the round counters)."""
-        own = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "counts"}
+        own = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("counts", "moves")}
         return {**own, **asdict(self.counts)}
+
+    def publish_moves(self) -> None:
+        self.moves = (self.moved_samples, self.moved_bytes, self.counts.local_samples)
 
     def restore(self, counters: dict[str, float | int]) -> None:
         """Set the counters of a `snapshot()` (a partial one leaves the others as they are)."""
@@ -135,8 +141,9 @@ class LoaderMetrics:
                 raise ValueError(f"unknown metrics counter {name!r} in loader state")
         self.counts = replace(self.counts, **{k: v for k, v in counters.items() if k in STEP_FIELDS})
         for name, value in counters.items():
-            if name not in STEP_FIELDS:
+            if name not in STEP_FIELDS and name != "moves":
                 setattr(self, name, value)
+        self.publish_moves()
 
     def record_step(self, info: StepInfo) -> None:
         self.counts = self.counts.add(info)
@@ -198,7 +205,7 @@ class StepMeter:
     def __init__(self, config: ODBConfig, loader_metrics: LoaderMetrics) -> None:
         self.config, self.world_size = config, loader_metrics.world_size
         self.loader_metrics = loader_metrics
-        self.moves_logged = (0, 0, 0)  # (moved samples, moved bytes, local samples) at the previous flush
+        self.moves_logged = loader_metrics.moves  # at the previous flush (a restored loader's totals so far)
         self.seen = self.logged = StepCounts()
         self.last: StepInfo | None = None  # the latest consumed micro-batch
         self.since = time.perf_counter()
@@ -226,8 +233,7 @@ class StepMeter:
         return logs
 
     def _moves(self) -> dict[str, float]:
-        m = self.loader_metrics
-        now = (m.moved_samples, m.moved_bytes, m.counts.local_samples)
+        now = self.loader_metrics.moves
         moved, moved_bytes, local = (a - b for a, b in zip(now, self.moves_logged, strict=True))
         self.moves_logged = now
         return {"odb/moved_fraction": moved / local if local else 0.0, "odb/moved_bytes": float(moved_bytes)}

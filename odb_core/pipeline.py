@@ -175,6 +175,7 @@ class EpochRun(Iterator[ODBBatch]):
         for k, b in enumerate(built):
             totals = reduced[k * STEP_SUM_FIELDS : (k + 1) * STEP_SUM_FIELDS]
             self._stage(b, totals, planned.index, first_step + k)
+        metrics.publish_moves()
         if self.engine.finished:
             self._release(self.window.flush())  # a target-sized epoch may end in a short step
             self.log.end_epoch(self.engine.steps_done, metrics.snapshot())

@@ -112,15 +112,13 @@ def inspect_sample(index: int, sample: Any, length_fn: LengthFn | None) -> Item:
     """Check one sample and return its planning facts. Raises `SampleError` naming `index` and the cause."""
     if type(sample) is not dict and not isinstance(sample, Mapping):
         raise SampleError(index, f"expected a mapping with 'input_ids', got {type(sample).__name__}")
-    ids = sample.get("input_ids")
-    if ids is None:
+    if "input_ids" not in sample:
         raise SampleError(index, f"has no 'input_ids' (keys: {sorted(sample)})")
-    n_input = _checked_length(index, "input_ids", ids)
+    n_input = _checked_length(index, "input_ids", sample["input_ids"])
     if n_input == 0:
         raise SampleError(index, "'input_ids' is empty")
-    labels = sample.get("labels")
-    if labels is not None:
-        _checked_length(index, "labels", labels)
+    if "labels" in sample:
+        _checked_length(index, "labels", sample["labels"])
     length = n_input
     if length_fn is not None:
         try:

@@ -160,7 +160,8 @@ class IndexedIterable(IterableDataset):
     reads its part and keeps all of it: the k-th sample of part w has position k * n + w, and rank r keeps the
     samples with k % W == r (tags as above, from that position), so the parts are read once, in parallel. The
     stream's order is the DataLoader's round-robin over the workers' chunks, which is fixed for a given
-    `num_workers` (a resume re-reads it the same way), but differs between worker counts, as it would without ODB.
+    `num_workers` (a resume re-reads it the same way), but differs between worker counts, as it would without ODB:
+    the state records the number of parts (`StreamSource.parts`) and a resume with another count is refused.
     """
 
     def __init__(self, dataset: IterableDataset, *, rank: int, world_size: int, shard: bool, chunk: int) -> None:
@@ -179,7 +180,7 @@ class IndexedIterable(IterableDataset):
     def __iter__(self) -> Iterator[list[tuple[int, Any]]]:
         info = get_worker_info()
         worker, n_workers = (info.id, info.num_workers) if info is not None else (0, 1)
-        splits = n_workers > 1 and hasattr(self.dataset, "num_shards")  # see the NOTE above
+        splits = worker_parts(self.dataset, n_workers) > 1  # see the NOTE above
         stream = self.tagged(worker, n_workers) if splits else self.tagged()
         for c in itertools.count():
             chunk = list(itertools.islice(stream, self.chunk))
@@ -187,6 +188,15 @@ class IndexedIterable(IterableDataset):
                 return
             if splits or c % n_workers == worker:
                 yield [(index, pack_sample(sample)) for index, sample in chunk] if info is not None else chunk
+
+
+def worker_parts(dataset: Any, num_workers: int) -> int:
+    """How many parts the stream is read in: `num_workers` for an HF `datasets` stream with shards, which gives
+    each DataLoader worker only its own shards (NOTE [ Streams that split themselves over workers ]), else 1.
+    Only the `datasets` package's streams are trusted to split: another class with a `num_shards` attribute would
+    otherwise be read once per worker."""
+    from_datasets = type(dataset).__module__.split(".")[0] == "datasets"
+    return num_workers if num_workers > 1 and from_datasets and hasattr(dataset, "num_shards") else 1
 
 
 def keep_chunk(chunk: list[tuple[int, Any]]) -> list[tuple[int, Any]]:

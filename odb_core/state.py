@@ -109,10 +109,12 @@ class ShardedSource:
 
 @dataclass(frozen=True, slots=True)
 class StreamSource:
-    """An `IterableDataset` stream (`shard`: ODB deals stream positions to ranks)."""
+    """An `IterableDataset` stream (`shard`: ODB deals stream positions to ranks; `parts`: the DataLoader workers
+    it is read in when it splits itself over them, else 1; NOTE [ Streams that split themselves over workers ])."""
 
     kind: ClassVar[str] = "stream"
     shard: bool
+    parts: int = 1
 
     def describe(self) -> str:
         return "an IterableDataset stream"
@@ -190,6 +192,8 @@ def source_to_dict(source: Source) -> dict[str, Any]:
         return {"kind": source.kind, "world_size": source.world_size, "first_step": source.first_step,
                 "first_round": source.first_round, "parts": parts}
     values = {name: getattr(source, name) for name in source.__slots__}  # type: ignore[union-attr]
+    if isinstance(source, StreamSource) and source.parts == 1:
+        del values["parts"]  # the layout of a stream read in one part is the one states had before `parts`
     return {"kind": source.kind, **values}
 
 
@@ -209,6 +213,8 @@ def source_from_dict(data: Any, where: str) -> Source:
     if kind not in types:
         raise StateError(f"{where}.kind={kind!r} is unknown (expected one of {sorted([*types, 'remainder'])})")
     cls, schema = types[kind]
+    if kind == "stream" and "parts" in data:  # states saved before `parts` existed read one part
+        schema = {**schema, "parts": int}
     values = {name: _pop(data, name, typ, where) for name, typ in schema.items()}
     _no_leftovers(data, where)
     return cls(**values)
@@ -425,6 +431,13 @@ class LoaderState:
                 f"loader state was saved by rank {self.rank} of a world of size {self.world_size}, but this "
                 f"loader has world_size={loader.world_size}; to resume at another world size, collect every "
                 "rank's state_dict() and load odb_core.resume.merge_states(states) on every new rank")
+        saved, mine = self.source, loader.source
+        if isinstance(saved, StreamSource) and isinstance(mine, StreamSource) and saved.parts != mine.parts:
+            raise ValueError(
+                f"loader state was saved reading the stream in {saved.parts} DataLoader worker part(s), this loader "
+                f"reads it in {mine.parts}: a stream that splits itself over workers (an HF datasets stream with "
+                f"shards) has an order fixed by num_workers, so resume with num_workers="
+                f"{saved.parts if saved.parts > 1 else '0 or 1'}")
         checks = [("rank", self.rank, loader.rank), ("config", dict(self.config), dict(loader.config))]
         if self.source is not None:
             checks.append(("sampler", source_to_dict(self.source), source_to_dict(loader.source)))

@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
 from odb_core.lifeline import Lifeline
 from odb_core.sources import (ChunkSampler, IndexedDataset, IndexedIterable, IndexListSampler, ShardedSampler,
-                              keep_chunk, map_style_size, unpack_sample)
+                              keep_chunk, map_style_size, unpack_sample, worker_parts)
 from odb_core.state import (CustomSource, RemainderSource, ResumePoint, ShardedSource, Source, StateError,
                             StreamSource)
 
@@ -43,8 +43,12 @@ class _CheckedDataset(IndexedDataset):
     def __getitems__(self, indices: list[int]) -> list[tuple[int, Any]]:
         try:
             return super().__getitems__(indices)
-        except Exception:  # find the sample that fails, one index at a time, and name it
-            return [self[i] for i in indices]
+        except Exception as exc:  # find the sample that fails, one index at a time, and name it
+            for i in indices:
+                self[i]
+            raise DatasetFetchError(f"samples {indices}: dataset.__getitems__ raised {type(exc).__name__}: {exc}, "
+                                    "although each dataset[i] alone works (torch's DataLoader calls __getitems__ "
+                                    "too): fix the dataset's __getitems__ or remove it") from exc
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -92,6 +96,7 @@ class SampleStream:
         self._idle_sample = options.idle_sample
         self.sampler = self._build_sampler(options.sampler)
         self._replayed: dict[int, Any] = {}
+        self._num_workers = options.num_workers
         timeout = options.worker_timeout_s if options.num_workers > 0 else 0
         # In-process reads (no workers) cost a DataLoader step per chunk and nothing per byte: take larger ones.
         chunk = options.fetch_chunk if options.num_workers > 0 else max(options.fetch_chunk, IN_PROCESS_CHUNK)
@@ -127,7 +132,7 @@ class SampleStream:
     def source(self) -> Source:
         """Descriptor of this rank's index source for a normal epoch (see NOTE [ Elastic resume ])."""
         if self.size is None:
-            return StreamSource(shard=self._iterable.shard)
+            return StreamSource(shard=self._iterable.shard, parts=worker_parts(self.dataset, self._num_workers))
         if self._own_sampler:
             return ShardedSource(size=self.size, shuffle=self._shuffle, seed=self._seed, world_size=self.world_size)
         return CustomSource(type=type(self.sampler).__name__, size=self.size)

@@ -75,6 +75,8 @@ class DeepSpeedODBLoader:
             if serve is not None:
                 serve(batch, batch.info)
             yield batch
+            if serve is not None:
+                self.engine.odb_require_backward()
 
     def __len__(self) -> int:
         return len(self.odb)

@@ -3,7 +3,8 @@
 NOTE [ The plain DeepSpeed loop under ODB ]
 A plain loop backpropagates the model's own loss: `loss = engine(**batch).loss; engine.backward(loss)`. That loss
 is a mean over the micro-batch's supervised tokens, so with ODB's variable batches the step's gradient would be
-off by each micro-batch's token share (measured: 2.2e-2 relative at W = 2, G = 2). So `initialize` mixes
+off by each micro-batch's token share (the issue measured 2.2e-2 relative in its set-up; with the uneven data of
+tests/test_deepspeed_zero.py at W = 2, G = 2, global planning, 9.4e-2 before this mixin existed). So `initialize` mixes
 `ODBEngineMixin` into the engine instance it built (its class becomes `ODB<EngineClass>`, as odb_hf does with a
 Trainer; nothing else changes, and a passthrough `initialize` returns DeepSpeed's engine untouched):
   * Who, when: `DeepSpeedODBLoader` hands the engine every batch it yields (`serve`), before the loop sees it.
@@ -17,7 +18,9 @@ Trainer; nothing else changes, and a passthrough `initialize` returns DeepSpeed'
     (`token_weighted_loss`, or a loss times `loss_scale(batch.info, engine)`, which mark the batch). Anything
     else (a mean the loop computed, `output.loss * 2`) raises before DeepSpeed runs, naming the one-line fix; so
     does `scale_wrt_gas=False` (l already holds the factor G that DeepSpeed's default division cancels).
-A backward with no served batch pending (the loop's own extra passes) goes to DeepSpeed unchecked.
+A backward with no served batch pending (the loop's own extra passes) goes to DeepSpeed unchecked. A served batch
+that reaches no `engine.backward` (the loop called `loss.backward()` on the tensor, which DeepSpeed also accepts,
+or skipped the batch) raises when the loop asks for the next batch, or at the end of the epoch.
 """
 
 from __future__ import annotations
@@ -70,6 +73,16 @@ class ODBEngineMixin:
     def odb_serve(self, batch: Mapping[str, Any], info: StepInfo) -> None:
         labels = batch.get("labels")
         self.odb_served = ServedBatch(info=info, labels_shape=tuple(labels.shape) if labels is not None else None)
+
+    def odb_require_backward(self) -> None:
+        """When the loop asks for the next batch: the one served before must have gone through `engine.backward`."""
+        served, self.odb_served = self.odb_served, None
+        if served is not None:
+            raise ODBLossError(
+                f"the batch ODB served before (epoch {served.info.epoch}, step {served.info.step}) reached no "
+                "engine.backward: a loss.backward() on the tensor itself bypasses ODB's weighting check, and a "
+                "skipped micro-batch leaves the step's token weights wrong. Call engine.backward(loss) once for "
+                "every batch the loader yields, IDLE ones included")
 
     def odb_mark_scaled(self, info: StepInfo) -> None:
         if self.odb_served is not None and self.odb_served.info is info:

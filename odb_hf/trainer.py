@@ -186,7 +186,7 @@ class ODBTrainerMixin:
             return
         run.checks_left -= 1
         share = normalized_share(loss, normalizer)
-        if 0.5 <= share <= 1.001:
+        if 0.5 <= share <= 1.001:  # auxiliary terms allowed (NOTE [ Exact or loud ])
             return
         owner = self._odb_loss_override()
         if owner is not None:

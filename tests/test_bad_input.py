@@ -250,3 +250,61 @@ def test_accepted_length_fn_values_drive_the_grouping():
     loader = ODBDataLoader(LengthDataset([8] * 16), token_budget=64, prefetch_steps=0,
                            length_fn=lambda sample: np.int64(2 * len(sample["input_ids"])))
     assert {len(b.info.indices) for b in loader} == {4}
+
+
+@pytest.mark.parametrize("sample,message", [({"input_ids": [3, 4], "labels": None}, "'labels' must be a 1-D"),
+                                            ({"input_ids": None}, "'input_ids' must be a 1-D")])
+def test_a_present_but_empty_field_is_refused_naming_it(sample, message):
+    from odb_core.sample import SampleError, inspect_sample
+
+    with pytest.raises(SampleError, match=rf"sample 3: {message}"):
+        inspect_sample(3, sample, None)
+
+
+class BatchReadDataset(RaisingDataset):
+    """Reads a chunk with one `__getitems__` call, as HF `datasets` does; `broken` makes that call fail alone."""
+
+    def __init__(self, broken: bool = False) -> None:
+        self.broken, self.calls = broken, 0
+
+    def __getitems__(self, indices):
+        self.calls += 1
+        if self.broken:
+            raise RuntimeError("the batch reader lost its file handle")
+        return [self[i] for i in indices]
+
+
+@pytest.mark.parametrize("num_workers,prefetch_steps", MODES)
+def test_a_chunk_read_with_getitems_still_names_the_failing_sample(num_workers, prefetch_steps):
+    with pytest.raises(DatasetFetchError, match=rf"sample {BAD_INDEX}: dataset\[{BAD_INDEX}\] raised KeyError"):
+        first_batch(BatchReadDataset(), num_workers=num_workers, prefetch_steps=prefetch_steps)
+
+
+def test_a_broken_getitems_is_an_error_not_a_silent_second_read():
+    with pytest.raises(DatasetFetchError, match=r"dataset.__getitems__ raised RuntimeError: the batch reader lost"):
+        first_batch(PatchedGetitems())
+
+
+def test_getitems_is_used_in_chunks_and_gives_the_batches_of_single_reads():
+    chunked, single = BatchReadAll(), LengthDataset([3 + (i * 7) % 29 for i in range(200)])
+    batches = [list(ODBDataLoader(d, token_budget=96, shuffle=True, prefetch_steps=0)) for d in (chunked, single)]
+    assert [b.info.indices for b in batches[0]] == [b.info.indices for b in batches[1]]
+    assert 0 < chunked.calls <= 200 // 64 + 1  # one call per in-process chunk of 64
+
+
+class PatchedGetitems(BatchReadDataset):
+    def __init__(self) -> None:
+        super().__init__(broken=True)
+
+    def __getitem__(self, index: int):
+        return {"input_ids": torch.arange(8)}
+
+
+class BatchReadAll(LengthDataset):
+    def __init__(self) -> None:
+        super().__init__([3 + (i * 7) % 29 for i in range(200)])
+        self.calls = 0
+
+    def __getitems__(self, indices):
+        self.calls += 1
+        return [self[i] for i in indices]

@@ -34,3 +34,13 @@ def test_equal_length_rows_are_stacked_and_a_tensor_with_grad_still_pads():
     assert torch.equal(mixed["position_ids"], torch.tensor([[0, 1], [0, 0]]))
     assert torch.equal(mixed["w"], torch.tensor([1.0, 2.0], dtype=torch.float64))
     assert PadCollator._pad(weights, 2, 0).tolist() == [[1.0, 1.0], [1.0, 0.0]]
+
+
+def test_a_field_longer_than_input_ids_and_multi_axis_rows_pad_as_pad_sequence_does():
+    longer = PadCollator()([{"input_ids": [1, 2], "labels": [1, 2, 3]}, {"input_ids": [4], "labels": [4]}])
+    assert torch.equal(longer["labels"], torch.tensor([[1, 2, 3], [4, -100, -100]]))
+    assert torch.equal(longer["input_ids"], torch.tensor([[1, 2], [4, 0]]))
+    rows = [[[0, 1], [0, 1], [0, 1]], [[0, 1], [0, 1], [0, 1]]]  # 3 x L position ids per sample, as lists
+    multi = PadCollator()([{"input_ids": [1, 2], "position_ids": r} for r in rows])
+    reference = torch.nn.utils.rnn.pad_sequence([torch.tensor(r) for r in rows], batch_first=True)
+    assert torch.equal(multi["position_ids"], reference)

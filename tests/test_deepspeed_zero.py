@@ -119,7 +119,8 @@ def test_each_optimizer_step_gradient_equals_the_single_process_token_mean_gradi
 @pytest.mark.parametrize("case", [0, 1], ids=["model-with-loss-kwargs", "model-without-loss-kwargs"])
 def test_the_plain_loop_with_the_engines_own_loss_is_exact(run, case):
     """`loss = engine(**batch).loss; engine.backward(loss)`: the engine weights the model's loss by the step's tokens
-    (before it did not: 2.2e-2 relative error at W = 2, G = 2). Global planning, ZeRO-2, float64."""
+    (before it did not: 9.4e-2 relative error here at W = 2, G = 2; the issue measured 2.2e-2 in its set-up).
+    Global planning, ZeRO-2, float64."""
     result = run["ranks"][0]["plain"][case]
     assert result["plain"] and result["loss_kwargs"] == (case == 0)
     assert result["errors"] and all(w["tokens"] == w["window_tokens"] for w in result["windows"])
@@ -134,6 +135,8 @@ def test_a_loss_odb_did_not_weight_is_refused_with_the_one_line_fix(run):
     assert "loss = engine(**batch).loss" in refusals["rescaled"]
     assert "odb_deepspeed.token_weighted_loss(output, batch, engine)" in refusals["rescaled"]
     assert refusals["no_gas_scale"].startswith("engine.backward(loss, scale_wrt_gas=False)")
+    assert refusals["bypassed"].startswith("the batch ODB served before") and "reached no engine.backward" in \
+        refusals["bypassed"]
     assert refusals["ignores_num_items"].startswith("IgnoresNumItems's forward takes num_items_in_batch but its loss "
                                                     "does not divide the summed token loss by it")
     assert "set IgnoresNumItems.accepts_loss_kwargs = False" in refusals["ignores_num_items"]

@@ -71,3 +71,27 @@ def test_a_stream_split_over_workers_resumes_exactly():
     rest = list(resumed)
     assert [b.info.indices for b in head + rest] == [b.info.indices for b in full]
     assert sample_ids(head + rest) == sample_ids(full)
+
+
+@pytest.mark.parametrize("saved,resumed", [(2, 3), (2, 0), (3, 2)])
+def test_a_split_stream_resumed_with_another_worker_count_is_refused_naming_it(saved, resumed):
+    """The split stream's order depends on num_workers; a resume with another count would repeat and lose samples."""
+    stopped = ODBDataLoader(hf_sharded_stream(), token_budget=96, num_workers=saved)
+    _ = [batch for _, batch in zip(range(4), stopped)]
+    state = stopped.state_dict()
+    stopped.close()
+    other = ODBDataLoader(hf_sharded_stream(), token_budget=96, num_workers=resumed)
+    with pytest.raises(ValueError, match=rf"in {saved} DataLoader worker part\(s\).*resume with num_workers={saved}"):
+        other.load_state_dict(state)
+
+
+def test_a_stream_with_a_num_shards_attribute_outside_hf_datasets_is_not_split():
+    """Only HF datasets streams are trusted to hand each worker its own shards; another stream is dealt by ODB."""
+
+    class Shardy(torch.utils.data.IterableDataset):
+        num_shards = 4
+
+        def __iter__(self):
+            return iter([{"input_ids": [i + 3] * 5} for i in range(30)])
+
+    assert sorted(sample_ids(ODBDataLoader(Shardy(), token_budget=96, num_workers=2))) == list(range(30))
