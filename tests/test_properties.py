@@ -9,6 +9,11 @@ Generated workloads cover: 1..8 ranks; ranks with no samples and uneven per-rank
 order); a single sample; all lengths over the budget; lengths equal to the budget; mixed lengths; vision patches;
 small windows (1..64) and the default; the three cost models; `max_batch_size` and `max_patches`; accumulation
 1..4; join and non-join; shuffled and unshuffled step order.
+
+Steps of a target size (`samples_per_step` / `tokens_per_step`) are decided after collation, from the all_reduced
+counts of each yielded batch, which `simulate_epoch` does not produce; their property runs the real
+`ODBDataLoader` on 1..4 ranks as threads over a `VirtualHub` (the loader's own collectives) and recounts samples and
+supervised tokens from the yielded batches themselves.
 """
 
 from __future__ import annotations
@@ -24,8 +29,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import lognormal_lengths
-from odb_core import EpochPlan, Item, ODBConfig, simulate_epoch
+from batch_record import _on_ranks
+from conftest import LengthDataset, lognormal_lengths
+from odb_core import EpochPlan, Item, ODBConfig, ODBDataLoader, simulate_epoch
+from odb_core.accumulation import window_normalizer
 from odb_core.config import COST_NAMES
 
 # 7 property tests x 120 examples = 840 generated cases per run (about 20 s on 2 CPU cores).
@@ -286,6 +293,151 @@ def test_ranks_pair_groups_by_cost_rank_within_each_round(case):
     assert shuffled.targets == unshuffled.targets
     for span in round_spans(unshuffled):
         assert columns(shuffled, span) == columns(unshuffled, span)
+
+
+# -- steps of a target size (the real loader) -----------------------------------------------------------------
+
+# Each example runs a real epoch on up to 4 threads: 30 examples take about 10 s on 2 CPU cores.
+TARGET_SETTINGS = settings(max_examples=200, deadline=None, derandomize=True,
+                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+@dataclass(frozen=True)
+class TargetCase:
+    lengths: list[int]
+    shards: list[list[int]]  # each rank's dataset indices, in the order its sampler yields them
+    options: dict
+
+    @property
+    def unit(self) -> str:
+        return "samples" if "samples_per_step" in self.options else "tokens"
+
+    @property
+    def amount(self) -> int:
+        return self.options.get("samples_per_step", self.options.get("tokens_per_step"))
+
+
+@st.composite
+def target_cases(draw) -> TargetCase:
+    """1..4 ranks with uneven sample counts (some possibly none), each rank with its own typical length (a length
+    skew between ranks), some samples over the budget; a target in samples or supervised tokens."""
+    world = draw(st.integers(1, 4))
+    budget = draw(st.integers(32, 400))
+    counts = draw(st.lists(st.integers(0, 40), min_size=world, max_size=world))
+    counts[draw(st.integers(0, world - 1))] += 1  # at least one sample in the run
+    rng = random.Random(draw(st.integers(0, 2**32 - 1)))
+    lengths, shards = [], []
+    for count in counts:
+        scale = rng.choice([0.05, 0.2, 0.6, 1.5])
+        shards.append(list(range(len(lengths), len(lengths) + count)))
+        lengths += [max(1, int(rng.expovariate(1.0) * budget * scale) + 1) for _ in range(count)]
+    order = list(range(len(lengths)))
+    rng.shuffle(order)  # dataset indices need not follow rank order
+    shards = [[order[i] for i in shard] for shard in shards]
+    by_index = [0] * len(lengths)
+    for position, index in enumerate(order):
+        by_index[index] = lengths[position]
+    unit = draw(st.sampled_from(["samples_per_step", "tokens_per_step"]))
+    amount = draw(st.integers(1, 48)) if unit == "samples_per_step" else draw(st.integers(1, 4 * budget))
+    options = dict(token_budget=budget, window=draw(st.sampled_from([1, 4, 16, 64])), join=draw(st.booleans()),
+                   planning=draw(st.sampled_from(["global", "local"])), seed=draw(st.integers(0, 2**16)),
+                   max_batch_size=draw(st.one_of(st.none(), st.integers(1, 6))), prefetch_steps=0, **{unit: amount})
+    return TargetCase(lengths=by_index, shards=shards, options=options)
+
+
+def reference_windows(sizes: list[int], amount: int) -> list[int]:
+    """Micro-batches per optimizer step, written from the rule's statement (NOTE [ Steps of a target size ]): a
+    step is the shortest run that reaches the target, or that run less its last micro-batch when that leaves the
+    step at least as near the target (and still holds a micro-batch); the epoch's last step holds what is left."""
+    windows, start = [], 0
+    while start < len(sizes):
+        end, held = start, 0
+        while end < len(sizes) and held < amount:
+            held, end = held + sizes[end], end + 1
+        if held >= amount and end - start > 1 and amount - (held - sizes[end - 1]) <= held - amount:
+            end -= 1
+        windows.append(end - start)
+        start = end
+    return windows
+
+
+def supervised(batch) -> int:
+    """Supervised tokens of a yielded batch, recounted from its labels (the causal shift: labels[..., 1:])."""
+    return int((batch["labels"][..., 1:] != -100).sum())
+
+
+def run_target_epoch(case: TargetCase) -> list[dict]:
+    dataset = LengthDataset(case.lengths)
+
+    def rank_main(rank, transport):
+        loader = ODBDataLoader(dataset, transport=transport, sampler=case.shards[rank], **case.options)
+        plan = loader.plan_epochs_exactly([0]) if case.unit == "samples" else None
+        batches = [(b.info, supervised(b)) for b in loader]
+        return dict(plan=plan, infos=[info for info, _ in batches], tokens=[tokens for _, tokens in batches])
+    return _on_ranks(len(case.shards), rank_main)
+
+
+def windows_of(infos) -> list[list[int]]:
+    """A rank's micro-batch positions, cut where its StepInfos say an optimizer step ends."""
+    windows, open_ = [], []
+    for k, info in enumerate(infos):
+        open_.append(k)
+        if info.ends_window:
+            windows.append(open_)
+            open_ = []
+    assert open_ == [], "the epoch ended inside an optimizer step"
+    return windows
+
+
+@TARGET_SETTINGS
+@given(target_cases())
+def test_steps_of_a_target_size_are_the_same_on_every_rank_nearest_the_target_and_exactly_normalised(case):
+    ranks = run_target_epoch(case)
+    world = len(ranks)
+    steps = {len(r["infos"]) for r in ranks}
+    assert len(steps) == 1, "ranks yielded different micro-batch counts"
+    # Global counts of each micro-batch, recounted from what every rank actually yielded.
+    samples = [sum(len(ranks[r]["infos"][k].indices) for r in range(world)) for k in range(steps.pop())]
+    tokens = [sum(ranks[r]["tokens"][k] for r in range(world)) for k in range(len(samples))]
+    windows = [windows_of(r["infos"]) for r in ranks]
+    assert all(w == windows[0] for w in windows), "ranks ran different micro-batches in an optimizer step"
+    sizes = samples if case.unit == "samples" else tokens
+    assert [len(w) for w in windows[0]] == reference_windows(sizes, case.amount)
+    for window in windows[0]:
+        window_tokens, window_samples = sum(tokens[k] for k in window), sum(samples[k] for k in window)
+        for rank in ranks:
+            infos = [rank["infos"][k] for k in window]
+            assert [i.window_index for i in infos] == list(range(len(window)))
+            assert {(i.window_steps, i.window_tokens, i.window_samples) for i in infos} == {
+                (len(window), window_tokens, window_samples)}
+            assert window_normalizer(infos, None) == max(1, window_tokens)
+    emitted = [i for r in ranks for info in r["infos"] for i in info.indices]
+    assert len(emitted) == len(set(emitted)), "an index was emitted twice"
+    if case.options["join"]:
+        assert sorted(emitted) == list(range(len(case.lengths)))
+    if case.unit == "samples":  # the exact schedule plans the real run (NOTE [ Exact schedule ])
+        for rank in ranks:
+            assert rank["plan"] == ranks[0]["plan"]
+            assert list(rank["plan"].micro_batches) == [len(samples)]
+            assert list(rank["plan"].optimizer_steps) == [len(windows[0])]
+
+
+def test_reference_windows_follow_the_stated_rule():
+    assert reference_windows([4, 4, 4, 4], 10) == [2, 2]  # 8 is nearer 10 than 12; ties would close too
+    assert reference_windows([12, 3, 3, 3, 3], 10) == [1, 3, 1]  # 12 alone; 9 beats 12; the short rest
+    assert reference_windows([6, 6], 10) == [2] and reference_windows([8, 5], 10) == [1, 1]
+    assert reference_windows([5, 10], 10) == [1, 1]  # 5 short by 5, 15 over by 5: the tie closes first
+    assert reference_windows([0, 0, 3], 2) == [3] and reference_windows([], 3) == []
+
+
+@pytest.mark.xfail(strict=True, reason="found by the step-target property: under global planning the exact plan "
+                   "(simulate_epoch) pairs two ranks' single samples in one micro-batch step while the real loader "
+                   "runs them in two; open bug, not specific to step targets (also at accumulation 1)")
+def test_the_exact_plan_equals_the_real_run_with_one_sample_per_rank_and_window_1():
+    case = TargetCase(lengths=[20, 2], shards=[[0], [1]],
+                      options=dict(token_budget=32, window=1, planning="global", prefetch_steps=0, samples_per_step=1))
+    ranks = run_target_epoch(case)
+    assert list(ranks[0]["plan"].micro_batches) == [len(ranks[0]["infos"])]
 
 
 # -- fixed-seed regression -----------------------------------------------------------------------------------
