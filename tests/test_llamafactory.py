@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 import lf_fixtures
+from test_properties import reference_windows
 
 ROOT = Path(__file__).resolve().parents[1]
 LF_BIN = ROOT / ".venv-lf" / "bin"
@@ -159,3 +160,40 @@ def test_cli_names_the_dataloader_workers_that_streaming_needs_before_training(a
         "odb-llamafactory: error: streaming: true needs dataloader_num_workers: 1 or more: LLaMA-Factory 0.9.5 splits "
         "a local dataset file into dataloader_num_workers stream shards, so 0 gives an empty stream (it fails in "
         "align_dataset with StopIteration, with or without ODB)"]
+
+
+def test_lora_sft_with_samples_per_step_logs_the_token_mean_of_each_step_and_plans_the_real_step_count(assets):
+    """`odb_samples_per_step` with gradient_accumulation_steps=1 (the HF adapter runs each optimizer step's
+    micro-batches as one StepWindow): the key reaches the loader, every logged loss is the exact token mean over
+    its step's micro-batches (grouped by the recorded StepInfos), every sample is used once per epoch, and the
+    exact schedule plans the real optimizer-step count."""
+    record, target = assets["root"] / "target-record", 12
+    done = run_lf([str(LF_BIN / "python"), str(ROOT / "tests/lf_train.py"), str(LORA), str(record),
+                   *overrides(assets, "lora-target", max_samples=40, num_train_epochs=2, lora_rank=4,
+                              gradient_accumulation_steps=1, odb_samples_per_step=target)],
+                  assets["root"] / "lora-target.log", timeout=400)
+    assert_ok(done)
+    run = json.loads((record / "rank0.json").read_text())
+    steps, micro, losses, size = run["steps"], run["micro"], run["losses"], run["dataset_size"]
+    for epoch in (0, 1):
+        used = [i for s in steps if s["epoch"] == epoch for i in s["indices"]]
+        assert sorted(used) == list(range(size)), f"epoch {epoch}: not every sample exactly once"
+    assert len(micro) == len(steps)  # one recorded forward per yielded micro-batch (W = 1: no IDLE)
+    windows, start = [], 0
+    for k, info in enumerate(steps):
+        assert info["window_index"] == k - start and info["window_steps"] >= 1
+        if info["window_index"] == info["window_steps"] - 1:
+            windows.append(range(start, k + 1))
+            start = k + 1
+    assert start == len(steps)
+    assert max(len(w) for w in windows) > 1, "the target should take several micro-batches per step"
+    for epoch in (0, 1):  # the steps close where the rule says (NOTE [ Steps of a target size ]); W = 1
+        sizes = [s["global_samples"] for s in steps if s["epoch"] == epoch]
+        assert [len(w) for w in windows if steps[w[0]]["epoch"] == epoch] == reference_windows(sizes, target)
+    assert run["global_step"] == len(windows) == len(losses)
+    assert trainer_state(assets["root"] / "lora-target")["global_step"] == len(windows)
+    assert trainer_state(assets["root"] / "lora-target")["max_steps"] == len(windows)  # the exact schedule
+    for window, logged in zip(windows, losses):
+        assert sum(micro[k]["tokens"] for k in window) == steps[window[0]]["window_tokens"]
+        exact = sum(micro[k]["ce_sum"] for k in window) / sum(micro[k]["tokens"] for k in window)
+        assert logged["loss"] == pytest.approx(exact, rel=1e-5), f"step {logged['step']}"
