@@ -59,14 +59,19 @@ def is_pooled(config: ODBConfig, world: int) -> bool:
     return config.planning == "global" and world > 1
 
 
-def _fill(engines: Sequence[WindowEngine], streams: Sequence[Sequence[Item]], cursors: list[int]) -> list[bool]:
-    """Top every rank's window up from its stream; returns which ranks are still active."""
+def _fill(engines: Sequence[WindowEngine], streams: Sequence[Sequence[Item]], cursors: list[int],
+          ended: list[bool]) -> list[bool]:
+    """Top every rank's window up from its stream; returns which ranks are still active.
+
+    As `SampleReader.fill` does, a rank learns that its stream ended only when it wants more samples than are
+    left; one whose window fills up with exactly the last sample is still active until a later fill has room."""
     for rank, engine in enumerate(engines):
-        take = min(engine.space(), len(streams[rank]) - cursors[rank])
-        for item in streams[rank][cursors[rank] : cursors[rank] + take]:
+        space, left = engine.space(), len(streams[rank]) - cursors[rank]
+        for item in streams[rank][cursors[rank] : cursors[rank] + min(space, left)]:
             engine.admit(item)
-        cursors[rank] += take
-    return [cursors[rank] < len(streams[rank]) for rank in range(len(engines))]
+        cursors[rank] += min(space, left)
+        ended[rank] = ended[rank] or space > left
+    return [not e for e in ended]
 
 
 def simulate_epoch(streams: Sequence[Sequence[Item]], config: ODBConfig, epoch: int = 0,
@@ -82,13 +87,13 @@ def simulate_epoch(streams: Sequence[Sequence[Item]], config: ODBConfig, epoch: 
     bound = max_rounds if max_rounds is not None else longest + 2
     engine_type = PooledEngine if pooled else RankEngine
     engines = [engine_type(config, epoch, rank) for rank in range(world)]
-    cursors = [0] * world
+    cursors, ended = [0] * world, [False] * world
     plan = EpochPlan(steps=[[] for _ in range(world)], rounds=0, not_emitted=[[] for _ in range(world)],
                      oversize=0)
     while not engines[0].finished:
         if plan.rounds >= bound:
             raise RuntimeError(f"epoch did not terminate within {bound} rounds")
-        active = _fill(engines, streams, cursors)
+        active = _fill(engines, streams, cursors, ended)
         target = _pooled_round(engines, active, plan) if pooled else _local_round(engines, active, plan)
         plan.rounds += 1
         plan.targets.append(target)

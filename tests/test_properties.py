@@ -430,10 +430,10 @@ def test_reference_windows_follow_the_stated_rule():
     assert reference_windows([0, 0, 3], 2) == [3] and reference_windows([], 3) == []
 
 
-@pytest.mark.xfail(strict=True, reason="found by the step-target property: under global planning the exact plan "
-                   "(simulate_epoch) pairs two ranks' single samples in one micro-batch step while the real loader "
-                   "runs them in two; open bug, not specific to step targets (also at accumulation 1)")
 def test_the_exact_plan_equals_the_real_run_with_one_sample_per_rank_and_window_1():
+    """Found by the step-target property: the simulator knew a stream had ended as soon as it took the last sample,
+    the real reader only once it wants more than are left (a full window does not ask); the plan paired the two
+    ranks' samples in one step where the run took two."""
     case = TargetCase(lengths=[20, 2], shards=[[0], [1]],
                       options=dict(token_budget=32, window=1, planning="global", prefetch_steps=0, samples_per_step=1))
     ranks = run_target_epoch(case)
