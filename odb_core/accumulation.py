@@ -129,10 +129,6 @@ class StepWindow(Generic[T]):
     def infos(self) -> tuple[StepInfo, ...]:
         return tuple(batch.info for batch in self.batches)  # type: ignore[attr-defined]
 
-    @property
-    def window_tokens(self) -> int:
-        return self.infos[0].window_tokens
-
 
 def step_windows(batches: Iterator[T]) -> Iterator[StepWindow[T]]:
     """Group a loader's micro-batches (each with `.info`) into whole optimizer steps. The loader releases whole

@@ -77,10 +77,7 @@ class PadCollator:
         view: grad, off the CPU) goes through `pad_sequence`, as before the fast paths existed."""
         if all(type(v) is list for v in values):
             try:
-                out = np.full((len(values), max(length, max(map(len, values)))), value, dtype=np.int64)
-                for i, v in enumerate(values):
-                    out[i, : len(v)] = v
-                return torch.from_numpy(out)
+                return _rows_into_array(values, max(length, max(map(len, values))), value, np.int64)
             except (TypeError, ValueError):  # nested lists (e.g. multi-axis position ids): the general path
                 pass
         rows = [_as_long(v) for v in values]
@@ -94,14 +91,19 @@ class PadCollator:
             except (RuntimeError, TypeError):
                 arrays = None
             if arrays is not None and same_dtype:
-                out = np.full((len(arrays), width), value, dtype=arrays[0].dtype)
-                for i, a in enumerate(arrays):
-                    out[i, : a.shape[0]] = a
-                return torch.from_numpy(out)
+                return _rows_into_array(arrays, width, value, arrays[0].dtype)
         padded = pad_sequence(rows, batch_first=True, padding_value=value)
         if padded.shape[1] < length:  # a field shorter than input_ids in every row
             padded = torch.nn.functional.pad(padded, (0, length - padded.shape[1]), value=value)
         return padded
+
+
+def _rows_into_array(rows: Sequence[Any], width: int, value: int, dtype: Any) -> torch.Tensor:
+    """1-D rows (lists or arrays) copied into one array of `width` columns filled with `value`."""
+    out = np.full((len(rows), width), value, dtype=dtype)
+    for i, row in enumerate(rows):
+        out[i, : len(row)] = row
+    return torch.from_numpy(out)
 
 
 def run_collate(collate_fn: CollateFn, samples: list[Any], indices: Sequence[int]) -> Mapping[str, Any]:

@@ -67,15 +67,15 @@ def plan_epoch_length(loader: ODBDataLoader, *, max_steps: int, num_train_epochs
     windows = loader.config.step_target is not None
     if exact:
         try:
-            plan = loader.plan_epochs_exactly(range(loader.epoch, max(stop_epoch, loader.epoch + 1)))
+            # the epochs before a resume point too (for the schedule's total), in the same call: one read of the data
+            plan = loader.plan_epochs_exactly(range(0, max(stop_epoch, loader.epoch + 1)))
         except TypeError as exc:
             logger.info(f"ODB: the step count is estimated ({exc})")
         else:
-            unit = plan.optimizer_steps if windows else plan.micro_batches
-            earlier = loader.plan_epochs_exactly(range(0, loader.epoch)).optimizer_steps if loader.epoch else ()
-            return EpochLength(length=max(max(unit), 1), estimate=max(plan.micro_batches), exact=True,
-                               planned_steps=_planned((*earlier, *plan.optimizer_steps), num_train_epochs),
-                               stop_epoch=stop_epoch)
+            ahead = slice(loader.epoch, None)
+            unit = (plan.optimizer_steps if windows else plan.micro_batches)[ahead]
+            return EpochLength(length=max(max(unit), 1), estimate=max(plan.micro_batches[ahead]), exact=True,
+                               planned_steps=_planned(plan.optimizer_steps, num_train_epochs), stop_epoch=stop_epoch)
     try:
         estimate = loader.estimate_steps(sample_size=sample_size)
     except TypeError as exc:

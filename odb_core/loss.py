@@ -36,7 +36,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-IGNORE_INDEX = -100
+from odb_core.collate import supervised_tokens
+from odb_core.sample import IGNORE_INDEX
 
 
 def step_normalizer(window_tokens: int) -> int:
@@ -110,7 +111,7 @@ def causal_lm_loss(outputs: Any, labels: torch.Tensor, num_items_in_batch: torch
     the HF Trainer's `compute_loss_func` (exported there as `odb_hf.causal_lm_loss`)."""
     total = causal_lm_loss_sum(logits_of(outputs), labels)
     if num_items_in_batch is None:
-        return total / max(int((labels[..., 1:] != IGNORE_INDEX).sum()), 1)
+        return total / max(supervised_tokens({"labels": labels}, ()), 1)
     return total / num_items_in_batch
 
 

@@ -67,6 +67,8 @@ def non_integer(value: Any) -> str | None:
     Tensors and arrays are checked by dtype; a list is summed (one C loop, ~5 ns per token): any float element
     makes the sum a float, any non-number raises TypeError."""
     if isinstance(value, torch.Tensor):
+        if value.dtype in INTEGER_DTYPES:
+            return None
         return None if not (value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool) \
             else f"dtype {value.dtype}"
     if isinstance(value, np.ndarray):
@@ -81,12 +83,6 @@ def non_integer(value: Any) -> str | None:
 def _checked_length(index: int, key: str, value: Any) -> int:
     """Length of a 1-D sequence of integer token ids under `key`; raises `SampleError` otherwise (hot path: one
     shape and one dtype look for a tensor, one C-level sum for a list)."""
-    if isinstance(value, torch.Tensor):
-        if value.ndim != 1:
-            raise SampleError(index, _not_1d(key, value))
-        if value.dtype not in INTEGER_DTYPES and non_integer(value) is not None:
-            raise SampleError(index, _not_integer(key, f"dtype {value.dtype}"))
-        return value.shape[0]
     n = sequence_length(value)
     if n is None:
         raise SampleError(index, _not_1d(key, value))

@@ -96,7 +96,7 @@ class SampleStream:
         self._idle_sample = options.idle_sample
         self.sampler = self._build_sampler(options.sampler)
         self._replayed: dict[int, Any] = {}
-        self._num_workers = options.num_workers
+        self._parts = worker_parts(dataset, options.num_workers)  # a stream's parts; 1 for map-style data
         timeout = options.worker_timeout_s if options.num_workers > 0 else 0
         # In-process reads (no workers) cost a DataLoader step per chunk and nothing per byte: take larger ones.
         chunk = options.fetch_chunk if options.num_workers > 0 else max(options.fetch_chunk, IN_PROCESS_CHUNK)
@@ -132,7 +132,7 @@ class SampleStream:
     def source(self) -> Source:
         """Descriptor of this rank's index source for a normal epoch (see NOTE [ Elastic resume ])."""
         if self.size is None:
-            return StreamSource(shard=self._iterable.shard, parts=worker_parts(self.dataset, self._num_workers))
+            return StreamSource(shard=self._iterable.shard, parts=self._parts)
         if self._own_sampler:
             return ShardedSource(size=self.size, shuffle=self._shuffle, seed=self._seed, world_size=self.world_size)
         return CustomSource(type=type(self.sampler).__name__, size=self.size)

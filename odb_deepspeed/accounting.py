@@ -55,12 +55,11 @@ class DeepSpeedODBLoader:
         self.engine = engine
         self.accumulation_steps = loader.config.accumulation_steps
         self._seen = self._stepped = StepCounts()
-        self._optimizer_steps = 0
 
     @property
     def consumed(self) -> ConsumedCounts:
         done = self._stepped
-        return ConsumedCounts(optimizer_steps=self._optimizer_steps, micro_batches=self._seen.steps,
+        return ConsumedCounts(optimizer_steps=done.optimizer_steps, micro_batches=self._seen.steps,
                               idle_micro_batches=self._seen.idle_steps, samples=done.global_samples,
                               supervised_tokens=done.global_supervised_tokens, input_tokens=done.global_input_tokens)
 
@@ -73,7 +72,7 @@ class DeepSpeedODBLoader:
             if target:  # a step of a target size ends where the loader says (NOTE [ Steps of a target size ])
                 self.engine.set_gradient_accumulation_boundary(batch.info.ends_window)
             if serve is not None:
-                serve(batch, batch.info)
+                serve(batch)
             yield batch
             if serve is not None:
                 self.engine.odb_require_backward()
@@ -96,7 +95,6 @@ class DeepSpeedODBLoader:
         if info.ends_window:
             window = self._seen - self._stepped
             self._stepped = self._seen
-            self._optimizer_steps += 1
             self._report(window)
 
     def _report(self, window: StepCounts) -> None:
@@ -127,9 +125,9 @@ class DeepSpeedODBLoader:
         if unexpected:
             raise ValueError(f"unexpected keys in DeepSpeedODBLoader state: {unexpected}")
         self._stepped = StepCounts(steps=consumed.micro_batches, idle_steps=consumed.idle_micro_batches,
+                                   optimizer_steps=consumed.optimizer_steps,
                                    global_samples=consumed.samples, global_supervised_tokens=consumed.supervised_tokens,
                                    global_input_tokens=consumed.input_tokens)
         # the open window's sums (its micro-batch count is not saved: only its sums are ever reported)
         self._seen = replace(self._stepped, **{name: getattr(self._stepped, name) + window.get(key, 0)
                                                for key, name in WINDOW_KEYS.items()})
-        self._optimizer_steps = consumed.optimizer_steps

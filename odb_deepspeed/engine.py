@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from odb_core import StepInfo
+from odb_core import ODBBatch, StepInfo
 from odb_core.loss import causal_lm_loss_sum, weighting_error
 from odb_deepspeed.loss import weighting_factor
 
@@ -60,19 +60,23 @@ def accepts_loss_kwargs(module: torch.nn.Module) -> bool:
     declared = getattr(module, "accepts_loss_kwargs", None)
     if declared is not None:
         return bool(declared)
-    parameters = inspect.signature(module.forward).parameters.values()
-    return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
+    return _takes_var_keywords(type(module).forward)
+
+
+@functools.cache
+def _takes_var_keywords(forward: Any) -> bool:
+    """Whether a forward function takes **kwargs (looked up once per model class: this runs every micro-batch)."""
+    return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in inspect.signature(forward).parameters.values())
 
 
 class ODBEngineMixin:
     """Put first in the MRO of a DeepSpeed engine by `with_odb` (see the NOTE above)."""
 
     odb_served: ServedBatch | None = None
-    odb_checks_left: int = 0  # micro-batches of the first optimizer step still to check
 
-    def odb_serve(self, batch: Mapping[str, Any], info: StepInfo) -> None:
+    def odb_serve(self, batch: ODBBatch) -> None:
         labels = batch.get("labels")
-        self.odb_served = ServedBatch(info=info, labels_shape=tuple(labels.shape) if labels is not None else None)
+        self.odb_served = ServedBatch(info=batch.info, labels_shape=tuple(labels.shape) if labels is not None else None)
 
     def odb_require_backward(self) -> None:
         """When the loop asks for the next batch: the one served before must have gone through `engine.backward`."""
