@@ -261,17 +261,36 @@ def test_a_present_but_empty_field_is_refused_naming_it(sample, message):
         inspect_sample(3, sample, None)
 
 
-class BatchReadDataset(RaisingDataset):
-    """Reads a chunk with one `__getitems__` call, as HF `datasets` does; `broken` makes that call fail alone."""
+class CountsBatchReads:
+    """Reads a chunk with one `__getitems__` call, as HF `datasets` does, and counts the calls."""
 
-    def __init__(self, broken: bool = False) -> None:
-        self.broken, self.calls = broken, 0
+    calls = 0
 
     def __getitems__(self, indices):
         self.calls += 1
-        if self.broken:
-            raise RuntimeError("the batch reader lost its file handle")
         return [self[i] for i in indices]
+
+
+class BatchReadDataset(CountsBatchReads, RaisingDataset):
+    """`RaisingDataset` read in chunks: sample BAD_INDEX still fails."""
+
+
+class BrokenBatchReads(RaisingDataset):
+    """Every `dataset[i]` works, the chunk read alone fails."""
+
+    def __getitem__(self, index: int):
+        return {"input_ids": torch.arange(8)}
+
+    def __getitems__(self, indices):
+        raise RuntimeError("the batch reader lost its file handle")
+
+
+CHUNKED_LENGTHS = [3 + (i * 7) % 29 for i in range(200)]
+
+
+class BatchReadAll(CountsBatchReads, LengthDataset):
+    def __init__(self) -> None:
+        super().__init__(CHUNKED_LENGTHS)
 
 
 @pytest.mark.parametrize("num_workers,prefetch_steps", MODES)
@@ -282,29 +301,11 @@ def test_a_chunk_read_with_getitems_still_names_the_failing_sample(num_workers, 
 
 def test_a_broken_getitems_is_an_error_not_a_silent_second_read():
     with pytest.raises(DatasetFetchError, match=r"dataset.__getitems__ raised RuntimeError: the batch reader lost"):
-        first_batch(PatchedGetitems())
+        first_batch(BrokenBatchReads())
 
 
 def test_getitems_is_used_in_chunks_and_gives_the_batches_of_single_reads():
-    chunked, single = BatchReadAll(), LengthDataset([3 + (i * 7) % 29 for i in range(200)])
+    chunked, single = BatchReadAll(), LengthDataset(CHUNKED_LENGTHS)
     batches = [list(ODBDataLoader(d, token_budget=96, shuffle=True, prefetch_steps=0)) for d in (chunked, single)]
     assert [b.info.indices for b in batches[0]] == [b.info.indices for b in batches[1]]
     assert 0 < chunked.calls <= 200 // 64 + 1  # one call per in-process chunk of 64
-
-
-class PatchedGetitems(BatchReadDataset):
-    def __init__(self) -> None:
-        super().__init__(broken=True)
-
-    def __getitem__(self, index: int):
-        return {"input_ids": torch.arange(8)}
-
-
-class BatchReadAll(LengthDataset):
-    def __init__(self) -> None:
-        super().__init__([3 + (i * 7) % 29 for i in range(200)])
-        self.calls = 0
-
-    def __getitems__(self, indices):
-        self.calls += 1
-        return [self[i] for i in indices]

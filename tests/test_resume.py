@@ -64,21 +64,21 @@ def test_a_state_saved_while_the_background_producer_is_rounds_ahead_resumes_exa
     """The producer thread plans and collates up to `prefetch_steps` batches (here several rounds) ahead; the state
     must describe what the trainer consumed, not what the producer read."""
     options = dict(prefetch_steps=24)
-    window = 64  # _make
     reference_loader = _make(LengthDataset(lognormal_lengths(300, 1.0, 128, seed=4, hi=1024)), **options)
     reference = [_record(b) for b in reference_loader]
     dataset = CountingDataset(lognormal_lengths(300, 1.0, 128, seed=4, hi=1024))
     loader = _make(dataset, **options)
     got: list = []
     running = _take(loader, iter(loader), 3, got)  # held: dropping the iterator would stop its producer
+    window = loader.config.window
     consumed = sum(len(r[2]) for r in got)
     deadline = time.monotonic() + 30
     while dataset.reads < consumed + 2 * window and time.monotonic() < deadline:
         time.sleep(0.01)
     assert dataset.reads >= consumed + 2 * window, "the producer never got two windows ahead"
     state = json.loads(json.dumps(loader.state_dict()))
-    assert running is not None
     loader.close()
+    del running
     resumed = _make(LengthDataset(dataset.lengths), **options)
     resumed.load_state_dict(state)
     got += [_record(b) for b in resumed]

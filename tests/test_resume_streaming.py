@@ -59,13 +59,19 @@ def test_a_stream_that_splits_itself_over_workers_is_read_once_with_any_worker_c
     assert sorted(sample_ids(loader)) == list(range(60))
 
 
-def test_a_stream_split_over_workers_resumes_exactly():
-    """G8 with 2 workers over 4 shards: the resumed loader re-reads the stream the same way."""
-    full = list(ODBDataLoader(hf_sharded_stream(), token_budget=96, num_workers=2))
-    stopped = ODBDataLoader(hf_sharded_stream(), token_budget=96, num_workers=2)
+def stopped_after_four_batches(workers: int) -> tuple[list, dict]:
+    """The first 4 batches of the split stream with `workers` workers, and the state saved after them."""
+    stopped = ODBDataLoader(hf_sharded_stream(), token_budget=96, num_workers=workers)
     head = [batch for _, batch in zip(range(4), stopped)]
     state = stopped.state_dict()
     stopped.close()
+    return head, state
+
+
+def test_a_stream_split_over_workers_resumes_exactly():
+    """G8 with 2 workers over 4 shards: the resumed loader re-reads the stream the same way."""
+    full = list(ODBDataLoader(hf_sharded_stream(), token_budget=96, num_workers=2))
+    head, state = stopped_after_four_batches(2)
     resumed = ODBDataLoader(hf_sharded_stream(), token_budget=96, num_workers=2)
     resumed.load_state_dict(state)
     rest = list(resumed)
@@ -76,10 +82,7 @@ def test_a_stream_split_over_workers_resumes_exactly():
 @pytest.mark.parametrize("saved,resumed", [(2, 3), (2, 0), (3, 2)])
 def test_a_split_stream_resumed_with_another_worker_count_is_refused_naming_it(saved, resumed):
     """The split stream's order depends on num_workers; a resume with another count would repeat and lose samples."""
-    stopped = ODBDataLoader(hf_sharded_stream(), token_budget=96, num_workers=saved)
-    _ = [batch for _, batch in zip(range(4), stopped)]
-    state = stopped.state_dict()
-    stopped.close()
+    _, state = stopped_after_four_batches(saved)
     other = ODBDataLoader(hf_sharded_stream(), token_budget=96, num_workers=resumed)
     with pytest.raises(ValueError, match=rf"in {saved} DataLoader worker part\(s\).*resume with num_workers={saved}"):
         other.load_state_dict(state)

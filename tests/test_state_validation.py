@@ -8,12 +8,12 @@ import copy
 import json
 import os
 import random
-import threading
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
+from batch_record import _on_ranks
 from conftest import LengthDataset, lognormal_lengths
 from odb_core import DesyncError, ODBDataLoader, VirtualHub, VirtualTransport
 from odb_core.resume import ElasticResumeError, merge_states
@@ -108,26 +108,9 @@ def test_any_edit_after_the_save_is_refused(steps, field, seed):
     _, state = saved_after(steps)
     edited = copy.deepcopy(state)
     _edit(edited, field, random.Random(seed))
-    if edited == state:
-        return
+    assume(edited != state)  # an edit of an empty buffer can leave it as it was
     with pytest.raises(StateError, match="digest"):
         make().load_state_dict(edited)
-
-
-def _on_two_ranks(fn):
-    hub, results, errors = VirtualHub(2, timeout_s=30), [None, None], []
-
-    def target(rank):
-        try:
-            results[rank] = fn(rank, VirtualTransport(hub, rank))
-        except BaseException as exc:  # noqa: BLE001 - inspected below
-            errors.append(exc)
-    threads = [threading.Thread(target=target, args=(r,)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    return results, errors
 
 
 def _states_after(steps: list[int], planning: str) -> list[dict]:
@@ -140,9 +123,7 @@ def _states_after(steps: list[int], planning: str) -> list[dict]:
                 state = json.loads(json.dumps(loader.state_dict()))
         loader.close()
         return state
-    results, errors = _on_two_ranks(rank_main)
-    assert not errors, errors
-    return results
+    return _on_ranks(2, rank_main)
 
 
 @pytest.mark.parametrize("planning", ["global", "local"])
@@ -150,13 +131,16 @@ def test_ranks_resumed_one_step_apart_fail_at_their_first_exchange(planning):
     """Each rank loads its own state, saved one step apart inside the same round: before, they resumed with 34
     and 33 steps left (a DDP hang); now the first exchange raises DesyncError on both."""
     states = _states_after([4, 3], planning)
-    assert states[0]["position"]["start"] == states[1]["position"]["start"] or planning == "global"
+    assert states[0]["position"]["start"] == states[1]["position"]["start"]
 
     def rank_main(rank, transport):
         loader = make(transport, planning=planning)
         loader.load_state_dict(states[rank])
-        return sum(1 for _ in loader)
-    _, errors = _on_two_ranks(rank_main)
+        try:
+            return sum(1 for _ in loader)
+        except DesyncError as exc:
+            return exc
+    errors = _on_ranks(2, rank_main)
     assert len(errors) == 2 and all(isinstance(e, DesyncError) for e in errors), errors
     assert "resumed at different steps [4, 3]" in str(errors[0])
     with pytest.raises(ElasticResumeError, match="after different steps"):
