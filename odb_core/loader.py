@@ -112,10 +112,12 @@ class ODBDataLoader:
         self.transport = transport if transport is not None else default_transport(config.sync_timeout_s,
                                                                                        config.liveness_timeout_s)
         self.metrics = self._new_metrics()
+        collate_fn = collate_fn if collate_fn is not None else PadCollator()
         stream_options = StreamOptions(sampler=sampler, shuffle=shuffle, seed=config.seed, num_workers=num_workers,
                                        shard_iterable=shard_iterable, fetch_chunk=config.fetch_chunk,
                                        worker_timeout_s=config.worker_timeout_s, worker_options=worker_options,
-                                       idle_sample=idle_sample)
+                                       idle_sample=idle_sample,
+                                       compact_ids=type(collate_fn) is PadCollator and length_fn is None)
         self._stream = SampleStream(dataset, stream_options, rank=self.transport.rank,
                                     world_size=self.transport.world_size)
         self.sampler = self._stream.sampler
@@ -123,7 +125,7 @@ class ODBDataLoader:
         rounds = RoundsFactory(config=config, transport=self.transport, fetch=_LoaderCall(self._stream.fetch),
                                map_style=self._stream.size is not None)
         self._ctx = RunContext(rounds_factory=rounds, transport=self.transport,
-                               collate_fn=collate_fn if collate_fn is not None else PadCollator(),
+                               collate_fn=collate_fn,
                                length_fn=length_fn, metrics=self.metrics,
                                fallback_dummy=_LoaderCall(self._stream.fallback_dummy),
                                fetch=_LoaderCall(self._stream.fetch),

@@ -126,6 +126,38 @@ def inspect_sample(index: int, sample: Any, length_fn: LengthFn | None) -> Item:
     return Item(index, int(length), count_patches(sample))
 
 
+ID_FIELDS = ("input_ids", "labels", "attention_mask", "position_ids", "token_type_ids", "mm_token_type_ids")
+ID_KEYS = frozenset(ID_FIELDS)
+
+
+def compact_ids(sample: Any, integer_keys: frozenset[str] = frozenset()) -> Any:
+    """NOTE [ Compact buffered samples ]
+    A window buffers thousands of samples; as Python lists of ints a token costs ~36 bytes, and the cyclic garbage
+    collector walks every element of every buffered list whenever a collection runs (a plain DataLoader frees its
+    batch before one triggers; ODB holds the window across many). When ODB's own `PadCollator` batches the samples
+    and no `length_fn` reads them, the stream hands each 1-D list of integer ids under an `ID_FIELDS` key over as
+    an int64 ndarray instead: 8 bytes per token, nothing for the collector to walk, a memcpy when padded, and a
+    cheaper pickle from worker processes. The conversion costs what padding from the list cost before (one C
+    pass), so it moves work rather than adding it. Lists that are empty, nested or not all integers stay lists,
+    so `inspect_sample` reports them exactly as before; the dataset's own dict is never modified (a copy is).
+    Under `integer_keys` (columns whose Arrow schema holds integers, see `sources.integer_columns`) the per-element
+    check is skipped: a float cannot be there, and a null makes the conversion fail, leaving the list to the
+    checks."""
+    if type(sample) is not dict:
+        return sample
+    compact = None
+    for key, value in sample.items():  # a sample has few keys: cheaper than looking every ID_FIELDS key up
+        if type(value) is list and key in ID_KEYS and value and (key in integer_keys or non_integer(value) is None):
+            try:  # ~13 µs per 1,000 ids: less than np.array(value), which infers a dtype first
+                array = np.fromiter(value, dtype=np.int64, count=len(value))
+            except (TypeError, ValueError, OverflowError):  # nested, or an id beyond int64: left to the checks
+                continue
+            if compact is None:
+                compact = dict(sample)
+            compact[key] = array
+    return sample if compact is None else compact
+
+
 def as_dummy(sample: Mapping[str, Any]) -> dict[str, Any]:
     """A zero-weight copy of a real sample: every label is -100, so it contributes no loss and no gradient."""
     dummy = dict(sample)

@@ -20,6 +20,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, IterableDataset, Sampler, get_worker_info
 
+from odb_core.sample import ID_FIELDS, compact_ids
+
 
 PACK_LIMIT_BYTES = 1 << 20
 
@@ -121,24 +123,52 @@ class ChunkSampler(Sampler[list[int]]):
         return math.ceil(max(len(self.sampler) - self.start, 0) / self.chunk)  # type: ignore[arg-type]
 
 
+@dataclass(frozen=True, slots=True)
+class Handover:
+    """What the stream does to each sample before handing it on: `pack` small tensors for the pipe (worker
+    processes, see `PackedTensor`), `compact` lists of ids into arrays (NOTE [ Compact buffered samples ])."""
+
+    pack: bool = False
+    compact: bool = False
+    integer_keys: frozenset[str] = frozenset()  # `integer_columns` of the dataset
+
+    def __call__(self, sample: Any) -> Any:
+        if self.compact:
+            sample = compact_ids(sample, self.integer_keys)
+        return pack_sample(sample) if self.pack else sample
+
+
+def integer_columns(dataset: Any) -> frozenset[str]:
+    """The `ID_FIELDS` whose HF `datasets` schema is a list of integers (`List(Value('int32'))` and the like):
+    every row of such a column is a list of ints or nulls, so compacting it needs no per-element check."""
+    if type(dataset).__module__.split(".")[0] != "datasets":
+        return frozenset()
+    features = getattr(dataset, "features", None) or {}
+    keys = set()
+    for key in ID_FIELDS:
+        inner = getattr(features.get(key), "feature", None)
+        if type(inner).__name__ == "Value" and str(getattr(inner, "dtype", "")).startswith(("int", "uint")):
+            keys.add(key)
+    return frozenset(keys)
+
+
 class IndexedDataset(Dataset):
     """Map-style wrapper: `wrapped[i]` is `(i, dataset[i])`; the DataLoader fetches a chunk of them at once.
-    With `pack=True` (worker processes) small tensors are packed for the pipe (see `PackedTensor`)."""
+    Each sample goes through `handover` (packing for the pipe, compacting ids) in the process that read it."""
 
-    def __init__(self, dataset: Dataset, pack: bool) -> None:
-        self.dataset, self.pack = dataset, pack
+    def __init__(self, dataset: Dataset, handover: Handover) -> None:
+        self.dataset, self.handover = dataset, handover
 
     def __getitem__(self, index: int) -> tuple[int, Any]:
-        sample = self.dataset[index]
-        return int(index), pack_sample(sample) if self.pack else sample
+        return int(index), self.handover(self.dataset[index])
 
     def __getitems__(self, indices: list[int]) -> list[tuple[int, Any]]:
         """A whole chunk in one call (torch's fetcher uses it): the dataset's own `__getitems__` when it has one
         (HF `datasets` reads a batch of rows at once), else one `__getitem__` per index."""
         many = getattr(self.dataset, "__getitems__", None)
         samples = many(indices) if many is not None else [self.dataset[i] for i in indices]
-        if self.pack:
-            samples = [pack_sample(sample) for sample in samples]
+        if self.handover.pack or self.handover.compact:
+            samples = [self.handover(sample) for sample in samples]
         return list(zip(indices, samples, strict=True))
 
     def __len__(self) -> int:
@@ -164,9 +194,11 @@ class IndexedIterable(IterableDataset):
     the state records the number of parts (`StreamSource.parts`) and a resume with another count is refused.
     """
 
-    def __init__(self, dataset: IterableDataset, *, rank: int, world_size: int, shard: bool, chunk: int) -> None:
+    def __init__(self, dataset: IterableDataset, *, rank: int, world_size: int, shard: bool, chunk: int,
+                 compact: bool = False) -> None:
         self.dataset, self.rank, self.world_size = dataset, rank, world_size
         self.shard, self.chunk = shard, chunk
+        self.compact, self.integer_keys = compact, integer_columns(dataset) if compact else frozenset()
 
     def tagged(self, part: int = 0, parts: int = 1) -> Iterator[tuple[int, Any]]:
         """This rank's samples of the stream this process reads (part `part` of `parts`), with their tags."""
@@ -182,12 +214,14 @@ class IndexedIterable(IterableDataset):
         worker, n_workers = (info.id, info.num_workers) if info is not None else (0, 1)
         splits = worker_parts(self.dataset, n_workers) > 1  # see the NOTE above
         stream = self.tagged(worker, n_workers) if splits else self.tagged()
+        handover = Handover(pack=info is not None, compact=self.compact, integer_keys=self.integer_keys)
+        changes = handover.pack or handover.compact
         for c in itertools.count():
             chunk = list(itertools.islice(stream, self.chunk))
             if not chunk:
                 return
             if splits or c % n_workers == worker:
-                yield [(index, pack_sample(sample)) for index, sample in chunk] if info is not None else chunk
+                yield [(index, handover(sample)) for index, sample in chunk] if changes else chunk
 
 
 def worker_parts(dataset: Any, num_workers: int) -> int:

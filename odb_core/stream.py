@@ -18,8 +18,9 @@ from typing import Any
 from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
 from odb_core.lifeline import Lifeline
-from odb_core.sources import (ChunkSampler, IndexedDataset, IndexedIterable, IndexListSampler, ShardedSampler,
-                              keep_chunk, map_style_size, unpack_sample, worker_parts)
+from odb_core.sources import (ChunkSampler, Handover, IndexedDataset, IndexedIterable, IndexListSampler,
+                              ShardedSampler, integer_columns, keep_chunk, map_style_size, unpack_sample,
+                              worker_parts)
 from odb_core.state import (CustomSource, RemainderSource, ResumePoint, ShardedSource, Source, StateError,
                             StreamSource)
 
@@ -64,6 +65,7 @@ class StreamOptions:
     worker_timeout_s: float
     worker_options: Mapping[str, Any]
     idle_sample: Mapping[str, Any] | None
+    compact_ids: bool = False  # NOTE [ Compact buffered samples ]
 
 
 def skip_stream(chunks: Iterator[Chunk], consumed: int, needed: set[int]) -> tuple[dict[int, Any], Iterator[Chunk]]:
@@ -105,14 +107,16 @@ class SampleStream:
             workers["worker_init_fn"] = Lifeline(os.getpid(), workers.get("worker_init_fn"))
         if self.size is None:
             self._iterable = IndexedIterable(dataset, rank=rank, world_size=world_size, shard=options.shard_iterable,
-                                             chunk=chunk)
+                                             chunk=chunk, compact=options.compact_ids)
             self._workers = DataLoader(self._iterable, batch_size=None, num_workers=options.num_workers,
                                        collate_fn=keep_chunk, timeout=timeout, **workers)
         else:
             self._chunks = ChunkSampler(self.sampler, chunk)  # type: ignore[arg-type]
-            self._workers = DataLoader(_CheckedDataset(dataset, pack=options.num_workers > 0),
-                                       batch_sampler=self._chunks, num_workers=options.num_workers,
-                                       collate_fn=keep_chunk, timeout=timeout, **workers)
+            handover = Handover(pack=options.num_workers > 0, compact=options.compact_ids,
+                                integer_keys=integer_columns(dataset) if options.compact_ids else frozenset())
+            self._workers = DataLoader(_CheckedDataset(dataset, handover), batch_sampler=self._chunks,
+                                       num_workers=options.num_workers, collate_fn=keep_chunk, timeout=timeout,
+                                       **workers)
 
     def _build_sampler(self, sampler: Sampler[int] | None) -> Sampler[int] | None:
         if self.size is None:

@@ -1,0 +1,135 @@
+"""NOTE [ Compact buffered samples ]: with ODB's own `PadCollator`, lists of ids wait in the window as int64
+arrays. The batches are the ones the lists give, the dataset's dicts are left alone, the garbage collector has no
+buffered list to walk, and a sample that is not integer ids is still refused naming its index."""
+
+from __future__ import annotations
+
+import gc
+
+import datasets
+import numpy as np
+import pytest
+import torch
+
+from odb_core import ODBDataLoader, PadCollator, SampleError
+from odb_core.sample import compact_ids
+from odb_core.sources import integer_columns
+
+MODES = [pytest.param(0, 0, id="inline"), pytest.param(0, 2, id="thread"), pytest.param(2, 2, id="workers")]
+LENGTHS = [41 + (i * 37) % 300 for i in range(120)]  # none of length 64 (the ids' own lists are told apart below)
+
+
+def conversation(i: int, n: int) -> dict:
+    return {"input_ids": [1000 + (i * 13 + t) % 3000 for t in range(n)],
+            "labels": [-100] * (n // 3) + [1000 + (i + t) % 3000 for t in range(n - n // 3)]}
+
+
+def as_arrow(rows: list[dict]) -> datasets.Dataset:
+    return datasets.Dataset.from_dict({key: [row[key] for row in rows] for key in ("input_ids", "labels")})
+
+
+def epoch(dataset, collate_fn=None, num_workers: int = 0, prefetch_steps: int = 0) -> list:
+    loader = ODBDataLoader(dataset, token_budget=1024, collate_fn=collate_fn, num_workers=num_workers,
+                           prefetch_steps=prefetch_steps, shuffle=True)
+    try:
+        return [(b.info.indices, {k: b[k] for k in ("input_ids", "labels", "attention_mask")}) for b in loader]
+    finally:
+        loader.close()
+
+
+def not_pad_collator(samples):
+    """PadCollator behind another callable: ODB cannot know what it expects, so it hands the lists over as read."""
+    return PadCollator()(samples)
+
+
+@pytest.mark.parametrize(("num_workers", "prefetch_steps"), MODES)
+@pytest.mark.parametrize("source", ["arrow", "dicts"])
+def test_compacted_samples_give_the_batches_of_the_lists(source, num_workers, prefetch_steps):
+    rows = [conversation(i, n) for i, n in enumerate(LENGTHS)]
+    dataset = as_arrow(rows) if source == "arrow" else rows
+    compact = epoch(dataset, num_workers=num_workers, prefetch_steps=prefetch_steps)
+    as_read = epoch(dataset, collate_fn=not_pad_collator)
+    assert [indices for indices, _ in compact] == [indices for indices, _ in as_read]
+    assert sorted(i for indices, _ in compact for i in indices) == list(range(len(LENGTHS)))
+    for (_, got), (_, want) in zip(compact, as_read, strict=True):
+        for key in want:
+            assert got[key].dtype == want[key].dtype == torch.long
+            assert torch.equal(got[key], want[key]), key
+    if source == "dicts":  # the dataset's own samples are not converted in place
+        assert all(type(row["input_ids"]) is list and type(row["labels"]) is list for row in rows)
+
+
+class CountsHeldLists(torch.utils.data.Dataset):
+    """An Arrow dataset that, at each chunk read, counts the lists of ids alive in the process: while a window
+    fills, the samples already read wait in it."""
+
+    def __init__(self, lengths: list[int]) -> None:
+        self.arrow, self.lengths = as_arrow([conversation(i, n) for i, n in enumerate(lengths)]), set(lengths)
+        self.held: list[int] = []
+
+    def __len__(self) -> int:
+        return len(self.arrow)
+
+    def __getitem__(self, index: int) -> dict:
+        return self.arrow[index]
+
+    def __getitems__(self, indices: list[int]) -> list[dict]:
+        self.held.append(sum(1 for o in gc.get_objects()
+                             if type(o) is list and len(o) in self.lengths and type(o[0]) is int))
+        return self.arrow.__getitems__(indices)
+
+
+@pytest.mark.parametrize("pad_collator", [True, False], ids=["PadCollator", "another_collator"])
+def test_a_filling_window_holds_no_list_for_the_collector_to_walk(pad_collator):
+    dataset = CountsHeldLists([700 + i for i in range(200)])  # list lengths no other object in the process has
+    loader = ODBDataLoader(dataset, token_budget=4096, window=200, prefetch_steps=0,
+                           collate_fn=None if pad_collator else not_pad_collator)
+    next(iter(loader))  # reads the whole window (in chunks of 64) before the first batch
+    loader.close()
+    assert len(dataset.held) == 4  # chunks start after 0, 64, 128 and 192 samples are buffered
+    if pad_collator:
+        assert dataset.held == [0, 0, 0, 0]
+    else:  # the same window as lists: two per buffered sample (input_ids and labels)
+        assert dataset.held == [0, 128, 256, 384]
+
+
+@pytest.mark.parametrize(("num_workers", "prefetch_steps"), MODES)
+@pytest.mark.parametrize(("bad", "cause"), [
+    ([3, 1.5, 7], "it has a float element"),
+    ([3, None, 7], "it has an element of type NoneType"),
+    ([[3, 4], [5, 6]], "it has an element of type list"),
+])
+def test_a_list_that_is_not_integer_ids_is_still_refused_naming_its_index(bad, cause, num_workers, prefetch_steps):
+    rows = [conversation(i, 20) for i in range(12)]
+    rows[5] = {"input_ids": bad}
+    with pytest.raises(SampleError, match=rf"^sample 5: 'input_ids' must hold integer token ids, but {cause}"):
+        epoch(rows, num_workers=num_workers, prefetch_steps=prefetch_steps)
+
+
+def test_a_null_in_an_integer_arrow_column_is_refused_naming_its_index():
+    rows = [conversation(i, 20) for i in range(12)]
+    rows[7]["labels"][3] = None  # Arrow keeps the int64 column type and stores a null
+    dataset = as_arrow(rows)
+    assert integer_columns(dataset) == {"input_ids", "labels"}
+    with pytest.raises(SampleError, match=r"^sample 7: 'labels' must hold integer token ids, but it has an element "
+                                          r"of type NoneType"):
+        epoch(dataset)
+
+
+def test_integer_columns_trusts_only_an_integer_list_schema_of_hf_datasets():
+    dataset = datasets.Dataset.from_dict({"input_ids": [[1, 2]], "labels": [[1.5, 2.0]],
+                                          "position_ids": [[[0, 1], [0, 1]]], "attention_mask": [[1, 1]]})
+    assert integer_columns(dataset) == {"input_ids", "attention_mask"}
+    assert integer_columns([{"input_ids": [1, 2]}]) == frozenset()
+
+
+def test_compact_ids_converts_only_flat_integer_lists_under_known_keys():
+    sample = {"input_ids": [5, 6], "labels": [True, False], "position_ids": [[0, 1]], "attention_mask": [],
+              "other": [1, 2], "pixel_values": np.ones((2, 3), dtype=np.float32)}
+    out = compact_ids(sample)
+    assert out is not sample and type(sample["input_ids"]) is list
+    assert out["input_ids"].dtype == np.int64 and out["input_ids"].tolist() == [5, 6]
+    assert out["labels"].tolist() == [1, 0]  # bools are accepted as ids everywhere else too
+    assert out["position_ids"] is sample["position_ids"] and out["attention_mask"] is sample["attention_mask"]
+    assert out["other"] is sample["other"] and out["pixel_values"] is sample["pixel_values"]
+    assert compact_ids({"input_ids": torch.arange(3)})["input_ids"].dtype == torch.long  # tensors stay tensors
