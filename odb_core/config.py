@@ -65,7 +65,10 @@ class ODBConfig:
             sample's processing runs again there), `auto` chooses per dataset kind (docs/design.md).
         seed: seed of the sampler shuffle and of the in-round step order.
         shuffle_steps: shuffle the order of a round's steps (identically on every rank, so pairing is kept).
-        prefetch_steps: depth of the bounded queue filled by a background thread; 0 runs everything inline.
+        prefetch_steps: 0 (default) plans and collates in the thread that iterates the loader; N > 0 runs that
+            work in a background thread, up to N batches ahead. Measured (docs/benchmarks.md "The loader's hot
+            path"), the thread does not pay on CPython: its Python work holds the GIL that the training thread
+            needs back after every operator call, and it can run at most N batches ahead of a round's reading.
         fetch_chunk: samples per worker fetch (cuts inter-process overhead; does not change the batches). Reads
             in the trainer process (`num_workers=0`) take at least 64 at a time.
         sync_timeout_s: how long a Gloo collective waits for a live peer that does not take part (a peer may pause
@@ -91,7 +94,7 @@ class ODBConfig:
     move: MoveMode = "auto"
     seed: int = 0
     shuffle_steps: bool = True
-    prefetch_steps: int = 2
+    prefetch_steps: int = 0
     fetch_chunk: int = 8
     sync_timeout_s: float = 300.0
     liveness_timeout_s: float = 30.0
