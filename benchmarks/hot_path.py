@@ -1,6 +1,6 @@
 """The loader's hot path: ODB against a plain DataLoader, side by side in one process, on three real shapes.
 
-    python -m benchmarks.hot_path [--workers 0,2,4] [--repeats 5] [--samples 4000] [--rss]
+    python -m benchmarks.hot_path [--workers 0,2,4] [--repeats 5] [--samples 4000] [--rss] [--step-ms 0,4]
 
 Datasets (map-style, what trainers feed):
   * `trivial`: 20,000 in-memory samples of 64 tokens (`torch.full`): the loader machinery alone;
@@ -8,14 +8,16 @@ Datasets (map-style, what trainers feed):
     what LLaMA-Factory and TRL users load; read with `__getitems__` by both loaders;
   * `tokenize`: the same conversations as raw turns, templated and tokenized in `__getitem__`.
 Plain = `DataLoader(batch_size=16)`; ODB = `ODBDataLoader(token_budget=16 x mean length, cost="tokens")` with its
-default background producer, and `odb_inline` the same with `prefetch_steps=0` (planned in the caller's thread), so that
+default (`prefetch_steps=0`: planned in the caller's thread), and `odb_thread` the same with a background producer
+thread `prefetch_steps=2` ahead (the default before the measurements below), so that
 both form batches of about 16 samples; both collate with `odb_core.PadCollator` (padded tensors and an attention
 mask), except `trivial`, where plain keeps `default_collate` (what `DataLoader(batch_size=B)` does). Every repeat
 runs one epoch of each, back to back; samples/s is the median over repeats, the ratio the median of the
 per-repeat ratios. ODB's own work per sample = 1 / ODB's rate - 1 / plain's rate: the time ODB adds beyond reading
 and collating the same samples; and, less sensitive to a loaded machine, the trainer process's CPU time per sample
-(all its threads, no worker process; best of the repeats) of each loader and their difference. `--rss` measures peak RSS of one epoch of each in a fresh process, and ODB's
-extra RSS on a 200,000-sample epoch of `trivial`.
+(all its threads, no worker process; best of the repeats) of each loader and their difference. `--step-ms 4`
+puts a simulated GPU step (`Step`) between batches. `--rss` measures peak RSS of one epoch of each in a fresh
+process, and ODB's extra RSS on a 200,000-sample epoch of `trivial`.
 """
 
 from __future__ import annotations
@@ -86,11 +88,33 @@ def build(name: str, samples: int):
     return arrow, statistics.fmean(corpus.lengths())
 
 
-def epoch_rate(loader, count) -> tuple[float, float]:
+class Step:
+    """A stand-in for a GPU training step between two batches: `LAUNCHES` short operator calls (a step's kernel
+    launches; each releases the GIL and takes it back) and then `ms` milliseconds of waiting for the device (the
+    GIL released), so that a background thread can overlap the wait and contend for the GIL around the launches.
+    Only wall rates mean anything with a step."""
+
+    LAUNCHES = 300
+
+    def __init__(self, ms: float) -> None:
+        self.seconds, self.x = ms / 1e3, torch.zeros(64)
+
+    def __call__(self) -> None:
+        for _ in range(self.LAUNCHES):
+            torch.add(self.x, 1.0)
+        time.sleep(self.seconds)
+
+
+def epoch_rate(loader, count, step: Step | None = None) -> tuple[float, float]:
     """(samples per wall second, trainer-process CPU microseconds per sample) of one epoch. The CPU time counts
-    every thread of this process (ODB's producer included) and no worker process."""
+    every thread of this process (ODB's producer included) and no worker process; with a `step`, the step's own
+    CPU time is in it too, so only the wall rate is read then."""
     start, cpu = time.perf_counter(), time.process_time()
-    n = sum(count(batch) for batch in loader)
+    n = 0
+    for batch in loader:
+        n += count(batch)
+        if step is not None:
+            step()
     return n / (time.perf_counter() - start), 1e6 * (time.process_time() - cpu) / n
 
 
@@ -107,41 +131,45 @@ def loaders(name: str, dataset, mean: float, workers: int, prefetch_steps: int |
     return plain, odb
 
 
-def compare(name: str, workers: int, repeats: int, samples: int) -> dict:
+def compare(name: str, workers: int, repeats: int, samples: int, step_ms: float = 0.0) -> dict:
     dataset, mean = build(name, samples)
+    step = Step(step_ms) if step_ms else None
     plain, odb = loaders(name, dataset, mean, workers)
-    _, inline = loaders(name, dataset, mean, workers, prefetch_steps=0)
+    _, thread = loaders(name, dataset, mean, workers, prefetch_steps=2)
     runs = (("plain", plain, lambda b: b["input_ids"].shape[0]), ("odb", odb, lambda b: b.info.local_samples),
-            ("odb_inline", inline, lambda b: b.info.local_samples))
+            ("odb_thread", thread, lambda b: b.info.local_samples))
     rates: dict[str, list[float]] = {which: [] for which, _, _ in runs}
     cpu: dict[str, list[float]] = {which: [] for which, _, _ in runs}
     for _ in range(repeats):
         for which, loader, count in runs:
-            rate, us = epoch_rate(loader, count)
+            rate, us = epoch_rate(loader, count, step)
             rates[which].append(rate)
             cpu[which].append(us)
     odb.close()
-    inline.close()
+    thread.close()
     plain_sps, odb_sps = statistics.median(rates["plain"]), statistics.median(rates["odb"])
     ratios = [o / p for o, p in zip(rates["odb"], rates["plain"], strict=True)]
     plain_cpu, odb_cpu = min(cpu["plain"]), min(cpu["odb"])
-    return {"dataset": name, "workers": workers, "samples": len(dataset), "plain_samples_per_s": round(plain_sps),
+    return {"dataset": name, "workers": workers, "step_ms": step_ms, "samples": len(dataset),
+            "plain_samples_per_s": round(plain_sps),
             "odb_samples_per_s": round(odb_sps), "ratio": round(statistics.median(ratios), 3),
             "ratio_range": [round(min(ratios), 3), round(max(ratios), 3)],
             "odb_own_us_per_sample": round(1e6 * (1 / odb_sps - 1 / plain_sps), 1),
-            "inline_ratio": round(statistics.median(
-                [o / p for o, p in zip(rates["odb_inline"], rates["plain"], strict=True)]), 3),
+            "thread_ratio": round(statistics.median(
+                [o / p for o, p in zip(rates["odb_thread"], rates["plain"], strict=True)]), 3),
             "trainer_cpu_us_per_sample": {which: round(min(us), 1) for which, us in cpu.items()},
             "odb_own_cpu_us_per_sample": round(odb_cpu - plain_cpu, 1),
-            "odb_inline_own_cpu_us_per_sample": round(min(cpu["odb_inline"]) - plain_cpu, 1)}
+            "odb_thread_own_cpu_us_per_sample": round(min(cpu["odb_thread"]) - plain_cpu, 1)}
 
 
 def peak_rss_mb(which: str, name: str, n: int) -> float:
     """Extra peak RSS of one epoch of `which` loader in a fresh process: the peak during the epoch (VmHWM, reset
-    after the set-up through /proc/self/clear_refs) minus the resident size before it, in MiB."""
-    code = (f"from benchmarks.hot_path import Trivial, build, loaders, _vm; "
+    after the set-up through /proc/self/clear_refs) minus the resident size before it, in MiB. The set-up's freed
+    memory is handed back to the system first (`malloc_trim`), so that the epoch cannot reuse it unseen."""
+    code = (f"import ctypes, gc; from benchmarks.hot_path import Trivial, build, loaders, _vm; "
             f"ds, mean = (Trivial({n}), {SEQ}) if '{name}' == 'trivial' else build('{name}', {n}); "
             f"plain, odb = loaders('{name}', ds, mean, 0); loader = {which}; "
+            "gc.collect(); ctypes.CDLL('libc.so.6').malloc_trim(0); "
             "open('/proc/self/clear_refs', 'w').write('5'); before = _vm('VmRSS'); "
             "[None for _ in loader]; print(_vm('VmHWM') - before)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
@@ -164,14 +192,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--samples", type=int, default=4000, help="conversations for arrow/tokenize")
     parser.add_argument("--rss", action="store_true")
+    parser.add_argument("--step-ms", default="0", help="comma-separated simulated step lengths (see `Step`)")
     parser.add_argument("--out", type=Path, default=RESULTS / "hot_path.json")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     rows = []
-    for name in args.datasets.split(","):
+    for name in filter(None, args.datasets.split(",")):  # --datasets "": the --rss part alone
         for workers in (int(w) for w in args.workers.split(",")):
-            rows.append(compare(name, workers, args.repeats, args.samples))
-            print(json.dumps(rows[-1]), flush=True)
+            for step_ms in (float(ms) for ms in args.step_ms.split(",")):
+                rows.append(compare(name, workers, args.repeats, args.samples, step_ms))
+                print(json.dumps(rows[-1]), flush=True)
     result = {"rows": rows, "command": " ".join(["python -m benchmarks.hot_path", *(argv or sys.argv[1:])])}
     if args.rss:
         result["rss_mb"] = {f"{which}_{name}_{n}": round(peak_rss_mb(which, name, n), 1)
