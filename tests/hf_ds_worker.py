@@ -74,12 +74,15 @@ class GradTap(TrainerCallback):
 
 
 def record(info) -> dict:
-    return {"epoch": info.epoch, "step": info.step, "indices": list(info.indices), "idle": info.is_idle}
+    return {"epoch": info.epoch, "step": info.step, "indices": list(info.indices), "idle": info.is_idle,
+            "window_index": info.window_index, "window_steps": info.window_steps,
+            "window_samples": info.window_samples}
 
 
-def write_config(out: Path, name: str, odb: dict) -> Path:
+def write_config(out: Path, name: str, odb: dict, accumulation_steps: int = 2) -> Path:
     config = json.loads(CONFIG.read_text())
     config["odb"].update(odb)
+    config["gradient_accumulation_steps"] = accumulation_steps
     path = out / f"{name}.rank{os.environ['RANK']}.ds_config.json"  # before the process group exists
     path.write_text(json.dumps(config))
     return path
@@ -93,12 +96,16 @@ def engine_facts(trainer: Trainer) -> dict:
             "micro_steps": engine.micro_steps, "trainer_processes": trainer.accelerator.num_processes}
 
 
-def grads(out: Path, samples: list[dict], name: str = "grads", planning: str = "local") -> None:
+def grads(out: Path, samples: list[dict], name: str = "grads", planning: str = "local", **odb: int) -> None:
+    """With `odb` (samples_per_step) the step holds a variable number of micro-batches: the config and the
+    Trainer then accumulate 1 (NOTE [ Steps of a target size under the HF Trainer ])."""
     infos: list = []
-    config = write_config(out, name, {**GRADS_ODB, "planning": planning})
+    accumulation = 1 if odb else COMMON["gradient_accumulation_steps"]
+    config = write_config(out, name, {**GRADS_ODB, "planning": planning, **odb}, accumulation)
     args = TrainingArguments(output_dir=str(out / name), deepspeed=str(config),
                              optim="sgd", learning_rate=0.0, lr_scheduler_type="constant", num_train_epochs=1,
-                             train_sampling_strategy="sequential", logging_steps=1000, **COMMON)
+                             train_sampling_strategy="sequential", logging_steps=1000,
+                             **{**COMMON, "gradient_accumulation_steps": accumulation})
     odb = ODBCallback.from_deepspeed_config(args, observer=lambda i: infos.append(record(i)))
     trainer = Trainer(model=hf_support.tiny_llama(dtype=torch.float64), args=args,
                       train_dataset=hf_support.ListDataset(hf_support.uneven_ranks(samples)),
@@ -148,6 +155,7 @@ def main() -> None:
     samples = hf_support.load_samples(ns.data / "train.json")
     grads(ns.out, samples[:41])
     grads(ns.out, samples[:41], name="grads-global", planning="global")
+    grads(ns.out, samples[:41], name="grads-target", planning="global", samples_per_step=6)
     train(ns.out, samples[:TRAIN_SAMPLES])
     naive(ns.out)
     dist.barrier()

@@ -194,21 +194,28 @@ def test_every_sample_is_used_once_per_epoch(ds_run):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["grads", "grads-global"])
-def test_step_gradient_equals_the_big_batch_token_mean_under_deepspeed(ds_run, chat_data, name):
+@pytest.mark.parametrize(("name", "accumulation"), [("grads", 2), ("grads-global", 2), ("grads-target", None)])
+def test_step_gradient_equals_the_big_batch_token_mean_under_deepspeed(ds_run, chat_data, name, accumulation):
     """Trainer + DeepSpeed (scale_wrt_gas=False, loss x W, DeepSpeed's mean over W) with num_items_in_batch =
     window_tokens: every step's gradient is the float64 single-process gradient of the step's token mean, with
-    rank-local planning (IDLE micro-batches on the short rank) and global planning (samples moved)."""
+    rank-local planning (IDLE micro-batches on the short rank), global planning (samples moved), and
+    samples_per_step=6 (a variable number of micro-batches per step; the boundary set at each step's last)."""
     ranks = facts(ds_run, name)
     samples = hf_support.uneven_ranks(chat_data.train[:41])
-    steps = hf_support.steps_of(ranks[0]["infos"] + ranks[1]["infos"], 2)
+    steps = hf_support.steps_of(ranks[0]["infos"] + ranks[1]["infos"], accumulation)
+    if accumulation is None:  # the step target really varies the step, and every rank runs the same micro-batches
+        micro = [[(i["epoch"], i["step"]) for i in rank["infos"]] for rank in ranks]
+        assert micro[0] == micro[1]
+        assert len({i["window_steps"] for i in ranks[0]["infos"]}) > 1
+        assert all(abs(len(indices) - 6) <= 3 for key, indices in sorted(steps.items())[:-1])
     assert sorted(i for indices in steps.values() for i in indices) == list(range(len(samples)))
     grads = torch.load(ds_run / f"{name}.pt")
     assert len(grads) == len(steps) == ranks[0]["steps"]
     model = hf_support.tiny_llama(dtype=torch.float64)
     error = max(hf_support.max_relative_error(got, hf_support.reference_gradient(model, [samples[i] for i in steps[k]]))
                 for got, k in zip(grads, sorted(steps)))
-    print(f"HF Trainer + DeepSpeed ZeRO-2, W=2, G=2: max relative gradient error {error:.2e} over {len(grads)} steps")
+    print(f"HF Trainer + DeepSpeed ZeRO-2, W=2, {name}: max relative gradient error {error:.2e} over "
+          f"{len(grads)} steps")
     assert error <= 1e-6  # ZeRO keeps fp32 gradient partitions: the floor is one fp32 rounding (~6e-8)
 
 
