@@ -2,6 +2,11 @@
 
     python -m benchmarks.gpu.train_throughput                      # on a GPU: ~0.5B Qwen2-style model, bf16, SDPA
     python -m benchmarks.gpu.train_throughput --cpu-smoke          # tiny model on CPU (the CI check)
+    python -m benchmarks.gpu.train_throughput --parts quality      # the time-to-quality part alone
+
+Two parts (`--parts`, both by default): `throughput`, below, and `quality`: Standard and ODB trained on real text
+at the same optimizer step, evaluated on a held-out split, and the wall-clock time each needs to reach Standard's
+final eval loss (`benchmarks/gpu/quality.py`).
 
 What it runs, for each workload (`sharegpt-like`: lognormal lengths CV 1.0, mean 1024, <= 8192; `mm-mix-like`:
 80% short (mean 384) + 20% long (mean 1536) with a tail to 8192; token ids are random, labels = inputs) and each
@@ -13,7 +18,8 @@ each run are not timed (allocator and kernel warm-up); a run stops early after `
 reports the throughput of what it ran. Measured: samples/s, real (non-pad) tokens/s, padded tokens/s, steps,
 peak allocated memory (torch.cuda.max_memory_allocated), and ODB / Standard ratios.
 The reference release is not included: it is not installable on a machine without network access.
-Writes JSON to --out (default benchmarks/results/gpu_throughput.json, or gpu_smoke.json with --cpu-smoke).
+Writes JSON to --out (default benchmarks/results/gpu_throughput.json, or gpu_smoke.json with --cpu-smoke); the
+quality part's figure is its top-level `time_to_quality`.
 """
 
 from __future__ import annotations
@@ -29,8 +35,10 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
-from benchmarks import RESULTS
+from benchmarks import CACHE, RESULTS
 from benchmarks.data.workloads import bimodal, lognormal
+from benchmarks.demo import VOCAB as TEXT_VOCAB
+from benchmarks.gpu.quality import run_quality
 from odb_core import ODBDataLoader
 from odb_core.collate import PadCollator
 
@@ -178,8 +186,27 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-seconds", type=float, default=None, help="timed seconds per run before stopping early "
                                                                    "(default 75 GPU, 20 CPU smoke)")
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--parts", default="throughput,quality")
+    q = p.add_argument_group("quality part (defaults: GPU / --cpu-smoke)")
+    q.add_argument("--train", type=int, default=None, help="train conversations (2000 / 48)")
+    q.add_argument("--held-out", type=int, default=None, help="held-out conversations (128 / 8)")
+    q.add_argument("--cutoff", type=int, default=None, help="longest conversation in tokens (4096 / 128)")
+    q.add_argument("--samples-per-step", type=int, default=None, help="optimizer step in samples (64 / 8)")
+    q.add_argument("--lr", type=float, default=None, help="AdamW LR of both methods (3e-4 / 3e-3)")
+    q.add_argument("--warmup", type=int, default=5, help="warm-up optimizer steps")
+    q.add_argument("--epochs", type=int, default=None, help="epochs (3 / 1)")
+    q.add_argument("--eval-every", type=int, default=None, help="optimizer steps between evaluations (5 / 2)")
+    q.add_argument("--quality-seconds", type=float, default=None,
+                   help="training seconds per method before stopping (120 / 30)")
+    q.add_argument("--odb-max-batch-size", type=int, default=0, help="ODB's micro-batch cap (0: none)")
     ns = p.parse_args(argv)
     smoke = ns.cpu_smoke
+    for name, gpu, cpu in (("train", 2000, 48), ("held_out", 128, 8), ("cutoff", 4096, 128),
+                           ("samples_per_step", 64, 8), ("lr", 3e-4, 3e-3), ("epochs", 3, 1), ("eval_every", 5, 2),
+                           ("quality_seconds", 120.0, 30.0)):
+        if getattr(ns, name) is None:
+            setattr(ns, name, cpu if smoke else gpu)
+    ns.data_dir = CACHE / f"gpu_quality_{ns.train}_{ns.held_out}_{ns.cutoff}"
     ns.warmup_steps = ns.warmup_steps if ns.warmup_steps is not None else (1 if smoke else 5)
     ns.max_seconds = ns.max_seconds if ns.max_seconds is not None else (20.0 if smoke else 75.0)
     ns.out = ns.out or RESULTS / ("gpu_smoke.json" if smoke else "gpu_throughput.json")
@@ -199,8 +226,9 @@ def main(argv: list[str] | None = None) -> dict:
         torch.backends.cuda.matmul.allow_tf32 = True
     else:
         raise SystemExit("no CUDA device: run on a GPU machine, or pass --cpu-smoke for the tiny CPU check")
+    parts = ns.parts.split(",")
     runs = []
-    for workload in ns.workloads.split(","):
+    for workload in ns.workloads.split(",") if "throughput" in parts else ():
         dataset = TokenDataset(workload_lengths(workload, scale), scale.vocab)
         for method in ns.methods.split(","):
             result = train_epoch(method, workload, dataset, scale, device, ns)
@@ -214,12 +242,19 @@ def main(argv: list[str] | None = None) -> dict:
         if "standard" in by and "odb" in by:
             ratios[workload] = {"samples_per_s": by["odb"]["samples_per_s"] / by["standard"]["samples_per_s"],
                                 "tokens_per_s": by["odb"]["tokens_per_s"] / by["standard"]["tokens_per_s"]}
+    quality = None
+    if "quality" in parts:
+        quality_ns = argparse.Namespace(**{**vars(ns), "token_budget": scale.token_budget,
+                                           "max_seconds": ns.quality_seconds})
+        text_scale = Scale(**{**asdict(scale), "vocab": max(scale.vocab, TEXT_VOCAB)})  # the compacted ids
+        quality = run_quality(lambda: build_model(text_scale, device), device, quality_ns)
     n_params = sum(p.numel() for p in build_model(scale, torch.device("meta")).parameters())
     result = {"command": "python -m benchmarks.gpu.train_throughput" + (" --cpu-smoke" if ns.cpu_smoke else ""),
               "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
               "torch": torch.__version__, "scale": asdict(scale), "parameters": n_params,
               "warmup_steps": ns.warmup_steps, "max_seconds": ns.max_seconds, "runs": runs,
-              "odb_over_standard": ratios}
+              "odb_over_standard": ratios, "time_to_quality": quality and quality["time_to_quality"],
+              "quality": quality}
     ns.out.parent.mkdir(parents=True, exist_ok=True)
     ns.out.write_text(json.dumps(result, indent=2))
     print(json.dumps(ratios, indent=2))
