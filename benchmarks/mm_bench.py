@@ -56,7 +56,7 @@ from odb_core.config import ODBConfig
 from odb_core.grouping import oracle_groups
 from odb_core.simulate import simulate_epoch
 
-PARTS = ("quality", "training")
+PARTS = ("quality", "training", "time_to_quality")
 # the release's runs: name -> (buffer_size, whether it is given the patch counts and max_patches)
 REFERENCE_RUNS = {"reference_default": (None, True), "reference_buffer512": (512, True),
                   "reference_buffer512_no_cap": (512, False)}
@@ -218,6 +218,54 @@ def run_training(args: argparse.Namespace, log: Callable[[str], None]) -> dict:
             "workload": describe(facts), "methods": summarise(ranks), "reference_patch_measures": replayed}
 
 
+def run_time_to_quality(args: argparse.Namespace, log: Callable[[str], None]) -> dict:
+    """Standard and ODB on 2 gloo ranks at the same optimizer step (`--ttq-samples-per-step`, rounded to Standard's
+    B x W x GA; Standard by gradient accumulation, ODB by `samples_per_step`), evaluated on the held-out samples every `--ttq-eval-every` steps:
+    `benchmarks.demo.time_to_quality` of the two eval curves (training seconds, evaluation excluded)."""
+    from benchmarks.demo import time_to_quality
+
+    with tempfile.TemporaryDirectory(prefix="mm_ttq_") as tmp:
+        work = Path(tmp)
+        processor = work / "processor"
+        mm_mix.build_processor(processor)
+        dataset = mm_mix.MMMixDataset(processor, mm_mix.mm_mix_specs(args.train_samples, seed=1))
+        samples = [dataset[k] for k in range(len(dataset))]
+        torch.save(samples, work / "samples.pt")
+        facts = np.asarray(_facts_of(samples), dtype=np.int64)
+        batch = fixed_batch(facts, args.token_budget, args.max_patches)
+        # Standard's step is B x W x GA; ODB gets exactly that many samples per step, with micro-batches of at
+        # most Standard's B (as in benchmarks.demo: a micro-batch bigger than the step would make every step one)
+        step = batch * 2 * max(round(args.ttq_samples_per_step / (batch * 2)), 1)
+        cap = args.ttq_odb_max_batch_size or batch
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                   "-m", "benchmarks.workers.mm_train_worker", "--processor", str(processor), "--out", str(work),
+                   "--n-train", str(len(samples)), "--n-eval", str(args.train_eval_samples),
+                   "--epochs", str(args.ttq_epochs), "--token-budget", str(args.token_budget),
+                   "--max-patches", str(args.max_patches), "--batch-size", str(batch),
+                   "--window", str(config(args.token_budget, args.max_patches).window), "--hidden", str(args.hidden),
+                   "--samples-cache", str(work / "samples.pt"), "--samples-per-step", str(step),
+                   "--eval-every", str(args.ttq_eval_every), "--odb-max-batch-size", str(cap),
+                   "--mode", "std", "--mode", "odb"]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+               "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
+        log(f"  {len(samples)} samples, Standard B = {batch}: {shlex.join(command[3:])}")
+        done = subprocess.run(command, env=env, cwd=REPO_ROOT, capture_output=True, text=True,
+                              timeout=args.train_timeout)
+        if done.returncode != 0:
+            raise RuntimeError(f"mm_train_worker failed: {done.stdout[-2000:]}{done.stderr[-4000:]}")
+        rows = {name: json.loads((work / f"{mode}.rank0.json").read_text())
+                for name, mode in (("standard", "std"), ("odb", "odb"))}
+    figure = time_to_quality(rows)
+    speedup = figure["speedup"]
+    log("  time to Standard's final eval loss: " + (f"ODB {speedup:.2f}x faster" if speedup else "never reached by ODB")
+        + f"; to the worse final loss: {figure['common_target']['speedup']:.2f}x")
+    return {"samples": len(samples), "standard_batch": batch, "epochs": args.ttq_epochs,
+            "samples_per_step": step, "odb_max_batch_size": cap,
+            "time_to_quality": figure,
+            "runs": {name: {k: row[k] for k in ("steps", "seconds", "eval_loss", "eval_curve", "accumulation_steps")}
+                     for name, row in rows.items()}}
+
+
 def summarise(ranks: dict[str, list[dict]]) -> dict:
     """Per method: steps, throughput (median over repeats) and the per-repeat ratio to Standard."""
     base = [r["samples_per_second"] for r in ranks["std"][0]["repeats"]]
@@ -264,6 +312,23 @@ def markdown(result: dict) -> str:
                          f"{m['steps'][0]}, {m['steps'][1]} | {m['left_out']} | {m['vs_standard']:.2f}x "
                          f"({m['vs_standard_min']:.2f}-{m['vs_standard_max']:.2f}) | {m['first_loss']:.2f} / "
                          f"{m['last_loss']:.2f} | {m['eval_loss']:.3f} |")
+    if "time_to_quality" in result:
+        t = result["time_to_quality"]
+        q = t["time_to_quality"]
+        lines += ["", f"Time to quality, W = 2: {t['samples']} samples, {t['epochs']} epochs, optimizer step of "
+                  f"{t['samples_per_step']} samples (Standard B = {t['standard_batch']} x GA "
+                  f"{t['runs']['standard']['accumulation_steps']}; ODB `samples_per_step`, micro-batch cap "
+                  f"{t['odb_max_batch_size']}); target = Standard's final eval loss "
+                  f"{q['target_eval_loss']:.4f}.\n",
+                  "| method | optimizer steps | train s | final eval loss | s to target |", "|---|---|---|---|---|"]
+        for name in ("standard", "odb"):
+            run, reached = t["runs"][name], q[name]["seconds_to_target"]
+            lines.append(f"| {name} | {run['steps']} | {run['seconds']:.1f} | {run['eval_loss']:.4f} | "
+                         + (f"{reached:.1f}" if reached is not None else "never") + " |")
+        common = q["common_target"]
+        lines.append(f"\nODB / Standard time to the target: "
+                     + (f"{q['speedup']:.2f}x" if q["speedup"] else "ODB never reached it")
+                     + f"; to the worse final loss ({common['eval_loss']:.4f}): {common['speedup']:.2f}x")
     return "\n".join(lines) + "\n"
 
 
@@ -280,6 +345,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--train-repeats", type=int, default=3)
     p.add_argument("--train-timeout", type=float, default=1800)
     p.add_argument("--hidden", type=int, default=64, help="hidden size of the trained model")
+    p.add_argument("--ttq-epochs", type=int, default=3, help="time_to_quality part: epochs")
+    p.add_argument("--ttq-samples-per-step", type=int, default=32,
+                   help="time_to_quality part: optimizer step (rounded to a multiple of Standard's B x W)")
+    p.add_argument("--ttq-eval-every", type=int, default=3, help="time_to_quality part: steps between evaluations")
+    p.add_argument("--ttq-odb-max-batch-size", type=int, default=0,
+                   help="time_to_quality part: ODB's micro-batch cap (0: Standard's micro-batch)")
     p.add_argument("--out", type=Path, default=RESULTS)
     return p.parse_args(argv)
 
@@ -309,6 +380,9 @@ def main(argv: list[str] | None = None) -> dict:
     if "training" in parts:
         log("CPU training throughput (W=2):")
         result["training"] = run_training(args, log)
+    if "time_to_quality" in parts:
+        log("time to quality (W=2):")
+        result["time_to_quality"] = run_time_to_quality(args, log)
     result["seconds"] = round(time.perf_counter() - started, 1)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "mm_bench.json").write_text(json.dumps(result, indent=1))

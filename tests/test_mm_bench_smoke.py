@@ -70,3 +70,28 @@ def test_odb_beats_the_reference_release_under_the_same_patch_cap(bench):
         assert odb["budget_utilization"] >= blind["budget_utilization"] or blind["patch_violations"] > 0, world
     # without max_patches (its default) the release groups on tokens alone and some groups exceed the cap
     assert any(table[(w, "reference_buffer512_no_cap")]["max_patch_ratio"] > 1.0 for w in WORLDS)
+
+
+@pytest.mark.timeout(300)
+def test_time_to_quality_part_trains_both_methods_at_the_same_step_on_two_ranks(tmp_path):
+    """`--parts time_to_quality`, small: Standard (gradient accumulation) and ODB (`samples_per_step`) train the
+    VLM at the same optimizer step on 2 gloo ranks, both learn (held-out loss falls), and the figure is written."""
+    command = [sys.executable, "-m", "benchmarks.mm_bench", "--parts", "time_to_quality", "--no-reference",
+               "--train-samples", "48", "--train-eval-samples", "8", "--ttq-epochs", "1", "--ttq-samples-per-step",
+               "8", "--ttq-eval-every", "2", "--token-budget", str(TOKEN_BUDGET), "--max-patches", str(MAX_PATCHES),
+               "--out", str(tmp_path)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    done = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=280)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    result = json.loads((tmp_path / "mm_bench.json").read_text())["time_to_quality"]
+    standard, odb = result["runs"]["standard"], result["runs"]["odb"]
+    step = result["samples_per_step"]  # Standard's B x W x GA, ODB's samples_per_step
+    assert step == result["standard_batch"] * 2 * standard["accumulation_steps"] and odb["accumulation_steps"] == 1
+    assert result["odb_max_batch_size"] == result["standard_batch"]
+    assert abs(odb["steps"] - standard["steps"]) <= 2 and standard["steps"] == -(-48 // step)
+    for run in (standard, odb):
+        curve = run["eval_curve"]
+        assert len(curve) >= 2 and curve[-1]["eval_loss"] < curve[0]["eval_loss"]
+    figure = result["time_to_quality"]
+    assert figure["target_eval_loss"] == standard["eval_loss"] and figure["common_target"]["speedup"] > 0
+    assert "Time to quality, W = 2" in (tmp_path / "mm_bench.md").read_text()

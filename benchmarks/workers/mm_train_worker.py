@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,6 +46,9 @@ class RunSpec:
     hidden: int = 64
     samples_cache: Path | None = None
     replays: tuple[tuple[str, Path], ...] = ()
+    samples_per_step: int = 0  # > 0: both modes take optimizer steps of this many samples (time to quality)
+    eval_every: int = 0  # > 0: evaluate every this many optimizer steps and record the eval curve
+    odb_max_batch_size: int = 0  # ODB's micro-batch cap (0: none)
 
 
 class VisionCalls:
@@ -105,17 +109,42 @@ def train(mode: str, spec: RunSpec, data: Data) -> dict:
     model = mm_mix.tiny_qwen2_vl(processor.tokenizer, seed=0, hidden=spec.hidden)
     vision = VisionCalls(model)
     infos: list[dict] = []
-    callbacks = []
+    callbacks: list = []
+    step_options = {}
+    if spec.samples_per_step:  # the same optimizer step for both modes (as in benchmarks.demo)
+        step_options = {"samples_per_step": spec.samples_per_step, "max_batch_size": spec.odb_max_batch_size or None}
+    odb = None
     if mode == "odb":
-        callbacks.append(ODBCallback(token_budget=spec.token_budget, max_patches=spec.max_patches, window=spec.window,
-                                     observer=lambda i: infos.append({"indices": list(i.indices), "idle": i.is_idle,
-                                                                      "patches": i.local_patches})))
+        odb = ODBCallback(token_budget=spec.token_budget, max_patches=spec.max_patches, window=spec.window,
+                          observer=lambda i: infos.append({"indices": list(i.indices), "idle": i.is_idle,
+                                                           "patches": i.local_patches}), **step_options)
+        callbacks.append(odb)
+    accumulation = 1
+    if spec.samples_per_step and mode == "std":
+        world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's; the Trainer sets up the process group later
+        accumulation = max(spec.samples_per_step // (spec.batch_size * world), 1)
+    clock = None
+    if spec.eval_every:
+        from transformers import TrainerCallback
+
+        from benchmarks.demo import EvalClock
+
+        state: dict = {}
+
+        def samples_seen() -> int:
+            if odb is not None:
+                return odb.run.meter.seen.global_samples
+            return round(state["trainer"].state.epoch * len(train_set))
+
+        clock = type("Clock", (EvalClock, TrainerCallback), {})(samples_seen, argparse.Namespace(counting=True))
+        callbacks.append(clock)
     args = TrainingArguments(output_dir=str(spec.out / mode), per_device_train_batch_size=spec.batch_size,
                              per_device_eval_batch_size=8, num_train_epochs=spec.epochs,
-                             learning_rate=spec.learning_rate,
+                             learning_rate=spec.learning_rate, gradient_accumulation_steps=accumulation,
                              warmup_steps=2, lr_scheduler_type="linear", weight_decay=0.0, max_grad_norm=1.0,
                              logging_steps=1, use_cpu=True, seed=0, report_to=[], disable_tqdm=True,
-                             save_strategy="no", eval_strategy="no", dataloader_num_workers=0)
+                             save_strategy="no", eval_strategy="steps" if clock else "no",
+                             eval_steps=spec.eval_every or None, dataloader_num_workers=0)
     common = {"model": model, "args": args, "train_dataset": train_set, "eval_dataset": data.eval_set,
               "callbacks": callbacks, "data_collator": PadCollator(pad_token_id=processor.tokenizer.pad_token_id)}
     if mode in dict(spec.replays):
@@ -123,17 +152,23 @@ def train(mode: str, spec: RunSpec, data: Data) -> dict:
         trainer = ReplayTrainer(**common, batches=batches)
     else:
         trainer, trained = Trainer(**common), list(range(len(train_set)))
+    if clock is not None:
+        state["trainer"] = trainer
     start = time.perf_counter()
     trainer.train()
-    seconds = time.perf_counter() - start
+    seconds = time.perf_counter() - start - (clock.eval_seconds if clock else 0.0)
+    if clock is not None and clock.points[-1]["step"] != trainer.state.global_step:
+        trainer.evaluate()  # the last step is always evaluated
     losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
     odb_logs = [{k: v for k, v in e.items() if k.startswith("odb/")} for e in trainer.state.log_history
                 if "odb/budget_utilization" in e]
     tokens = sum(data.tokens[k] for k in trained) * spec.epochs
     return {"mode": mode, "steps": trainer.state.global_step, "losses": losses, "seconds": seconds,
             "samples_per_second": len(trained) * spec.epochs / seconds, "tokens_per_second": tokens / seconds,
-            "eval_loss": trainer.evaluate()["eval_loss"], "vision_calls": vision.calls, "infos": infos,
-            "odb_logs": odb_logs, "left_out": len(train_set) - len(trained)}
+            "eval_loss": clock.points[-1]["eval_loss"] if clock else trainer.evaluate()["eval_loss"],
+            "vision_calls": vision.calls, "infos": infos,
+            "odb_logs": odb_logs, "left_out": len(train_set) - len(trained),
+            "eval_curve": clock.points if clock else None, "accumulation_steps": accumulation}
 
 
 def parse(argv: list[str] | None = None) -> tuple[list[str], int, RunSpec]:
@@ -154,6 +189,9 @@ def parse(argv: list[str] | None = None) -> tuple[list[str], int, RunSpec]:
     parser.add_argument("--replay", action="append", default=[], metavar="NAME=FILE",
                         help="a mode NAME that trains on the batches per rank in FILE (JSON)")
     parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--samples-per-step", type=int, default=0, help="optimizer step in samples, both modes")
+    parser.add_argument("--eval-every", type=int, default=0, help="optimizer steps between evaluations")
+    parser.add_argument("--odb-max-batch-size", type=int, default=0, help="ODB's micro-batch cap (0: none)")
     ns = parser.parse_args(argv)
     replays = tuple((name, Path(file)) for name, _, file in (r.partition("=") for r in ns.replay))
     if any(not name or name in ("odb", "std") for name, _ in replays):
@@ -163,7 +201,8 @@ def parse(argv: list[str] | None = None) -> tuple[list[str], int, RunSpec]:
     spec = RunSpec(processor=ns.processor, out=ns.out, n_train=ns.n_train, n_eval=ns.n_eval, epochs=ns.epochs,
                    token_budget=ns.token_budget, max_patches=ns.max_patches, batch_size=ns.batch_size,
                    learning_rate=ns.learning_rate, window=ns.window, hidden=ns.hidden,
-                   samples_cache=ns.samples_cache, replays=replays)
+                   samples_cache=ns.samples_cache, replays=replays, samples_per_step=ns.samples_per_step,
+                   eval_every=ns.eval_every, odb_max_batch_size=ns.odb_max_batch_size)
     return ns.mode + [name for name, _ in replays], ns.repeats, spec
 
 
