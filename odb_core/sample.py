@@ -82,7 +82,14 @@ def non_integer(value: Any) -> str | None:
 
 def _checked_length(index: int, key: str, value: Any) -> int:
     """Length of a 1-D sequence of integer token ids under `key`; raises `SampleError` otherwise (hot path: one
-    shape and one dtype look for a tensor, one C-level sum for a list)."""
+    shape and one dtype look for a tensor or array, one C-level sum for a list)."""
+    kind = type(value)
+    if kind is torch.Tensor:  # the common cases first, answered without the general path's calls
+        shape = value.shape
+        if len(shape) == 1 and value.dtype in INTEGER_DTYPES:
+            return shape[0]
+    elif kind is np.ndarray and value.ndim == 1 and value.dtype.kind in "iu":
+        return value.shape[0]
     n = sequence_length(value)
     if n is None:
         raise SampleError(index, _not_1d(key, value))
