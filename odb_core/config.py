@@ -67,8 +67,9 @@ class ODBConfig:
         shuffle_steps: shuffle the order of a round's steps (identically on every rank, so pairing is kept).
         prefetch_steps: 0 (default) plans and collates in the thread that iterates the loader; N > 0 runs that
             work in a background thread, up to N batches ahead. Measured (docs/benchmarks.md "The loader's hot
-            path"), the thread does not pay on CPython: its Python work holds the GIL that the training thread
+            path"), the thread rarely pays on CPython: its Python work holds the GIL that the training thread
             needs back after every operator call, and it can run at most N batches ahead of a round's reading.
+            It helped where `__getitem__` tokenizes (the tokenizer releases the GIL) and there are no workers.
         fetch_chunk: samples per worker fetch (cuts inter-process overhead; does not change the batches). Reads
             in the trainer process (`num_workers=0`) take at least 64 at a time.
         sync_timeout_s: how long a Gloo collective waits for a live peer that does not take part (a peer may pause
