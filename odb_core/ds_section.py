@@ -6,8 +6,9 @@ so it lives in the core; it only handles plain dicts and files).
 
 Allowed keys: `enabled` (required bool), `token_budget` (required, also in a disabled section), every other
 `ODBConfig` field except `accumulation_steps` (DeepSpeed's `gradient_accumulation_steps` is its one source: pass it
-to `ODBSettings.derive`), and the loader options `shuffle` and `num_workers` (`ODBSettings.extras`; False and 0
-when unset). The section is parsed by `odb_core.settings.read_settings` with `DEEPSPEED_SECTION`: an unknown key
+to `ODBSettings.derive`), the loader options `shuffle` and `num_workers` (`ODBSettings.extras`; False and 0
+when unset), and `epochs`, the number of epochs the training loop will run, from which `odb_deepspeed.initialize`
+sets a `scheduler` section's `total_num_steps` to the exact plan (NOTE [ Exact DeepSpeed schedule ]). The section is parsed by `odb_core.settings.read_settings` with `DEEPSPEED_SECTION`: an unknown key
 raises `ValueError` naming it, its closest match and the allowed keys; a bad value raises `ODBConfig`'s own error
 with the key as written (`odb.cost='flops' is invalid: ...`). This module does not import deepspeed.
 """
@@ -29,7 +30,7 @@ DEEPSPEED_SECTION = SettingsSource(
     where="the DeepSpeed config's 'odb' section", shown="odb.", switch="enabled", budget="always",
     refused={"accumulation_steps": "is not allowed: the loader takes DeepSpeed's gradient_accumulation_steps, so "
                                    "that both always agree"},
-    keys={"shuffle": BOOL, "num_workers": COUNT})
+    keys={"shuffle": BOOL, "num_workers": COUNT, "epochs": COUNT})
 ALLOWED_KEYS = DEEPSPEED_SECTION.allowed_keys
 
 

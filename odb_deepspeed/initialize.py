@@ -9,7 +9,9 @@ back as is. With `"odb": {"enabled": true, ...}`:
   3. the ODB loader is built from `training_data` (a dataset, with `collate_fn`) with that config and
      `accumulation_steps` = the engine's `gradient_accumulation_steps()` (`ODBSettings.derive`), or checked
      against them if it already is an `ODBDataLoader`;
-  4. it returns `(engine, optimizer, DeepSpeedODBLoader, lr_scheduler)`, the engine with ODB's loss weighting and
+  4. with `odb.epochs`, a decaying scheduler's `total_num_steps` becomes the exact optimizer-step count of those
+     epochs (NOTE [ Exact DeepSpeed schedule ]);
+  5. it returns `(engine, optimizer, DeepSpeedODBLoader, lr_scheduler)`, the engine with ODB's loss weighting and
      checks mixed in (NOTE [ The plain DeepSpeed loop under ODB ] in engine.py), and logs "odb: on, ..." on rank 0.
 Cost: one Gloo group for ODB's metadata (created collectively, so call this on every rank in the same order).
 """
@@ -30,6 +32,7 @@ from odb_deepspeed.accounting import DeepSpeedODBLoader
 from odb_deepspeed.engine import with_odb
 
 DEFAULT_PORT = 29500  # deepspeed.constants.TORCH_DISTRIBUTED_DEFAULT_PORT
+LAST_STEP_OFFSET = {"WarmupDecayLR": -1, "WarmupCosineLR": 0}  # NOTE [ Exact DeepSpeed schedule ]
 
 
 def _resolve_config(args: Any, config: Any, config_params: Any) -> Any:
@@ -80,8 +83,33 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
         passthrough["args"].deepspeed_config = None
     engine, optimizer, _, scheduler = deepspeed.initialize(**passthrough, config=split.deepspeed)
     loader = _build_loader(training_data, section, engine, collate_fn)
+    if "epochs" in section.extras:
+        fit_schedule(scheduler, loader, section.extras["epochs"])
     announce(loader, "DeepSpeed")
     return with_odb(engine), optimizer, DeepSpeedODBLoader(loader, engine), scheduler
+
+
+def fit_schedule(scheduler: Any, loader: ODBDataLoader, epochs: int) -> int:
+    """NOTE [ Exact DeepSpeed schedule ]
+    DeepSpeed's decaying schedulers (`WarmupDecayLR`, `WarmupCosineLR`) end at their `total_num_steps`, a count the
+    config must give before training, while ODB's optimizer-step count is known only from the data. With
+    `"odb": {"epochs": E}` this plans the E epochs exactly (`ODBDataLoader.plan_epochs_exactly`: every rank reads
+    each sample's length once, the loader's own round code, the same count on every rank) and sets the scheduler's
+    `total_num_steps` to their optimizer steps, so the LR reaches its end value at the last step. A config without
+    a scheduler, or one of another type, is refused: `epochs` would change nothing. The two types count
+    differently (measured on DeepSpeed 0.19): WarmupCosineLR is at its end value after `total_num_steps` scheduler
+    steps, WarmupDecayLR one step later (its decay reaches 0 at iteration `total_num_steps`, and the first step is
+    iteration 0), so for T optimizer steps WarmupDecayLR gets T - 1, and both end exactly after the last step.
+    Returns the value set. Collective: every rank calls it (from `initialize`)."""
+    name = type(scheduler).__name__
+    if name not in LAST_STEP_OFFSET:
+        kind = "no scheduler" if scheduler is None else f"a {name} scheduler, which has no total_num_steps"
+        raise ValueError(f"odb.epochs={epochs} sets the scheduler's total_num_steps, but the DeepSpeed config has "
+                         f"{kind}; use a scheduler section of type WarmupDecayLR or WarmupCosineLR, or drop "
+                         "odb.epochs")
+    steps = sum(loader.plan_epochs_exactly(range(epochs)).optimizer_steps)
+    scheduler.total_num_steps = max(steps + LAST_STEP_OFFSET[name], 1)
+    return scheduler.total_num_steps
 
 
 def _check_data(training_data: Any, collate_fn: Callable | None) -> None:

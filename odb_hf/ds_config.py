@@ -48,13 +48,18 @@ def read_section(source: Any, *, required: bool = False) -> ODBSettings | None:
 
 
 def check_loader_options(args: TrainingArguments, section: ODBSettings) -> None:
-    """`odb.shuffle` and `odb.num_workers` must say what the TrainingArguments say."""
+    """`odb.shuffle`, `odb.num_workers` and `odb.epochs` must say what the TrainingArguments say."""
     strategy, shuffle, workers = (getattr(args, "train_sampling_strategy", "random"), section.extras.get("shuffle"),
                                   section.extras.get("num_workers"))
     if shuffle is not None and shuffle != (strategy != "sequential"):
         raise ODBSetupError(f"odb.shuffle={str(shuffle).lower()} in the DeepSpeed config but "
                             f"TrainingArguments.train_sampling_strategy={strategy!r}; make them agree ('random' "
                             "shuffles, 'sequential' does not) or drop odb.shuffle")
+    epochs = section.extras.get("epochs")
+    if epochs is not None and epochs != args.num_train_epochs:
+        raise ODBSetupError(f"odb.epochs={epochs} in the DeepSpeed config but TrainingArguments.num_train_epochs="
+                            f"{args.num_train_epochs}; the Trainer builds its exact schedule from num_train_epochs: "
+                            "make them agree or drop odb.epochs")
     if workers is not None and workers != args.dataloader_num_workers:
         raise ODBSetupError(f"odb.num_workers={workers} in the DeepSpeed config but "
                             f"TrainingArguments.dataloader_num_workers={args.dataloader_num_workers}; make them "

@@ -104,3 +104,51 @@ def test_initialize_refuses_a_collate_fn_next_to_a_ready_odb_loader():
     loader = ODBDataLoader([{"input_ids": [1, 2]}], token_budget=8)
     with pytest.raises(ValueError, match="collate_fn= was given with a ready ODBDataLoader; pass it to ODBDataLoader"):
         odb_deepspeed.initialize(model=torch.nn.Linear(2, 2), training_data=loader, collate_fn=list, config=_config())
+
+
+# -- odb.epochs: DeepSpeed's decaying schedule fitted to ODB's exact plan (NOTE [ Exact DeepSpeed schedule ]) ----
+
+def _scheduler(kind: str, optimizer: torch.optim.Optimizer, guessed_total: int):
+    from deepspeed.runtime import lr_schedules
+
+    options = ({"warmup_min_lr": 0.0, "warmup_max_lr": 1.0} if kind == "WarmupDecayLR"
+               else {"warmup_min_ratio": 0.0, "cos_min_ratio": 0.01})
+    return getattr(lr_schedules, kind)(optimizer, total_num_steps=guessed_total, warmup_num_steps=2,
+                                       warmup_type="linear", **options)
+
+
+@pytest.mark.parametrize("kind,end", [("WarmupDecayLR", 0.0), ("WarmupCosineLR", 0.01)])
+@pytest.mark.parametrize("step", [{"accumulation_steps": 2}, {"samples_per_step": 12}], ids=["G2", "samples12"])
+def test_odb_epochs_ends_a_decaying_deepspeed_schedule_exactly_at_the_last_step(kind, end, step):
+    """A real loader (W = 1) and DeepSpeed's own scheduler, stepped at every optimizer-step boundary as the engine
+    does: after `fit_schedule` the LR reaches the scheduler's end value exactly after the last step of the planned
+    epochs, and not before it; the config's guess (1000) would have left it near its peak."""
+    from odb_deepspeed.initialize import fit_schedule
+
+    lengths = [8 + (i * 37) % 90 for i in range(80)]
+    loader = ODBDataLoader([{"input_ids": torch.arange(1, n + 1)} for n in lengths], token_budget=256,
+                           shuffle=True, **step)
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    scheduler = _scheduler(kind, optimizer, guessed_total=1000)
+    fit_schedule(scheduler, loader, epochs=2)
+    used = []
+    for epoch in range(2):
+        loader.set_epoch(epoch)
+        for batch in loader:
+            if batch.info.ends_window:
+                used.append(optimizer.param_groups[0]["lr"])
+                scheduler.step()
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(end)  # after the last step: the end value
+    assert min(used[2:]) > end  # every step after the warm-up trained above it
+
+
+def test_odb_epochs_without_a_decaying_scheduler_is_refused_naming_the_fix():
+    from odb_deepspeed.initialize import fit_schedule
+
+    with pytest.raises(ValueError, match=r"odb.epochs=2 sets the scheduler's total_num_steps, but the DeepSpeed "
+                                         r"config has no scheduler; use a scheduler section of type WarmupDecayLR"):
+        fit_schedule(None, None, 2)
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    with pytest.raises(ValueError, match=r"has a LambdaLR scheduler, which has no total_num_steps"):
+        fit_schedule(torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0), None, 2)
+    assert parse_odb_section({"odb": {"enabled": True, "token_budget": 64, "epochs": 3}}).extras["epochs"] == 3

@@ -95,13 +95,16 @@ def test_a_setting_in_both_the_callback_and_the_section_must_be_equal(tmp_path):
     assert ODBCallback.from_deepspeed_config(args, window=16, observer=print).settings.given["window"] == 16
 
 
-def test_section_shuffle_and_num_workers_must_agree_with_training_arguments(tmp_path):
+def test_section_shuffle_num_workers_and_epochs_must_agree_with_training_arguments(tmp_path):
     sequential = make_args(tmp_path, ds_config(shuffle=True), train_sampling_strategy="sequential")
     with pytest.raises(ODBSetupError, match=r"odb.shuffle=true .*train_sampling_strategy='sequential'"):
         build(sequential, ODBCallback.from_deepspeed_config(sequential))
     workers = make_args(tmp_path, ds_config(num_workers=0), dataloader_num_workers=1)
     with pytest.raises(ODBSetupError, match=r"odb.num_workers=0 .*dataloader_num_workers=1"):
         build(workers, ODBCallback(token_budget=16384))
+    epochs = make_args(tmp_path, ds_config(epochs=2), num_train_epochs=3)
+    with pytest.raises(ODBSetupError, match=r"odb.epochs=2 .*num_train_epochs=3"):
+        build(epochs, ODBCallback.from_deepspeed_config(epochs))
 
 
 def test_disabled_section_turns_odb_off_for_a_callback_built_from_the_config(tmp_path, caplog):
