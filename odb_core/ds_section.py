@@ -8,9 +8,10 @@ Allowed keys: `enabled` (required bool), `token_budget` (required, also in a dis
 `ODBConfig` field except `accumulation_steps` (DeepSpeed's `gradient_accumulation_steps` is its one source: pass it
 to `ODBSettings.derive`), the loader options `shuffle` and `num_workers` (`ODBSettings.extras`; False and 0
 when unset), and `epochs`, the number of epochs the training loop will run, from which `odb_deepspeed.initialize`
-sets a `scheduler` section's `total_num_steps` to the exact plan (NOTE [ Exact DeepSpeed schedule ]). The section is parsed by `odb_core.settings.read_settings` with `DEEPSPEED_SECTION`: an unknown key
-raises `ValueError` naming it, its closest match and the allowed keys; a bad value raises `ODBConfig`'s own error
-with the key as written (`odb.cost='flops' is invalid: ...`). This module does not import deepspeed.
+sets a `scheduler` section's `total_num_steps` to the exact plan (NOTE [ Exact DeepSpeed schedule ]). The section
+is parsed by `odb_core.settings.read_settings` with `DEEPSPEED_SECTION`: an unknown key raises `ValueError` naming
+it, its closest match and the allowed keys; a bad value raises `ODBConfig`'s own error with the key as written
+(`odb.cost='flops' is invalid: ...`). This module does not import deepspeed.
 """
 
 from __future__ import annotations
