@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, IterableDataset, Sampler, get_worker_info
 
-from odb_core.sample import ID_FIELDS, compact_ids
+from odb_core.sample import ID_FIELDS, ID_KEYS, compact_ids
 
 
 PACK_LIMIT_BYTES = 1 << 20
@@ -133,9 +133,18 @@ class Handover:
     integer_keys: frozenset[str] = frozenset()  # `integer_columns` of the dataset
 
     def __call__(self, sample: Any) -> Any:
-        if self.compact:
-            sample = compact_ids(sample, self.integer_keys)
-        return pack_sample(sample) if self.pack else sample
+        return self.chunk([sample])[0]
+
+    def chunk(self, samples: list[Any]) -> list[Any]:
+        """The samples of one chunk, handed over. A chunk whose first sample holds no list of ids (a dataset of
+        tensors) is not compacted: the look at every sample would find nothing to convert."""
+        if self.compact and samples and holds_id_list(samples[0]):
+            samples = [compact_ids(sample, self.integer_keys) for sample in samples]
+        return [pack_sample(sample) for sample in samples] if self.pack else samples
+
+
+def holds_id_list(sample: Any) -> bool:
+    return type(sample) is dict and any(type(value) is list for key, value in sample.items() if key in ID_KEYS)
 
 
 def integer_columns(dataset: Any) -> frozenset[str]:
@@ -167,9 +176,7 @@ class IndexedDataset(Dataset):
         (HF `datasets` reads a batch of rows at once), else one `__getitem__` per index."""
         many = getattr(self.dataset, "__getitems__", None)
         samples = many(indices) if many is not None else [self.dataset[i] for i in indices]
-        if self.handover.pack or self.handover.compact:
-            samples = [self.handover(sample) for sample in samples]
-        return list(zip(indices, samples, strict=True))
+        return list(zip(indices, self.handover.chunk(samples), strict=True))
 
     def __len__(self) -> int:
         return len(self.dataset)  # type: ignore[arg-type]
@@ -215,13 +222,14 @@ class IndexedIterable(IterableDataset):
         splits = worker_parts(self.dataset, n_workers) > 1  # see the NOTE above
         stream = self.tagged(worker, n_workers) if splits else self.tagged()
         handover = Handover(pack=info is not None, compact=self.compact, integer_keys=self.integer_keys)
-        changes = handover.pack or handover.compact
         for c in itertools.count():
             chunk = list(itertools.islice(stream, self.chunk))
             if not chunk:
                 return
-            if splits or c % n_workers == worker:
-                yield [(index, handover(sample)) for index, sample in chunk] if changes else chunk
+            if (splits or c % n_workers == worker) and (handover.pack or handover.compact):
+                yield list(zip([i for i, _ in chunk], handover.chunk([s for _, s in chunk]), strict=True))
+            elif splits or c % n_workers == worker:
+                yield chunk
 
 
 def worker_parts(dataset: Any, num_workers: int) -> int:
