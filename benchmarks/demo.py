@@ -86,11 +86,13 @@ def build_model(seed: int):
 
 
 class EvalClock:
-    """Training seconds (evaluation time excluded) and samples seen at every evaluation. A TrainerCallback (the
-    base class is given at construction so that this module imports without transformers)."""
+    """Training seconds (evaluation time excluded) and samples seen at every evaluation. A TrainerCallback: build it
+    with `eval_clock` (the base class is added there, so that this module imports without transformers). Samples
+    seen: ODB's exact global count with an `ODBCallback`, else the Trainer's epoch (exact for fixed batches). With
+    a `CountingCollator`, its counting is paused while the Trainer evaluates."""
 
-    def __init__(self, samples_seen, collator: CountingCollator) -> None:
-        self.samples_seen, self.collator, self.points = samples_seen, collator, []
+    def __init__(self, odb, n_train: int, collator: CountingCollator | None) -> None:
+        self.odb, self.n_train, self.collator, self.points = odb, n_train, collator, []
         self.start = self.step_end = time.perf_counter()
         self.eval_seconds = 0.0
 
@@ -99,20 +101,31 @@ class EvalClock:
 
     def on_step_end(self, args, state, control, **kwargs):
         self.step_end = time.perf_counter()
-        self.collator.counting = not control.should_evaluate  # DefaultFlowCallback decided before this runs
+        if self.collator is not None:
+            self.collator.counting = not control.should_evaluate  # DefaultFlowCallback decided before this runs
 
     def on_evaluate(self, args, state, control, metrics=None, **kwargs):
         seconds = self.step_end - self.start - self.eval_seconds
-        self.points.append({"step": state.global_step, "seconds": seconds, "samples": self.samples_seen(),
+        samples = (self.odb.run.meter.seen.global_samples if self.odb is not None
+                   else round(state.epoch * self.n_train))
+        self.points.append({"step": state.global_step, "seconds": seconds, "samples": samples,
                             "eval_loss": float(metrics["eval_loss"])})
         self.eval_seconds += time.perf_counter() - self.step_end
-        self.collator.counting = True
+        if self.collator is not None:
+            self.collator.counting = True
+
+
+def eval_clock(odb, n_train: int, collator: CountingCollator | None = None) -> EvalClock:
+    """An `EvalClock` that is a `transformers.TrainerCallback`."""
+    from transformers import TrainerCallback
+
+    return type("Clock", (EvalClock, TrainerCallback), {})(odb, n_train, collator)
 
 
 def train_one(method: str, data: dict, args: argparse.Namespace) -> dict:
     import torch
     import torch.distributed as dist
-    from transformers import Trainer, TrainerCallback, TrainingArguments
+    from transformers import Trainer, TrainingArguments
 
     from odb_hf import ODBCallback
 
@@ -133,17 +146,9 @@ def train_one(method: str, data: dict, args: argparse.Namespace) -> dict:
     # against samples_per_step / W and none): ODB then only removes padding, and the steps come near the target.
     odb = ODBCallback(token_budget=args.budget, samples_per_step=args.samples_per_step,
                       max_batch_size=args.odb_max_batch_size or standard_batch) if method == "odb" else None
-    state = {}
-
-    def samples_seen() -> int:
-        if odb is not None:
-            return odb.run.meter.seen.global_samples
-        return round(state["trainer"].state.epoch * len(train))  # the Trainer's epoch is exact for fixed batches
-
-    clock = type("Clock", (EvalClock, TrainerCallback), {})(samples_seen, collator)
+    clock = eval_clock(odb, len(train), collator)
     trainer = Trainer(model=build_model(seed=args.seed), args=training_args, train_dataset=train,
                       eval_dataset=held_out, data_collator=collator, callbacks=[clock] + ([odb] if odb else []))
-    state["trainer"] = trainer
     start = time.perf_counter()
     result = trainer.train()
     seconds = time.perf_counter() - start

@@ -178,25 +178,40 @@ def run_quality(facts: np.ndarray, worlds: Sequence[int], token_budget: int, max
 
 
 # -- training ----------------------------------------------------------------------------------------------------
+def _training_set(args: argparse.Namespace, work: Path) -> tuple[list, np.ndarray, int]:
+    """Process the training samples once into `work` (the image pipeline stays out of the timed region): the
+    samples, their (tokens, patches) facts and Standard's fixed batch under both limits."""
+    mm_mix.build_processor(work / "processor")
+    dataset = mm_mix.MMMixDataset(work / "processor", mm_mix.mm_mix_specs(args.train_samples, seed=1))
+    samples = [dataset[k] for k in range(len(dataset))]
+    torch.save(samples, work / "samples.pt")
+    facts = np.asarray(_facts_of(samples), dtype=np.int64)
+    return samples, facts, fixed_batch(facts, args.token_budget, args.max_patches)
+
+
+def _launch_workers(args: argparse.Namespace, work: Path, samples: list, batch: int, options: list[str],
+                    log: Callable[[str], None], note: str) -> None:
+    """`mm_train_worker` on 2 gloo ranks (torchrun) over the processed samples in `work`, with `options` added."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               "-m", "benchmarks.workers.mm_train_worker", "--processor", str(work / "processor"), "--out", str(work),
+               "--n-train", str(len(samples)), "--n-eval", str(args.train_eval_samples),
+               "--token-budget", str(args.token_budget), "--max-patches", str(args.max_patches),
+               "--batch-size", str(batch), "--window", str(config(args.token_budget, args.max_patches).window),
+               "--hidden", str(args.hidden), "--samples-cache", str(work / "samples.pt"), *options]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+           "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
+    log(f"  {len(samples)} samples, Standard B = {batch}{note}: {shlex.join(command[3:])}")
+    done = subprocess.run(command, env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=args.train_timeout)
+    if done.returncode != 0:
+        raise RuntimeError(f"mm_train_worker failed: {done.stdout[-2000:]}{done.stderr[-4000:]}")
+
+
 def run_training(args: argparse.Namespace, log: Callable[[str], None]) -> dict:
     """Launch `mm_train_worker` on 2 gloo ranks; every method, `--train-repeats` times, alternating."""
     with tempfile.TemporaryDirectory(prefix="mm_bench_") as tmp:
         work = Path(tmp)
-        processor = work / "processor"
-        mm_mix.build_processor(processor)
-        dataset = mm_mix.MMMixDataset(processor, mm_mix.mm_mix_specs(args.train_samples, seed=1))
-        samples = [dataset[k] for k in range(len(dataset))]
-        torch.save(samples, work / "samples.pt")
-        facts = np.asarray(_facts_of(samples), dtype=np.int64)
-        batch = fixed_batch(facts, args.token_budget, args.max_patches)
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                   "-m", "benchmarks.workers.mm_train_worker", "--processor", str(processor), "--out", str(work),
-                   "--n-train", str(len(samples)), "--n-eval", str(args.train_eval_samples), "--epochs", "1",
-                   "--token-budget", str(args.token_budget), "--max-patches", str(args.max_patches),
-                   "--batch-size", str(batch), "--window", str(config(args.token_budget, args.max_patches).window),
-                   "--hidden", str(args.hidden),
-                   "--samples-cache", str(work / "samples.pt"), "--repeats", str(args.train_repeats),
-                   "--mode", "std", "--mode", "odb"]
+        samples, facts, batch = _training_set(args, work)
+        options = ["--epochs", "1", "--repeats", str(args.train_repeats), "--mode", "std", "--mode", "odb"]
         replayed = {}
         if not args.no_reference:
             for name in REPLAYED:
@@ -204,14 +219,8 @@ def run_training(args: argparse.Namespace, log: Callable[[str], None]) -> dict:
                 (work / f"{name}.json").write_text(json.dumps([[list(g) for g in rank if g]
                                                                for rank in schedule.steps]))
                 replayed[name] = patch_measures(schedule, facts, args.token_budget, args.max_patches)
-                command += ["--replay", f"{name}={work / name}.json"]
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-               "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
-        log(f"  {len(samples)} samples, Standard B = {batch}, {args.train_repeats} repeats: {shlex.join(command[3:])}")
-        done = subprocess.run(command, env=env, cwd=REPO_ROOT, capture_output=True, text=True,
-                              timeout=args.train_timeout)
-        if done.returncode != 0:
-            raise RuntimeError(f"mm_train_worker failed: {done.stdout[-2000:]}{done.stderr[-4000:]}")
+                options += ["--replay", f"{name}={work / name}.json"]
+        _launch_workers(args, work, samples, batch, options, log, f", {args.train_repeats} repeats")
         modes = ["std", "odb", *replayed]
         ranks = {m: [json.loads((work / f"{m}.rank{r}.json").read_text()) for r in range(2)] for m in modes}
     return {"samples": len(samples), "standard_batch": batch, "hidden": args.hidden, "repeats": args.train_repeats,
@@ -220,39 +229,22 @@ def run_training(args: argparse.Namespace, log: Callable[[str], None]) -> dict:
 
 def run_time_to_quality(args: argparse.Namespace, log: Callable[[str], None]) -> dict:
     """Standard and ODB on 2 gloo ranks at the same optimizer step (`--ttq-samples-per-step`, rounded to Standard's
-    B x W x GA; Standard by gradient accumulation, ODB by `samples_per_step`), evaluated on the held-out samples every `--ttq-eval-every` steps:
-    `benchmarks.demo.time_to_quality` of the two eval curves (training seconds, evaluation excluded)."""
+    B x W x GA; Standard by gradient accumulation, ODB by `samples_per_step`), evaluated on the held-out samples
+    every `--ttq-eval-every` steps: `benchmarks.demo.time_to_quality` of the two eval curves (training seconds,
+    evaluation excluded)."""
     from benchmarks.demo import time_to_quality
 
     with tempfile.TemporaryDirectory(prefix="mm_ttq_") as tmp:
         work = Path(tmp)
-        processor = work / "processor"
-        mm_mix.build_processor(processor)
-        dataset = mm_mix.MMMixDataset(processor, mm_mix.mm_mix_specs(args.train_samples, seed=1))
-        samples = [dataset[k] for k in range(len(dataset))]
-        torch.save(samples, work / "samples.pt")
-        facts = np.asarray(_facts_of(samples), dtype=np.int64)
-        batch = fixed_batch(facts, args.token_budget, args.max_patches)
+        samples, _, batch = _training_set(args, work)
         # Standard's step is B x W x GA; ODB gets exactly that many samples per step, with micro-batches of at
         # most Standard's B (as in benchmarks.demo: a micro-batch bigger than the step would make every step one)
         step = batch * 2 * max(round(args.ttq_samples_per_step / (batch * 2)), 1)
         cap = args.ttq_odb_max_batch_size or batch
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                   "-m", "benchmarks.workers.mm_train_worker", "--processor", str(processor), "--out", str(work),
-                   "--n-train", str(len(samples)), "--n-eval", str(args.train_eval_samples),
-                   "--epochs", str(args.ttq_epochs), "--token-budget", str(args.token_budget),
-                   "--max-patches", str(args.max_patches), "--batch-size", str(batch),
-                   "--window", str(config(args.token_budget, args.max_patches).window), "--hidden", str(args.hidden),
-                   "--samples-cache", str(work / "samples.pt"), "--samples-per-step", str(step),
-                   "--eval-every", str(args.ttq_eval_every), "--odb-max-batch-size", str(cap),
-                   "--mode", "std", "--mode", "odb"]
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-               "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
-        log(f"  {len(samples)} samples, Standard B = {batch}: {shlex.join(command[3:])}")
-        done = subprocess.run(command, env=env, cwd=REPO_ROOT, capture_output=True, text=True,
-                              timeout=args.train_timeout)
-        if done.returncode != 0:
-            raise RuntimeError(f"mm_train_worker failed: {done.stdout[-2000:]}{done.stderr[-4000:]}")
+        _launch_workers(args, work, samples, batch, ["--epochs", str(args.ttq_epochs), "--samples-per-step",
+                                                     str(step), "--eval-every", str(args.ttq_eval_every),
+                                                     "--odb-max-batch-size", str(cap), "--mode", "std",
+                                                     "--mode", "odb"], log, "")
         rows = {name: json.loads((work / f"{mode}.rank0.json").read_text())
                 for name, mode in (("standard", "std"), ("odb", "odb"))}
     figure = time_to_quality(rows)

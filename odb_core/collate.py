@@ -75,10 +75,9 @@ class PadCollator:
         Hot path: lists of ids and 1-D arrays/tensors are copied straight into one preallocated array (no tensor
         per row; equal-length tensors are stacked); anything else (rows of 2 or more axes, tensors numpy cannot
         view: grad, off the CPU) goes through `pad_sequence`, as before the fast paths existed."""
-        first = type(values[0])
-        arrays = [v for v in values if type(v) is np.ndarray] if first is list or first is np.ndarray else None
-        if arrays is not None and all(a.ndim == 1 and a.dtype == np.int64 for a in arrays) and \
-                all(type(v) is list for v in values if type(v) is not np.ndarray):  # NOTE [ Compact buffered samples ]
+        kinds = {type(v) for v in values}  # lists, or int64 arrays (NOTE [ Compact buffered samples ]), or both
+        if kinds <= {list, np.ndarray} and all(v.ndim == 1 and v.dtype == np.int64
+                                               for v in values if type(v) is np.ndarray):
             try:
                 return _rows_into_array(values, max(length, max(map(len, values))), value, np.int64)
             except (TypeError, ValueError):  # nested lists (e.g. multi-axis position ids): the general path

@@ -144,6 +144,7 @@ class Handover:
 
 
 def holds_id_list(sample: Any) -> bool:
+    """Whether a sample is a dict with a list under one of the `ID_FIELDS` (what `compact_ids` converts)."""
     return type(sample) is dict and any(type(value) is list for key, value in sample.items() if key in ID_KEYS)
 
 
@@ -222,14 +223,15 @@ class IndexedIterable(IterableDataset):
         splits = worker_parts(self.dataset, n_workers) > 1  # see the NOTE above
         stream = self.tagged(worker, n_workers) if splits else self.tagged()
         handover = Handover(pack=info is not None, compact=self.compact, integer_keys=self.integer_keys)
+        changes = handover.pack or handover.compact
         for c in itertools.count():
             chunk = list(itertools.islice(stream, self.chunk))
             if not chunk:
                 return
-            if (splits or c % n_workers == worker) and (handover.pack or handover.compact):
-                yield list(zip([i for i, _ in chunk], handover.chunk([s for _, s in chunk]), strict=True))
-            elif splits or c % n_workers == worker:
-                yield chunk
+            if not (splits or c % n_workers == worker):
+                continue  # another worker's chunk
+            yield list(zip([i for i, _ in chunk], handover.chunk([s for _, s in chunk]), strict=True)) if changes \
+                else chunk
 
 
 def worker_parts(dataset: Any, num_workers: int) -> int:

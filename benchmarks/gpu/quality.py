@@ -68,7 +68,8 @@ class Clock:
 
     @property
     def seconds(self) -> float:
-        return self.points[-1]["seconds"]
+        """Training seconds so far (evaluations excluded)."""
+        return time.perf_counter() - self.start - self.paused
 
 
 def sync(device: torch.device) -> None:
@@ -129,7 +130,7 @@ def train_to_quality(method: str, data: dict, build_model, device: torch.device,
             steps += 1
             if steps % ns.eval_every == 0:
                 clock.evaluate(model, held_out, device, steps, samples)
-            if clock.points[-1]["seconds"] > ns.max_seconds:
+            if clock.seconds > ns.max_seconds:
                 stopped = True
                 break
         if stopped:
@@ -137,7 +138,7 @@ def train_to_quality(method: str, data: dict, build_model, device: torch.device,
     if clock.points[-1]["step"] != steps:
         clock.evaluate(model, held_out, device, steps, samples)
     del model, optimizer
-    return {"method": method, "optimizer_steps": steps, "samples": samples, "seconds": clock.seconds,
+    return {"method": method, "optimizer_steps": steps, "samples": samples, "seconds": clock.points[-1]["seconds"],
             "eval_loss": clock.points[-1]["eval_loss"], "eval_curve": clock.points, "stopped_early": stopped,
             "samples_per_step_mean": samples / max(steps, 1)}
 

@@ -125,18 +125,9 @@ def train(mode: str, spec: RunSpec, data: Data) -> dict:
         accumulation = max(spec.samples_per_step // (spec.batch_size * world), 1)
     clock = None
     if spec.eval_every:
-        from transformers import TrainerCallback
+        from benchmarks.demo import eval_clock
 
-        from benchmarks.demo import EvalClock
-
-        state: dict = {}
-
-        def samples_seen() -> int:
-            if odb is not None:
-                return odb.run.meter.seen.global_samples
-            return round(state["trainer"].state.epoch * len(train_set))
-
-        clock = type("Clock", (EvalClock, TrainerCallback), {})(samples_seen, argparse.Namespace(counting=True))
+        clock = eval_clock(odb, len(train_set))
         callbacks.append(clock)
     args = TrainingArguments(output_dir=str(spec.out / mode), per_device_train_batch_size=spec.batch_size,
                              per_device_eval_batch_size=8, num_train_epochs=spec.epochs,
@@ -152,8 +143,6 @@ def train(mode: str, spec: RunSpec, data: Data) -> dict:
         trainer = ReplayTrainer(**common, batches=batches)
     else:
         trainer, trained = Trainer(**common), list(range(len(train_set)))
-    if clock is not None:
-        state["trainer"] = trainer
     start = time.perf_counter()
     trainer.train()
     seconds = time.perf_counter() - start - (clock.eval_seconds if clock else 0.0)
