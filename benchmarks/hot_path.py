@@ -1,17 +1,22 @@
 """The loader's hot path: ODB against a plain DataLoader, side by side in one process, on three real shapes.
 
     python -m benchmarks.hot_path [--workers 0,2,4] [--repeats 5] [--samples 4000] [--rss] [--step-ms 0,4]
+                                  [--cost padded]
 
 Datasets (map-style, what trainers feed):
   * `trivial`: 20,000 in-memory samples of 64 tokens (`torch.full`): the loader machinery alone;
   * `arrow`: a pre-tokenized HF `datasets.Dataset` of ChitChat conversations (DeepSeek tokenizer, lists of ids),
     what LLaMA-Factory and TRL users load; read with `__getitems__` by both loaders;
   * `tokenize`: the same conversations as raw turns, templated and tokenized in `__getitem__`.
-Plain = `DataLoader(batch_size=16)`; ODB = `ODBDataLoader(token_budget=16 x mean length, cost="tokens")` with its
-default (`prefetch_steps=0`: planned in the caller's thread), and `odb_thread` the same with a background producer
-thread `prefetch_steps=2` ahead (the default before the measurements below), so that
-both form batches of about 16 samples; both collate with `odb_core.PadCollator` (padded tensors and an attention
-mask), except `trivial`, where plain keeps `default_collate` (what `DataLoader(batch_size=B)` does). Every repeat
+Plain = `DataLoader(batch_size=16)`; ODB = `ODBDataLoader(token_budget=16 x mean length)` with its defaults
+(`cost="padded"`, the cost of a padding collator; `prefetch_steps=0`: planned in the caller's thread), and
+`odb_thread` the same with a background producer thread `prefetch_steps=2` ahead (the default before the
+measurements in docs/benchmarks.md); both collate with `odb_core.PadCollator` (padded tensors and an attention
+mask), except `trivial`, where plain keeps `default_collate` (what `DataLoader(batch_size=B)` does). `--cost
+tokens` gives batches of about 16 samples, as the runs before did, but pads the long groups' short top-ups (59% of
+the slots on `arrow`): that cost suits padding-free collators, not `PadCollator`. On `arrow` a fourth loader,
+`plain_arrays`, is the plain one reading the same numpy view of the table that ODB reads (NOTE [ Arrow ids read
+as arrays ]), so that ODB's own work is also measured without the view's gain. Every repeat
 runs one epoch of each, back to back; samples/s is the median over repeats, the ratio the median of the
 per-repeat ratios. ODB's own work per sample = 1 / ODB's rate - 1 / plain's rate: the time ODB adds beyond reading
 and collating the same samples; and, less sensitive to a loaded machine, the trainer process's CPU time per sample
@@ -30,11 +35,13 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, default_collate
 
 from benchmarks import RESULTS
 from odb_core import ODBDataLoader, PadCollator
+from odb_core.sources import arrow_arrays, integer_columns
 
 BATCH = 16
 SEQ = 64
@@ -88,6 +95,25 @@ def build(name: str, samples: int):
     return arrow, statistics.fmean(corpus.lengths())
 
 
+class LengthSorted:
+    """The floor of any length-aware loader written in Python, for `trivial` without workers: each window of
+    4,096 samples is read, its lengths looked at once, sorted by numpy and cut into batches of 16 in that order,
+    each stacked by `default_collate`. No check, no budget, no ranks, no bookkeeping: whatever a loader that batches
+    by observed length must do at the least, beyond what the plain loader does."""
+
+    def __init__(self, dataset, window: int = 4096) -> None:
+        self.dataset, self.window = dataset, window
+
+    def __iter__(self):
+        n = len(self.dataset)
+        for start in range(0, n, self.window):
+            samples = [self.dataset[i] for i in range(start, min(start + self.window, n))]
+            lengths = np.fromiter((s["input_ids"].shape[0] for s in samples), np.int64, len(samples))
+            order = np.argsort(-lengths, kind="stable").tolist()
+            for k in range(0, len(order), BATCH):
+                yield default_collate([samples[i] for i in order[k : k + BATCH]])
+
+
 class Step:
     """A stand-in for a GPU training step between two batches: `LAUNCHES` short operator calls (a step's kernel
     launches; each releases the GIL and takes it back) and then `ms` milliseconds of waiting for the device (the
@@ -118,26 +144,36 @@ def epoch_rate(loader, count, step: Step | None = None) -> tuple[float, float]:
     return n / (time.perf_counter() - start), 1e6 * (time.process_time() - cpu) / n
 
 
-def loaders(name: str, dataset, mean: float, workers: int, prefetch_steps: int | None = None):
-    options = {"num_workers": workers}
-    if workers:
-        options.update(persistent_workers=True, multiprocessing_context="fork")
+def loaders(name: str, dataset, mean: float, workers: int, prefetch_steps: int | None = None,
+            cost: str = "padded"):
+    options = {"num_workers": workers, **loader_options(workers)}
     collate = None if name == "trivial" else PadCollator()
     plain = DataLoader(dataset, batch_size=BATCH, collate_fn=collate, **options)
     if prefetch_steps is not None:  # None: ODB's default
         options["prefetch_steps"] = prefetch_steps
-    odb = ODBDataLoader(dataset, token_budget=int(BATCH * mean), cost="tokens", collate_fn=collate or PadCollator(),
+    odb = ODBDataLoader(dataset, token_budget=int(BATCH * mean), cost=cost, collate_fn=collate or PadCollator(),
                         **options)
     return plain, odb
 
 
-def compare(name: str, workers: int, repeats: int, samples: int, step_ms: float = 0.0) -> dict:
+def loader_options(workers: int) -> dict:
+    return {"persistent_workers": True, "multiprocessing_context": "fork"} if workers else {}
+
+
+def compare(name: str, workers: int, repeats: int, samples: int, step_ms: float = 0.0, cost: str = "padded") -> dict:
     dataset, mean = build(name, samples)
     step = Step(step_ms) if step_ms else None
-    plain, odb = loaders(name, dataset, mean, workers)
-    _, thread = loaders(name, dataset, mean, workers, prefetch_steps=2)
-    runs = (("plain", plain, lambda b: b["input_ids"].shape[0]), ("odb", odb, lambda b: b.info.local_samples),
-            ("odb_thread", thread, lambda b: b.info.local_samples))
+    plain, odb = loaders(name, dataset, mean, workers, cost=cost)
+    _, thread = loaders(name, dataset, mean, workers, prefetch_steps=2, cost=cost)
+    runs = [("plain", plain, lambda b: b["input_ids"].shape[0]), ("odb", odb, lambda b: b.info.local_samples),
+            ("odb_thread", thread, lambda b: b.info.local_samples)]
+    if name == "trivial" and not workers:
+        runs.append(("length_sorted", LengthSorted(dataset), lambda b: b["input_ids"].shape[0]))
+    if name == "arrow":  # a plain loader reading the Arrow ids as arrays too (what ODB reads, NOTE [ Arrow ids ...])
+        view = arrow_arrays(dataset, integer_columns(dataset))
+        runs.append(("plain_arrays", DataLoader(view, batch_size=BATCH, collate_fn=PadCollator(),
+                                                **({"num_workers": workers} | loader_options(workers))),
+                     lambda b: b["input_ids"].shape[0]))
     rates: dict[str, list[float]] = {which: [] for which, _, _ in runs}
     cpu: dict[str, list[float]] = {which: [] for which, _, _ in runs}
     for _ in range(repeats):
@@ -150,7 +186,7 @@ def compare(name: str, workers: int, repeats: int, samples: int, step_ms: float 
     plain_sps, odb_sps = statistics.median(rates["plain"]), statistics.median(rates["odb"])
     ratios = [o / p for o, p in zip(rates["odb"], rates["plain"], strict=True)]
     plain_cpu, odb_cpu = min(cpu["plain"]), min(cpu["odb"])
-    return {"dataset": name, "workers": workers, "step_ms": step_ms, "samples": len(dataset),
+    row = {"dataset": name, "workers": workers, "step_ms": step_ms, "cost": cost, "samples": len(dataset),
             "plain_samples_per_s": round(plain_sps),
             "odb_samples_per_s": round(odb_sps), "ratio": round(statistics.median(ratios), 3),
             "ratio_range": [round(min(ratios), 3), round(max(ratios), 3)],
@@ -160,6 +196,16 @@ def compare(name: str, workers: int, repeats: int, samples: int, step_ms: float 
             "trainer_cpu_us_per_sample": {which: round(min(us), 1) for which, us in cpu.items()},
             "odb_own_cpu_us_per_sample": round(odb_cpu - plain_cpu, 1),
             "odb_thread_own_cpu_us_per_sample": round(min(cpu["odb_thread"]) - plain_cpu, 1)}
+    if "length_sorted" in rates:
+        row.update(length_sorted_samples_per_s=round(statistics.median(rates["length_sorted"])),
+                   length_sorted_ratio=round(statistics.median(
+                       [o / p for o, p in zip(rates["length_sorted"], rates["plain"], strict=True)]), 3))
+    if "plain_arrays" in rates:
+        arrays_sps = statistics.median(rates["plain_arrays"])
+        row.update(plain_arrays_samples_per_s=round(arrays_sps), ratio_vs_plain_arrays=round(statistics.median(
+                       [o / p for o, p in zip(rates["odb"], rates["plain_arrays"], strict=True)]), 3),
+                   odb_own_cpu_us_vs_plain_arrays=round(odb_cpu - min(cpu["plain_arrays"]), 1))
+    return row
 
 
 def peak_rss_mb(which: str, name: str, n: int) -> float:
@@ -192,6 +238,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--samples", type=int, default=4000, help="conversations for arrow/tokenize")
     parser.add_argument("--rss", action="store_true")
+    parser.add_argument("--cost", default="padded", choices=["padded", "tokens"], help="ODB's cost model")
     parser.add_argument("--step-ms", default="0", help="comma-separated simulated step lengths (see `Step`)")
     parser.add_argument("--out", type=Path, default=RESULTS / "hot_path.json")
     args = parser.parse_args(argv)
@@ -200,7 +247,7 @@ def main(argv: list[str] | None = None) -> None:
     for name in filter(None, args.datasets.split(",")):  # --datasets "": the --rss part alone
         for workers in (int(w) for w in args.workers.split(",")):
             for step_ms in (float(ms) for ms in args.step_ms.split(",")):
-                rows.append(compare(name, workers, args.repeats, args.samples, step_ms))
+                rows.append(compare(name, workers, args.repeats, args.samples, step_ms, args.cost))
                 print(json.dumps(rows[-1]), flush=True)
     result = {"rows": rows, "command": " ".join(["python -m benchmarks.hot_path", *(argv or sys.argv[1:])])}
     if args.rss:

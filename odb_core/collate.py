@@ -50,21 +50,29 @@ class PadCollator:
     def __call__(self, samples: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         keys = list(dict.fromkeys(key for s in samples for key in s))
         batch: dict[str, Any] = {}
-        lengths = [sequence_length(s["input_ids"]) for s in samples]
-        longest = max(lengths)
+        ids = [s["input_ids"] for s in samples]
+        stacked = _stacked(ids)  # equal-length tensors (hot path): no per-row lengths needed
+        if stacked is None:
+            lengths = [sequence_length(v) for v in ids]
+            longest = max(lengths)
+        else:
+            longest = stacked.shape[1]
         for key in keys:
             if key in CONCATENATED:
                 batch[key] = torch.cat([torch.as_tensor(s[key]) for s in samples if key in s], dim=0)
                 continue
+            if key == "input_ids":
+                batch[key] = stacked if stacked is not None else self._pad(ids, longest, self.pad_token_id)
+                continue
             values = [s[key] if key in s else _text_only_default(key, s) for s in samples]
             if key in SEQUENCE_PAD:
-                pad = self.pad_token_id if key == "input_ids" else SEQUENCE_PAD[key]
-                batch[key] = self._pad(values, longest, pad)
+                batch[key] = self._pad(values, longest, SEQUENCE_PAD[key])
             else:
                 batch[key] = default_collate(values)
         if "attention_mask" not in batch:
-            batch["attention_mask"] = torch.from_numpy(
-                (np.arange(longest) < np.asarray(lengths)[:, None]).astype(np.int64))
+            batch["attention_mask"] = (torch.ones((len(samples), longest), dtype=torch.long) if stacked is not None
+                                       else torch.from_numpy((np.arange(longest) < np.asarray(lengths)[:, None])
+                                                             .astype(np.int64)))
         return batch
 
     @staticmethod
@@ -75,6 +83,9 @@ class PadCollator:
         Hot path: lists of ids and 1-D arrays/tensors are copied straight into one preallocated array (no tensor
         per row; equal-length tensors are stacked); anything else (rows of 2 or more axes, tensors numpy cannot
         view: grad, off the CPU) goes through `pad_sequence`, as before the fast paths existed."""
+        stacked = _stacked(values)
+        if stacked is not None and stacked.shape[1] >= length:
+            return stacked
         kinds = {type(v) for v in values}  # lists, or int64 arrays (NOTE [ Compact buffered samples ]), or both
         if kinds <= {list, np.ndarray} and all(v.ndim == 1 and v.dtype == np.int64
                                                for v in values if type(v) is np.ndarray):
@@ -98,6 +109,20 @@ class PadCollator:
         if padded.shape[1] < length:  # a field shorter than input_ids in every row
             padded = torch.nn.functional.pad(padded, (0, length - padded.shape[1]), value=value)
         return padded
+
+
+def _stacked(values: list[Any]) -> torch.Tensor | None:
+    """The rows stacked into one tensor if they are 1-D tensors of one shape and dtype, else None (a type, dtype
+    and shape look per row: cheaper than the general path's checks, and the common case of a batch whose samples
+    all have one length)."""
+    first = values[0]
+    if type(first) is not torch.Tensor or first.ndim != 1:
+        return None
+    shape, dtype = first.shape, first.dtype
+    for value in values:
+        if type(value) is not torch.Tensor or value.dtype != dtype or value.shape != shape:
+            return None
+    return torch.stack(values)
 
 
 def _rows_into_array(rows: Sequence[Any], width: int, value: int, dtype: Any) -> torch.Tensor:

@@ -36,6 +36,8 @@ class Payloads:
 
     def take(self, index: int) -> Any:
         sample = self.first.pop(index)
+        if not self.more:  # no repeated index is waiting (hot path)
+            return sample
         waiting = self.more.get(index)
         if waiting:
             self.first[index] = waiting.popleft()
@@ -56,6 +58,7 @@ class SampleReader:
         self.packed = packed  # worker processes send small tensors as arrays (sources.PackedTensor)
         self.pending: deque[tuple[int, Any]] = deque()
         self.payloads = Payloads()
+        self.take = self.payloads.take  # a buffered payload by dataset index (bound once: per-sample hot path)
         self.stream_ended = False
         self.consumed = 0
         self.dummy_index: int | None = None
@@ -111,9 +114,6 @@ class SampleReader:
         choice depends only on the stream order, and `RoundStart.dummy_index` records it for resume."""
         if self.dummy is None or (patches > 0 and self.dummy_patches == 0):
             self.dummy_index, self.dummy, self.dummy_patches = index, sample, patches
-
-    def take(self, index: int) -> Any:
-        return self.payloads.take(index)
 
     def dummy_sample(self) -> Mapping[str, Any]:
         if self.dummy is None:

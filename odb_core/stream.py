@@ -19,8 +19,8 @@ from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
 from odb_core.lifeline import Lifeline
 from odb_core.sources import (ChunkSampler, Handover, IndexedDataset, IndexedIterable, IndexListSampler,
-                              ShardedSampler, integer_columns, keep_chunk, map_style_size, unpack_sample,
-                              worker_parts)
+                              ShardedSampler, arrow_arrays, integer_columns, keep_chunk, map_style_size,
+                              unpack_sample, worker_parts)
 from odb_core.state import (CustomSource, RemainderSource, ResumePoint, ShardedSource, Source, StateError,
                             StreamSource)
 
@@ -114,7 +114,8 @@ class SampleStream:
             self._chunks = ChunkSampler(self.sampler, chunk)  # type: ignore[arg-type]
             handover = Handover(pack=options.num_workers > 0, compact=options.compact_ids,
                                 integer_keys=integer_columns(dataset) if options.compact_ids else frozenset())
-            self._workers = DataLoader(_CheckedDataset(dataset, handover), batch_sampler=self._chunks,
+            indexed = _CheckedDataset(dataset, handover, arrow_arrays(dataset, handover.integer_keys))
+            self._workers = DataLoader(indexed, batch_sampler=self._chunks,
                                        num_workers=options.num_workers, collate_fn=keep_chunk, timeout=timeout,
                                        **workers)
 

@@ -44,3 +44,13 @@ def test_a_field_longer_than_input_ids_and_multi_axis_rows_pad_as_pad_sequence_d
     multi = PadCollator()([{"input_ids": [1, 2], "position_ids": r} for r in rows])
     reference = torch.nn.utils.rnn.pad_sequence([torch.tensor(r) for r in rows], batch_first=True)
     assert torch.equal(multi["position_ids"], reference)
+
+
+def test_equal_length_tensors_stack_in_their_dtype_and_a_shorter_field_is_still_padded():
+    rows = [torch.tensor([1, 2, 3], dtype=torch.int32), torch.tensor([4, 5, 6], dtype=torch.int32)]
+    batch = PadCollator()([{"input_ids": r.long(), "labels": r[:2], "token_type_ids": r} for r in rows])
+    assert torch.equal(batch["input_ids"], torch.tensor([[1, 2, 3], [4, 5, 6]]))
+    assert torch.equal(batch["attention_mask"], torch.ones(2, 3, dtype=torch.long))
+    assert torch.equal(batch["labels"], torch.tensor([[1, 2, -100], [4, 5, -100]], dtype=torch.int32))
+    assert batch["token_type_ids"].dtype == torch.int32  # stacked as the rows are, as pad_sequence keeps them
+    assert torch.equal(batch["token_type_ids"], torch.stack(rows))

@@ -13,7 +13,7 @@ import torch
 
 from odb_core import ODBDataLoader, PadCollator, SampleError
 from odb_core.sample import compact_ids
-from odb_core.sources import integer_columns
+from odb_core.sources import arrow_arrays, integer_columns
 
 MODES = [pytest.param(0, 0, id="inline"), pytest.param(0, 2, id="thread"), pytest.param(2, 2, id="workers")]
 LENGTHS = [41 + (i * 37) % 300 for i in range(120)]  # none of length 64 (the ids' own lists are told apart below)
@@ -133,3 +133,46 @@ def test_compact_ids_converts_only_flat_integer_lists_under_known_keys():
     assert out["position_ids"] is sample["position_ids"] and out["attention_mask"] is sample["attention_mask"]
     assert out["other"] is sample["other"] and out["pixel_values"] is sample["pixel_values"]
     assert compact_ids({"input_ids": torch.arange(3)})["input_ids"].dtype == torch.long  # tensors stay tensors
+
+
+def test_arrow_ids_are_read_as_int64_arrays_through_a_view_of_the_same_table():
+    dataset = as_arrow([conversation(i, n) for i, n in enumerate(LENGTHS[:8])])
+    view = arrow_arrays(dataset, integer_columns(dataset))
+    assert view is not None and dataset.format["type"] is None  # the user's dataset keeps its format
+    for row, want in zip(view.__getitems__([3, 1]), dataset.__getitems__([3, 1]), strict=True):
+        assert list(row) == list(want)
+        for key in want:
+            assert type(row[key]) is np.ndarray and row[key].dtype == np.int64 and row[key].tolist() == want[key]
+
+
+def test_a_format_a_column_selection_or_a_transform_the_user_set_keeps_the_dataset_as_it_is():
+    dataset = as_arrow([conversation(i, 10) for i in range(4)])
+    keys = integer_columns(dataset)
+    assert arrow_arrays(dataset.with_format("torch"), keys) is None
+    assert arrow_arrays(dataset.select_columns(["input_ids"]).with_format(None), frozenset({"input_ids"})) is not None
+    hidden = dataset.with_format(None, columns=["input_ids"])  # `labels` stays hidden from the reader
+    assert arrow_arrays(hidden, keys) is None
+    assert arrow_arrays(dataset.with_transform(lambda batch: batch), keys) is None
+    assert arrow_arrays(dataset, frozenset()) is None
+
+
+def test_the_arrow_view_keeps_the_dataset_s_columns_their_order_and_other_values():
+    rows = [conversation(i, n) for i, n in enumerate(LENGTHS[:40])]
+    dataset = datasets.Dataset.from_dict({"source": [f"chat-{i}" for i in range(40)],
+                                          "labels": [r["labels"] for r in rows],
+                                          "input_ids": [r["input_ids"] for r in rows]})
+    viewed = list(ODBDataLoader(dataset, token_budget=1024, shuffle=True))
+    as_read = list(ODBDataLoader(dataset, token_budget=1024, shuffle=True, collate_fn=not_pad_collator))
+    assert [b.info.indices for b in viewed] == [b.info.indices for b in as_read]
+    for got, want in zip(viewed, as_read, strict=True):
+        assert list(got) == list(want) == ["source", "labels", "input_ids", "attention_mask"]
+        assert got["source"] == want["source"] == [f"chat-{i}" for i in got.info.indices]
+        assert all(torch.equal(got[k], want[k]) for k in ("labels", "input_ids", "attention_mask"))
+
+
+def test_a_null_row_in_an_integer_arrow_column_is_refused_naming_its_index():
+    rows = [conversation(i, 20) for i in range(12)]
+    rows[4]["input_ids"] = None
+    with pytest.raises(SampleError, match=r"^sample 4: 'input_ids' must be a 1-D tensor, ndarray or list of token "
+                                          r"ids, got NoneType"):
+        epoch(as_arrow(rows))
