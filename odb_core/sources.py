@@ -171,15 +171,16 @@ def integer_columns(dataset: Any) -> frozenset[str]:
 
 def arrow_arrays(dataset: Any, keys: frozenset[str]) -> Any | None:
     """NOTE [ Arrow ids read as arrays ]
-    An HF `datasets.Dataset` in its default (Python) format turns every integer-list cell into a Python list,
-    ~45 µs per 800-token sample; compacting that list into an int64 array (NOTE [ Compact buffered samples ])
-    then costs as much again. Where ids are compacted anyway, ODB reads those columns (`keys`, from
-    `integer_columns`) through a numpy-formatted view of the same table instead: the rows come out of Arrow as
-    int64 arrays, with no Python list on the way (~19 µs per sample), and every other column exactly as the
-    dataset returns it (`output_all_columns`). Only a dataset in its default format gets a view: a format, a
-    column selection or a transform the user set stays in charge. A cell the view cannot give as integer ids (a
-    null row, a null inside a list, which Arrow gives as a float array) is re-read from the dataset itself and
-    checked as before, so its error is the one a list gets. None: read `dataset` as it is."""
+    An HF `datasets.Dataset` in its default (Python) format turns every integer-list cell into a Python list
+    (~45 µs per sample of the hot-path benchmark's conversations, 926 tokens on average), and compacting those
+    lists into int64 arrays (NOTE [ Compact buffered samples ]) costs about as much again. Where ids are
+    compacted anyway, ODB reads those columns (`keys`, from `integer_columns`) through a numpy-formatted view of
+    the same table instead: the rows come out of Arrow as int64 arrays, with no Python list on the way (~19 µs per
+    sample), and every other column exactly as the dataset returns it (`output_all_columns`). Only a dataset in
+    its default format gets a view: a format, a column selection or a transform the user set stays in charge. A
+    cell the view cannot give as integer ids (a null row, a null inside a list, which Arrow gives as a float array)
+    is re-read from the dataset itself and checked as before, so its error is the one a list gets. None: read
+    `dataset` as it is."""
     if not keys or getattr(dataset, "format", None) is None:
         return None
     format_ = dataset.format
