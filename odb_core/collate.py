@@ -51,7 +51,8 @@ class PadCollator:
         keys = list(dict.fromkeys(key for s in samples for key in s))
         batch: dict[str, Any] = {}
         ids = [s["input_ids"] for s in samples]
-        stacked = _stacked(ids)  # equal-length tensors (hot path): no per-row lengths needed
+        # equal-length tensors (hot path): stacked, no per-row lengths needed, unless a subclass pads its own way
+        stacked = _stacked(ids) if type(self)._pad is PadCollator._pad else None
         if stacked is None:
             lengths = [sequence_length(v) for v in ids]
             longest = max(lengths)
@@ -115,7 +116,7 @@ def _stacked(values: list[Any]) -> torch.Tensor | None:
     """The rows stacked into one tensor if they are 1-D tensors of one shape and dtype, else None (a type, dtype
     and shape look per row: cheaper than the general path's checks, and the common case of a batch whose samples
     all have one length)."""
-    first = values[0]
+    first = values[0] if values else None
     if type(first) is not torch.Tensor or first.ndim != 1:
         return None
     shape, dtype = first.shape, first.dtype

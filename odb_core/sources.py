@@ -179,14 +179,19 @@ def arrow_arrays(dataset: Any, keys: frozenset[str]) -> Any | None:
     sample), and every other column exactly as the dataset returns it (`output_all_columns`). Only a dataset in
     its default format gets a view: a format, a column selection or a transform the user set stays in charge. A
     cell the view cannot give as integer ids (a null row, a null inside a list, which Arrow gives as a float array)
-    is re-read from the dataset itself and checked as before, so its error is the one a list gets. None: read
-    `dataset` as it is."""
+    is re-read from the dataset itself and checked as before, so its error is the one a list gets. A uint64 column
+    gets no view (numpy would wrap ids past the int64 range, which a list refuses). The view is rebuilt at every
+    epoch's start (`IndexedDataset.refresh`), so a format or transform set on the dataset since is honoured. Rows
+    that numpy hands out as views of one chunk-wide block (equal-length rows) are copied, so that a sample waiting
+    in the window holds its own row only. None: read `dataset` as it is."""
     if not keys or getattr(dataset, "format", None) is None:
         return None
     format_ = dataset.format
     shown = format_.get("columns")
     if format_.get("type") is not None or format_.get("format_kwargs") or (
             shown is not None and set(shown) != set(dataset.column_names)):
+        return None
+    if any(str(getattr(dataset.features[key], "feature", None).dtype) == "uint64" for key in keys):
         return None
     return dataset.with_format("numpy", columns=[c for c in dataset.column_names if c in keys],
                                output_all_columns=True)
@@ -202,12 +207,20 @@ def view_reorders(dataset: Any, keys: frozenset[str]) -> bool:
 class IndexedDataset(Dataset):
     """Map-style wrapper: `wrapped[i]` is `(i, dataset[i])`; the DataLoader fetches a chunk of them at once.
     Each sample goes through `handover` (packing for the pipe, compacting ids) in the process that read it.
-    With `arrays` (see `arrow_arrays`), chunks are read through that view of the dataset."""
+    Where `arrow_arrays` gives a view of the dataset, chunks are read through it."""
 
-    def __init__(self, dataset: Dataset, handover: Handover, arrays: Any | None = None) -> None:
-        self.dataset, self.handover, self.arrays = dataset, handover, arrays
-        self.columns = tuple(dataset.column_names) if arrays is not None and view_reorders(
-            dataset, handover.integer_keys) else None
+    def __init__(self, dataset: Dataset, handover: Handover) -> None:
+        self.dataset, self.handover = dataset, handover
+        self.arrays: Any | None = None
+        self.columns: tuple[str, ...] | None = None
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Build `arrow_arrays`' view of the dataset as it is now (at every epoch's start)."""
+        keys = self.handover.integer_keys
+        self.arrays = arrow_arrays(self.dataset, keys)
+        reorders = self.arrays is not None and view_reorders(self.dataset, keys)
+        self.columns = tuple(self.dataset.column_names) if reorders else None
 
     def __getitem__(self, index: int) -> tuple[int, Any]:
         return int(index), self.handover(self.dataset[index])
@@ -235,6 +248,8 @@ class IndexedDataset(Dataset):
                 if type(value) is not np.ndarray or value.dtype != np.int64 or value.ndim != 1:
                     samples[k] = self.dataset[indices[k]]
                     break
+                if value.base is not None:  # a row of one chunk-wide block: its own copy
+                    sample[key] = value.copy()
         return samples
 
     def __len__(self) -> int:

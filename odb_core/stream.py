@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
 from odb_core.lifeline import Lifeline
 from odb_core.sources import (ChunkSampler, Handover, IndexedDataset, IndexedIterable, IndexListSampler,
-                              ShardedSampler, arrow_arrays, integer_columns, keep_chunk, map_style_size,
+                              ShardedSampler, integer_columns, keep_chunk, map_style_size,
                               unpack_sample, worker_parts)
 from odb_core.state import (CustomSource, RemainderSource, ResumePoint, ShardedSource, Source, StateError,
                             StreamSource)
@@ -47,6 +47,11 @@ class _CheckedDataset(IndexedDataset):
         except Exception as exc:  # find the sample that fails, one index at a time, and name it
             for i in indices:
                 self[i]
+            if self.arrays is not None:
+                raise DatasetFetchError(f"samples {indices}: reading them through ODB's numpy view of the dataset "
+                                        f"raised {type(exc).__name__}: {exc}, although each dataset[i] alone works "
+                                        "(NOTE [ Arrow ids read as arrays ]); please report it. A dataset with a "
+                                        "format set (e.g. dataset.with_format('numpy')) is read as it is") from exc
             raise DatasetFetchError(f"samples {indices}: dataset.__getitems__ raised {type(exc).__name__}: {exc}, "
                                     "although each dataset[i] alone works (torch's DataLoader calls __getitems__ "
                                     "too): fix the dataset's __getitems__ or remove it") from exc
@@ -114,8 +119,8 @@ class SampleStream:
             self._chunks = ChunkSampler(self.sampler, chunk)  # type: ignore[arg-type]
             handover = Handover(pack=options.num_workers > 0, compact=options.compact_ids,
                                 integer_keys=integer_columns(dataset) if options.compact_ids else frozenset())
-            indexed = _CheckedDataset(dataset, handover, arrow_arrays(dataset, handover.integer_keys))
-            self._workers = DataLoader(indexed, batch_sampler=self._chunks,
+            self._indexed = _CheckedDataset(dataset, handover)
+            self._workers = DataLoader(self._indexed, batch_sampler=self._chunks,
                                        num_workers=options.num_workers, collate_fn=keep_chunk, timeout=timeout,
                                        **workers)
 
@@ -169,6 +174,7 @@ class SampleStream:
             if hasattr(self.sampler, "set_epoch"):
                 self.sampler.set_epoch(epoch)
         self._chunks.start = consumed
+        self._indexed.refresh()  # the dataset as it is now (NOTE [ Arrow ids read as arrays ])
         return iter(self._workers)
 
     def forget_replayed(self) -> None:

@@ -54,3 +54,15 @@ def test_equal_length_tensors_stack_in_their_dtype_and_a_shorter_field_is_still_
     assert torch.equal(batch["labels"], torch.tensor([[1, 2, -100], [4, 5, -100]], dtype=torch.int32))
     assert batch["token_type_ids"].dtype == torch.int32  # stacked as the rows are, as pad_sequence keeps them
     assert torch.equal(batch["token_type_ids"], torch.stack(rows))
+
+
+def test_a_subclass_s_own_padding_is_used_for_equal_length_tensors_too():
+    class ToEight(PadCollator):
+        @staticmethod
+        def _pad(values, length, value):
+            return PadCollator._pad(values, 8, value)
+
+    same = [{"input_ids": torch.tensor([1, 2, 3])}, {"input_ids": torch.tensor([4, 5, 6])}]
+    assert ToEight()(same)["input_ids"].shape == (2, 8) and PadCollator()(same)["input_ids"].shape == (2, 3)
+    with pytest.raises(ValueError):  # an empty group fails as it always did
+        PadCollator()([])

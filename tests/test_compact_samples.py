@@ -13,7 +13,7 @@ import torch
 
 from odb_core import ODBDataLoader, PadCollator, SampleError
 from odb_core.sample import compact_ids
-from odb_core.sources import arrow_arrays, integer_columns
+from odb_core.sources import Handover, IndexedDataset, arrow_arrays, integer_columns
 
 MODES = [pytest.param(0, 0, id="inline"), pytest.param(0, 2, id="thread"), pytest.param(2, 2, id="workers")]
 LENGTHS = [41 + (i * 37) % 300 for i in range(120)]  # none of length 64 (the ids' own lists are told apart below)
@@ -173,6 +173,27 @@ def test_the_arrow_view_keeps_the_dataset_s_columns_their_order_and_other_values
 def test_a_null_row_in_an_integer_arrow_column_is_refused_naming_its_index():
     rows = [conversation(i, 20) for i in range(12)]
     rows[4]["input_ids"] = None
+    assert arrow_arrays(as_arrow(rows), integer_columns(as_arrow(rows))) is not None  # read through the view
     with pytest.raises(SampleError, match=r"^sample 4: 'input_ids' must be a 1-D tensor, ndarray or list of token "
                                           r"ids, got NoneType"):
         epoch(as_arrow(rows))
+
+
+def test_a_format_or_transform_set_after_the_loader_was_built_counts_from_the_next_epoch():
+    dataset = as_arrow([conversation(i, 12) for i in range(10)])
+    loader = ODBDataLoader(dataset, token_budget=1024)
+    assert all(b["input_ids"].max() >= 1000 for b in loader)
+    dataset.set_transform(lambda batch: {key: [[7] * len(row) for row in rows] for key, rows in batch.items()})
+    assert [b["input_ids"].unique().tolist() for b in loader] == [[7]]  # the view was dropped with the transform
+
+
+def test_ids_a_view_cannot_hold_and_rows_of_one_block_are_left_as_before():
+    import pyarrow as pa
+
+    big = datasets.Dataset(pa.table({"input_ids": pa.array([[1, 2**64 - 1], [3, 4]], type=pa.list_(pa.uint64()))}))
+    assert integer_columns(big) == {"input_ids"} and arrow_arrays(big, integer_columns(big)) is None  # no wrap
+    same = as_arrow([conversation(i, 16) for i in range(8)])  # equal lengths: numpy gives one 8 x 16 block
+    indexed = IndexedDataset(same, Handover(compact=True, integer_keys=integer_columns(same)))
+    rows = [sample for _, sample in indexed.__getitems__(list(range(8)))]
+    assert all(row[key].base is None for row in rows for key in ("input_ids", "labels"))  # each holds its own
+    assert [row["input_ids"].tolist() for row in rows] == same["input_ids"]
