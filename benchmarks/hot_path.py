@@ -146,7 +146,7 @@ def epoch_rate(loader, count, step: Step | None = None) -> tuple[float, float]:
 
 def loaders(name: str, dataset, mean: float, workers: int, prefetch_steps: int | None = None,
             cost: str = "padded"):
-    options = {"num_workers": workers, **loader_options(workers)}
+    options = loader_options(workers)
     collate = None if name == "trivial" else PadCollator()
     plain = DataLoader(dataset, batch_size=BATCH, collate_fn=collate, **options)
     if prefetch_steps is not None:  # None: ODB's default
@@ -157,7 +157,15 @@ def loaders(name: str, dataset, mean: float, workers: int, prefetch_steps: int |
 
 
 def loader_options(workers: int) -> dict:
-    return {"persistent_workers": True, "multiprocessing_context": "fork"} if workers else {}
+    """DataLoader worker options shared by every loader of a row."""
+    if not workers:
+        return {"num_workers": 0}
+    return {"num_workers": workers, "persistent_workers": True, "multiprocessing_context": "fork"}
+
+
+def median_ratio(rates: list[float], baseline: list[float]) -> float:
+    """Median of the per-repeat ratios (each repeat ran both loaders back to back)."""
+    return round(statistics.median([r / b for r, b in zip(rates, baseline, strict=True)]), 3)
 
 
 def compare(name: str, workers: int, repeats: int, samples: int, step_ms: float = 0.0, cost: str = "padded") -> dict:
@@ -172,7 +180,7 @@ def compare(name: str, workers: int, repeats: int, samples: int, step_ms: float 
     if name == "arrow":  # a plain loader reading the Arrow ids as arrays too (what ODB reads, NOTE [ Arrow ids ...])
         view = arrow_arrays(dataset, integer_columns(dataset))
         runs.append(("plain_arrays", DataLoader(view, batch_size=BATCH, collate_fn=PadCollator(),
-                                                **({"num_workers": workers} | loader_options(workers))),
+                                                **loader_options(workers)),
                      lambda b: b["input_ids"].shape[0]))
     rates: dict[str, list[float]] = {which: [] for which, _, _ in runs}
     cpu: dict[str, list[float]] = {which: [] for which, _, _ in runs}
@@ -188,22 +196,20 @@ def compare(name: str, workers: int, repeats: int, samples: int, step_ms: float 
     plain_cpu, odb_cpu = min(cpu["plain"]), min(cpu["odb"])
     row = {"dataset": name, "workers": workers, "step_ms": step_ms, "cost": cost, "samples": len(dataset),
             "plain_samples_per_s": round(plain_sps),
-            "odb_samples_per_s": round(odb_sps), "ratio": round(statistics.median(ratios), 3),
+            "odb_samples_per_s": round(odb_sps), "ratio": median_ratio(rates["odb"], rates["plain"]),
             "ratio_range": [round(min(ratios), 3), round(max(ratios), 3)],
             "odb_own_us_per_sample": round(1e6 * (1 / odb_sps - 1 / plain_sps), 1),
-            "thread_ratio": round(statistics.median(
-                [o / p for o, p in zip(rates["odb_thread"], rates["plain"], strict=True)]), 3),
+            "thread_ratio": median_ratio(rates["odb_thread"], rates["plain"]),
             "trainer_cpu_us_per_sample": {which: round(min(us), 1) for which, us in cpu.items()},
             "odb_own_cpu_us_per_sample": round(odb_cpu - plain_cpu, 1),
             "odb_thread_own_cpu_us_per_sample": round(min(cpu["odb_thread"]) - plain_cpu, 1)}
     if "length_sorted" in rates:
         row.update(length_sorted_samples_per_s=round(statistics.median(rates["length_sorted"])),
-                   length_sorted_ratio=round(statistics.median(
-                       [o / p for o, p in zip(rates["length_sorted"], rates["plain"], strict=True)]), 3))
+                   length_sorted_ratio=median_ratio(rates["length_sorted"], rates["plain"]))
     if "plain_arrays" in rates:
         arrays_sps = statistics.median(rates["plain_arrays"])
-        row.update(plain_arrays_samples_per_s=round(arrays_sps), ratio_vs_plain_arrays=round(statistics.median(
-                       [o / p for o, p in zip(rates["odb"], rates["plain_arrays"], strict=True)]), 3),
+        row.update(plain_arrays_samples_per_s=round(arrays_sps),
+                   ratio_vs_plain_arrays=median_ratio(rates["odb"], rates["plain_arrays"]),
                    odb_own_cpu_us_vs_plain_arrays=round(odb_cpu - min(cpu["plain_arrays"]), 1))
     return row
 

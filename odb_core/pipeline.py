@@ -184,12 +184,8 @@ class EpochRun(Iterator[ODBBatch]):
         if slot is None:
             batch = run_collate(self.ctx.collate_fn, [as_dummy(self.reader.dummy_sample())], ())
             return _Built(batch=batch, indices=(), samples=0, tokens=0, input_tokens=0, padded=0, cost=0, patches=0)
-        take = self.reader.take
-        if planned.arrivals is None:  # nothing moved in: every payload is this rank's own (hot path)
-            samples = [take(item.index) for item in slot.items]
-        else:
-            rank = self.ctx.transport.rank
-            samples = [sample_of(item, planned, rank, take) for item in slot.items]
+        rank = self.ctx.transport.rank
+        samples = [sample_of(item, planned, rank, self.reader.take) for item in slot.items]
         batch = run_collate(self.ctx.collate_fn, samples, slot.indices)
         # without a length_fn an item's length is its input tokens, counted when it was admitted
         real = (sum(item.length for item in slot.items) if self.ctx.length_fn is None

@@ -36,8 +36,6 @@ class Payloads:
 
     def take(self, index: int) -> Any:
         sample = self.first.pop(index)
-        if not self.more:  # no repeated index is waiting (hot path)
-            return sample
         waiting = self.more.get(index)
         if waiting:
             self.first[index] = waiting.popleft()

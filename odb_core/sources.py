@@ -191,7 +191,7 @@ def arrow_arrays(dataset: Any, keys: frozenset[str]) -> Any | None:
     if format_.get("type") is not None or format_.get("format_kwargs") or (
             shown is not None and set(shown) != set(dataset.column_names)):
         return None
-    if any(str(getattr(dataset.features[key], "feature", None).dtype) == "uint64" for key in keys):
+    if any(str(dataset.features[key].feature.dtype) == "uint64" for key in keys):  # `integer_columns`' keys
         return None
     return dataset.with_format("numpy", columns=[c for c in dataset.column_names if c in keys],
                                output_all_columns=True)

@@ -19,8 +19,8 @@ from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
 from odb_core.lifeline import Lifeline
 from odb_core.sources import (ChunkSampler, Handover, IndexedDataset, IndexedIterable, IndexListSampler,
-                              ShardedSampler, integer_columns, keep_chunk, map_style_size,
-                              unpack_sample, worker_parts)
+                              ShardedSampler, integer_columns, keep_chunk, map_style_size, unpack_sample,
+                              worker_parts)
 from odb_core.state import (CustomSource, RemainderSource, ResumePoint, ShardedSource, Source, StateError,
                             StreamSource)
 
