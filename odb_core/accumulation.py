@@ -22,7 +22,7 @@ trainer sees the first micro-batch. The open window at a round start (`carry_*`)
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Generic, Literal, TypeVar
 
 from odb_core.loss import step_normalizer
@@ -112,8 +112,8 @@ class AccumulationWindow(Generic[T]):
         if not self.open_count:
             return []
         tokens, samples, count, first = self.open_tokens, self.open_samples, self.open_count, self.carry_count
-        released = [(p, replace(i, window_tokens=tokens, window_samples=samples, window_steps=count,
-                                window_index=first + k)) for k, (p, i) in enumerate(self.staged)]
+        released = [(p, i.in_window(tokens=tokens, samples=samples, steps=count, index=first + k))
+                    for k, (p, i) in enumerate(self.staged)]
         self.restore(0, 0, 0)
         return released
 

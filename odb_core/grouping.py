@@ -89,8 +89,11 @@ def sort_longest_first(items: Sequence[Item], *, by_owner: bool = False) -> list
 def pack_sorted(items: Sequence[Item], budget: GroupBudget) -> list[Group]:
     """Two-pointer greedy over `items` (already sorted longest first); see NOTE [ Grouping ].
 
-    A sample that does not fit an empty group (oversize) forms a group on its own. Cost: O(n) budget checks.
+    A sample that does not fit an empty group (oversize) forms a group on its own. Cost: O(n) budget checks, or
+    O(groups) under the padded cost alone (`_pack_padded`).
     """
+    if budget.padded_only:
+        return _pack_padded(items, budget.token_budget)
     groups: list[Group] = []
     head, tail = 0, len(items) - 1
     while head <= tail:
@@ -108,6 +111,21 @@ def pack_sorted(items: Sequence[Item], budget: GroupBudget) -> list[Group]:
             tail -= 1
         groups.append(Group(items=tuple(members), cost=budget.cost()))
     budget.reset()
+    return groups
+
+
+def _pack_padded(items: Sequence[Item], token_budget: int) -> list[Group]:
+    """`pack_sorted` under the padded cost with no other constraint, per group instead of per sample: a group
+    starting at a sample of length L holds L's row width, every later (shorter) sample costs L more, so it takes
+    the next max(token_budget // L, 1) samples, exactly what the sample-by-sample greedy takes (checked against
+    it in tests/test_grouping.py)."""
+    groups: list[Group] = []
+    head, n = 0, len(items)
+    while head < n:
+        longest = items[head].length
+        members = tuple(items[head : head + max(token_budget // longest, 1)])
+        groups.append(Group(items=members, cost=len(members) * longest))
+        head += len(members)
     return groups
 
 

@@ -51,7 +51,9 @@ class StepCounts:
     def add(self, info: StepInfo) -> StepCounts:
         """One more micro-batch, and one more optimizer step if it is the last of its (released) window."""
         real = not info.is_idle
-        counts = StepCounts(steps=self.steps + 1, idle_steps=self.idle_steps + int(info.is_idle),
+        ends = info.ends_window  # then one more optimizer step, of the window's samples and tokens
+        samples, tokens = (info.window_samples, info.window_tokens) if ends else (0, 0)
+        return StepCounts(steps=self.steps + 1, idle_steps=self.idle_steps + int(info.is_idle),
                           local_samples=self.local_samples + info.local_samples,
                           global_samples=self.global_samples + info.global_samples,
                           local_input_tokens=self.local_input_tokens + (info.local_input_tokens if real else 0),
@@ -60,16 +62,25 @@ class StepCounts:
                           global_patches=self.global_patches + info.global_patches,
                           padded_tokens=self.padded_tokens + (info.padded_tokens if real else 0),
                           imbalance_sum=self.imbalance_sum + info.rank_imbalance,
-                          **{name: getattr(self, name) for name in WINDOW_FIELDS})
-        return counts.close_window(info) if info.ends_window else counts
+                          optimizer_steps=self.optimizer_steps + int(ends),
+                          step_samples_sum=self.step_samples_sum + samples,
+                          step_samples_sq=self.step_samples_sq + samples * samples,
+                          step_tokens_sum=self.step_tokens_sum + tokens,
+                          step_tokens_sq=self.step_tokens_sq + tokens * tokens)
 
     def close_window(self, info: StepInfo) -> StepCounts:
-        """Count the optimizer step that `info` (a released micro-batch, with its window fields) ends."""
+        """Count the optimizer step that `info` (a released micro-batch, with its window fields) ends. Built field
+        by field, as `add` is: both run once per step on the loader's path."""
         samples, tokens = info.window_samples, info.window_tokens
-        return replace(self, optimizer_steps=self.optimizer_steps + 1,
-                       step_samples_sum=self.step_samples_sum + samples,
-                       step_samples_sq=self.step_samples_sq + samples * samples,
-                       step_tokens_sum=self.step_tokens_sum + tokens, step_tokens_sq=self.step_tokens_sq + tokens * tokens)
+        return StepCounts(steps=self.steps, idle_steps=self.idle_steps, local_samples=self.local_samples,
+                          global_samples=self.global_samples, local_input_tokens=self.local_input_tokens,
+                          global_input_tokens=self.global_input_tokens,
+                          global_supervised_tokens=self.global_supervised_tokens, global_patches=self.global_patches,
+                          padded_tokens=self.padded_tokens, imbalance_sum=self.imbalance_sum,
+                          optimizer_steps=self.optimizer_steps + 1, step_samples_sum=self.step_samples_sum + samples,
+                          step_samples_sq=self.step_samples_sq + samples * samples,
+                          step_tokens_sum=self.step_tokens_sum + tokens,
+                          step_tokens_sq=self.step_tokens_sq + tokens * tokens)
 
     def step_size(self, unit: str) -> tuple[float, float]:
         """(mean, standard deviation) of the optimizer steps' global `unit` ("samples" or "tokens")."""
@@ -101,7 +112,6 @@ class StepCounts:
         return self.imbalance_sum / self.steps if self.steps else 0.0
 
 
-WINDOW_FIELDS = ("optimizer_steps", "step_samples_sum", "step_samples_sq", "step_tokens_sum", "step_tokens_sq")
 STEP_FIELDS = tuple(f.name for f in fields(StepCounts))
 
 

@@ -186,11 +186,12 @@ class EpochRun(Iterator[ODBBatch]):
             return _Built(batch=batch, indices=(), samples=0, tokens=0, input_tokens=0, padded=0, cost=0, patches=0)
         rank = self.ctx.transport.rank
         samples = [sample_of(item, planned, rank, self.reader.take) for item in slot.items]
-        batch = run_collate(self.ctx.collate_fn, samples, slot.indices)
+        indices = slot.indices  # built per call
+        batch = run_collate(self.ctx.collate_fn, samples, indices)
         # without a length_fn an item's length is its input tokens, counted when it was admitted
         real = (sum(item.length for item in slot.items) if self.ctx.length_fn is None
                 else sum(input_tokens(s) for s in samples))
-        return _Built(batch=batch, indices=slot.indices, samples=slot.size, tokens=supervised_tokens(batch, samples),
+        return _Built(batch=batch, indices=indices, samples=slot.size, tokens=supervised_tokens(batch, samples),
                       input_tokens=real, padded=padded_tokens(batch, real), cost=round(slot.cost),
                       patches=sum(item.patches for item in slot.items))
 

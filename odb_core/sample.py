@@ -146,23 +146,23 @@ def compact_ids(sample: Any, integer_keys: frozenset[str] = frozenset()) -> Any:
     an int64 ndarray instead: 8 bytes per token, nothing for the collector to walk, a memcpy when padded, and a
     cheaper pickle from worker processes. The conversion costs what padding from the list cost before (one C
     pass), so it moves work rather than adding it. Lists that are empty, nested or not all integers stay lists,
-    so `inspect_sample` reports them exactly as before; the dataset's own dict is never modified (a copy is).
+    so `inspect_sample` reports them exactly as before; the dataset's own dict is never modified (a new one is
+    built). The new dict is built key by key rather than copied: a dict that holds only arrays, numbers and
+    strings is then untracked by the collector, so a buffered sample adds nothing to what a full collection walks
+    or to the count of promoted objects that triggers one (docs/benchmarks.md, "The loader's hot path").
     Under `integer_keys` (columns whose Arrow schema holds integers, see `sources.integer_columns`) the per-element
     check is skipped: a float cannot be there, and a null makes the conversion fail, leaving the list to the
     checks."""
     if type(sample) is not dict:
         return sample
-    compact = None
+    arrays = {}
     for key, value in sample.items():  # a sample has few keys: cheaper than looking every ID_FIELDS key up
         if type(value) is list and key in ID_KEYS and value and (key in integer_keys or non_integer(value) is None):
             try:  # ~13 µs per 1,000 ids: less than np.array(value), which infers a dtype first
-                array = np.fromiter(value, dtype=np.int64, count=len(value))
+                arrays[key] = np.fromiter(value, dtype=np.int64, count=len(value))
             except (TypeError, ValueError, OverflowError):  # nested, or an id beyond int64: left to the checks
                 continue
-            if compact is None:
-                compact = dict(sample)
-            compact[key] = array
-    return sample if compact is None else compact
+    return {key: arrays.get(key, value) for key, value in sample.items()} if arrays else sample
 
 
 def as_dummy(sample: Mapping[str, Any]) -> dict[str, Any]:

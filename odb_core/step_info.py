@@ -47,6 +47,17 @@ class StepInfo:
     window_index: int = 0
     window_samples: int = 0
 
+    def in_window(self, *, tokens: int, samples: int, steps: int, index: int) -> StepInfo:
+        """This step with its optimizer step's window fields filled in (`AccumulationWindow.flush`, once per step:
+        built field by field, which costs half of what `dataclasses.replace` does)."""
+        return StepInfo(epoch=self.epoch, step=self.step, round=self.round, indices=self.indices, is_idle=self.is_idle,
+                        local_samples=self.local_samples, global_samples=self.global_samples,
+                        local_tokens=self.local_tokens, global_tokens=self.global_tokens,
+                        local_input_tokens=self.local_input_tokens, global_input_tokens=self.global_input_tokens,
+                        padded_tokens=self.padded_tokens, cost=self.cost, rank_imbalance=self.rank_imbalance,
+                        window_tokens=tokens, local_patches=self.local_patches, global_patches=self.global_patches,
+                        window_steps=steps, window_index=index, window_samples=samples)
+
     @property
     def ends_window(self) -> bool:
         """Whether the optimizer step ends after this micro-batch (on every rank)."""

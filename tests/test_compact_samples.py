@@ -133,6 +133,14 @@ def test_compact_ids_converts_only_flat_integer_lists_under_known_keys():
     assert out["position_ids"] is sample["position_ids"] and out["attention_mask"] is sample["attention_mask"]
     assert out["other"] is sample["other"] and out["pixel_values"] is sample["pixel_values"]
     assert compact_ids({"input_ids": torch.arange(3)})["input_ids"].dtype == torch.long  # tensors stay tensors
+    assert list(out) == list(sample)  # the keys keep their order
+
+
+def test_a_compacted_sample_of_ids_and_plain_values_is_not_tracked_by_the_collector():
+    # such a dict cannot be part of a cycle; untracked, a buffered one is neither walked nor promoted by the GC
+    sample = {"input_ids": [5, 6], "labels": [5, 6], "source": "chat", "turns": 3}
+    assert gc.is_tracked(sample) and not gc.is_tracked(compact_ids(sample))
+    assert gc.is_tracked(compact_ids({"input_ids": [5, 6], "messages": ["a"]}))  # a list left as it is: tracked
 
 
 def test_arrow_ids_are_read_as_int64_arrays_through_a_view_of_the_same_table():

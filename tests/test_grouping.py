@@ -109,7 +109,8 @@ def test_padded_and_attention_packing_equals_the_global_sort_greedy(facts, cost,
     items = items_of([n for n, _ in facts], [p for _, p in facts])
     budget = build_budget(config)
     packed = pack_sorted(sort_longest_first(items), budget)
-    assert [g.indices for g in packed] == [g.indices for g in oracle_groups(items, budget)]
+    assert budget.padded_only == (cost == "padded" and max_patches is None)  # the per-group path, checked here
+    assert [(g.indices, g.cost) for g in packed] == [(g.indices, g.cost) for g in oracle_groups(items, budget)]
 
 
 @settings(max_examples=60, deadline=None, derandomize=True)

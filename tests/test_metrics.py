@@ -1,11 +1,13 @@
-"""The Trainer-log meter's moved-sample figures: per log, consistent across threads, no spike after a resume."""
+"""The Trainer-log meter's moved-sample figures: per log, consistent across threads, no spike after a resume; the
+per-step counters written field by field agree with the generic dataclass operations."""
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import fields, replace
 
 from odb_core.config import ODBConfig
-from odb_core.metrics import LoaderMetrics, StepMeter
+from odb_core.metrics import LoaderMetrics, StepCounts, StepMeter
+from odb_core.step_info import StepInfo
 
 
 def test_moves_are_reported_per_log_from_whole_rounds_and_not_as_a_restored_total():
@@ -19,3 +21,38 @@ def test_moves_are_reported_per_log_from_whole_rounds_and_not_as_a_restored_tota
     logs = meter.flush()
     assert logs["odb/moved_fraction"] == 0.5 and logs["odb/moved_bytes"] == 100.0
     assert "moves" not in metrics.snapshot()  # derived, not part of a saved state
+
+
+def _distinct_info(**window: int) -> StepInfo:
+    """A StepInfo whose every field holds its own value (so that a field copied into the wrong place shows)."""
+    values = {f.name: k + 2 for k, f in enumerate(fields(StepInfo))}
+    values.update(indices=(3, 5), is_idle=False, cost=7.5, rank_imbalance=0.25, **window)
+    return StepInfo(**values)
+
+
+def test_in_window_equals_replace_for_every_field():
+    info = _distinct_info()
+    filled = info.in_window(tokens=101, samples=102, steps=103, index=104)
+    assert filled == replace(info, window_tokens=101, window_samples=102, window_steps=103, window_index=104)
+
+
+def test_step_counts_add_and_close_window_equal_field_wise_sums():
+    counts = StepCounts(**{f.name: 1000 + k for k, f in enumerate(fields(StepCounts))})
+    infos = (_distinct_info(), _distinct_info(window_steps=3, window_index=2), replace(_distinct_info(), is_idle=True))
+    for info in infos:
+        real, ends = not info.is_idle, info.ends_window
+        expected = {"steps": 1, "idle_steps": int(info.is_idle), "local_samples": info.local_samples,
+                    "global_samples": info.global_samples,
+                    "local_input_tokens": info.local_input_tokens if real else 0,
+                    "global_input_tokens": info.global_input_tokens, "global_supervised_tokens": info.global_tokens,
+                    "global_patches": info.global_patches, "padded_tokens": info.padded_tokens if real else 0,
+                    "imbalance_sum": info.rank_imbalance, "optimizer_steps": int(ends),
+                    "step_samples_sum": info.window_samples * ends, "step_samples_sq": info.window_samples ** 2 * ends,
+                    "step_tokens_sum": info.window_tokens * ends, "step_tokens_sq": info.window_tokens ** 2 * ends}
+        assert set(expected) == {f.name for f in fields(StepCounts)}
+        assert counts.add(info) - counts == StepCounts(**expected)
+    window = _distinct_info(window_steps=1, window_index=0)
+    closed = counts.close_window(window) - counts
+    assert closed == StepCounts(optimizer_steps=1, step_samples_sum=window.window_samples,
+                                step_samples_sq=window.window_samples ** 2, step_tokens_sum=window.window_tokens,
+                                step_tokens_sq=window.window_tokens ** 2)
