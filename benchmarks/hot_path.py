@@ -28,6 +28,7 @@ process, and ODB's extra RSS on a 200,000-sample epoch of `trivial`.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import subprocess
@@ -131,17 +132,29 @@ class Step:
         time.sleep(self.seconds)
 
 
-def epoch_rate(loader, count, step: Step | None = None) -> tuple[float, float]:
-    """(samples per wall second, trainer-process CPU microseconds per sample) of one epoch. The CPU time counts
-    every thread of this process (ODB's producer included) and no worker process; with a `step`, the step's own
-    CPU time is in it too, so only the wall rate is read then."""
-    start, cpu = time.perf_counter(), time.process_time()
-    n = 0
-    for batch in loader:
-        n += count(batch)
-        if step is not None:
-            step()
-    return n / (time.perf_counter() - start), 1e6 * (time.process_time() - cpu) / n
+def epoch_rate(loader, count, step: Step | None = None) -> tuple[float, float, int]:
+    """(samples per wall second, trainer-process CPU microseconds per sample, full garbage collections) of one
+    epoch. The CPU time counts every thread of this process (ODB's producer included) and no worker process; with
+    a `step`, the step's own CPU time is in it too, so only the wall rate is read then. A full collection walks
+    the whole heap (~80 ms in this process); a loader triggers them by keeping newly made objects alive across
+    collections, as any window of buffered samples does."""
+    full = []
+
+    def on_collect(phase: str, info: dict) -> None:
+        if phase == "stop" and info["generation"] == 2:
+            full.append(1)
+
+    gc.callbacks.append(on_collect)
+    try:
+        start, cpu = time.perf_counter(), time.process_time()
+        n = 0
+        for batch in loader:
+            n += count(batch)
+            if step is not None:
+                step()
+        return n / (time.perf_counter() - start), 1e6 * (time.process_time() - cpu) / n, len(full)
+    finally:
+        gc.callbacks.remove(on_collect)
 
 
 def loaders(name: str, dataset, mean: float, workers: int, prefetch_steps: int | None = None,
@@ -184,11 +197,13 @@ def compare(name: str, workers: int, repeats: int, samples: int, step_ms: float 
                      lambda b: b["input_ids"].shape[0]))
     rates: dict[str, list[float]] = {which: [] for which, _, _ in runs}
     cpu: dict[str, list[float]] = {which: [] for which, _, _ in runs}
+    full: dict[str, int] = dict.fromkeys(rates, 0)
     for _ in range(repeats):
         for which, loader, count in runs:
-            rate, us = epoch_rate(loader, count, step)
+            rate, us, collections = epoch_rate(loader, count, step)
             rates[which].append(rate)
             cpu[which].append(us)
+            full[which] += collections
     odb.close()
     thread.close()
     plain_sps, odb_sps = statistics.median(rates["plain"]), statistics.median(rates["odb"])
@@ -202,7 +217,10 @@ def compare(name: str, workers: int, repeats: int, samples: int, step_ms: float 
             "thread_ratio": median_ratio(rates["odb_thread"], rates["plain"]),
             "trainer_cpu_us_per_sample": {which: round(min(us), 1) for which, us in cpu.items()},
             "odb_own_cpu_us_per_sample": round(odb_cpu - plain_cpu, 1),
-            "odb_thread_own_cpu_us_per_sample": round(min(cpu["odb_thread"]) - plain_cpu, 1)}
+            "odb_thread_own_cpu_us_per_sample": round(min(cpu["odb_thread"]) - plain_cpu, 1),
+            "odb_own_cpu_us_per_sample_median": round(statistics.median(cpu["odb"]) - statistics.median(cpu["plain"]),
+                                                      1),
+            "full_collections_per_epoch": {which: round(k / repeats, 2) for which, k in full.items()}}
     if "length_sorted" in rates:
         row.update(length_sorted_samples_per_s=round(statistics.median(rates["length_sorted"])),
                    length_sorted_ratio=median_ratio(rates["length_sorted"], rates["plain"]))

@@ -33,3 +33,18 @@ def test_hot_path_benchmark_reports_every_loader_with_and_without_a_step(tmp_pat
         assert set(row["trainer_cpu_us_per_sample"]) == {"plain", "odb", "odb_thread"} | extra
         assert row.get("ratio_vs_plain_arrays", 1.0) > 0 and row.get("length_sorted_ratio", 1.0) > 0
         assert row["cost"] == "padded"
+        assert set(row["full_collections_per_epoch"]) == set(row["trainer_cpu_us_per_sample"])
+        assert all(count >= 0 for count in row["full_collections_per_epoch"].values())
+
+
+@pytest.mark.parametrize("loader", ["none", "plain", "odb", "length_sorted"])
+def test_the_instruction_count_child_runs_each_loader_natively(loader):
+    # what hot_path_instructions runs under valgrind (not installed here): the same code, without the counter
+    from benchmarks.hot_path_instructions import CHILD
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-c", CHILD + "\nprint('batches', sum(1 for _ in batches))", loader, "64",
+                           "nogc"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-4000:]
+    batches = int(done.stdout.split()[-1])
+    assert batches == 0 if loader == "none" else batches >= 4  # 64 samples of 64 tokens, at most 16 per batch
