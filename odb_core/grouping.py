@@ -92,7 +92,7 @@ def pack_sorted(items: Sequence[Item], budget: GroupBudget) -> list[Group]:
     A sample that does not fit an empty group (oversize) forms a group on its own. Cost: O(n) budget checks, or
     O(groups) under the padded cost alone (`_pack_padded`).
     """
-    if budget.padded_only:
+    if budget.padded_only and (not items or items[-1].length > 0):  # `odb plan` and simulate_epoch accept 0
         return _pack_padded(items, budget.token_budget)
     groups: list[Group] = []
     head, tail = 0, len(items) - 1

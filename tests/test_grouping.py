@@ -125,6 +125,12 @@ def test_packing_keeps_every_sample_once_and_every_multi_sample_group_within_bud
         assert group.cost <= 100 or (group.size == 1 and not budget.alone_fits(group.items[0]))
 
 
+def test_zero_length_items_which_odb_plan_accepts_are_packed_by_the_per_sample_greedy():
+    budget = build_budget(ODBConfig(token_budget=100))
+    groups = pack_sorted(sort_longest_first(items_of([30, 0, 0, 0, 20])), budget)
+    assert [(g.indices, g.cost) for g in groups] == [((0, 4, 1), 90), ((2, 3), 0)]  # the per-sample greedy
+
+
 def test_oversize_samples_form_groups_of_their_own():
     budget = build_budget(ODBConfig(token_budget=100, cost="tokens"))
     groups = pack_sorted(sort_longest_first(items_of([150, 30, 120, 40])), budget)
