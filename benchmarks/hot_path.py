@@ -138,11 +138,12 @@ def epoch_rate(loader, count, step: Step | None = None) -> tuple[float, float, i
     a `step`, the step's own CPU time is in it too, so only the wall rate is read then. A full collection walks
     the whole heap (~80 ms in this process); a loader triggers them by keeping newly made objects alive across
     collections, as any window of buffered samples does."""
-    full = []
+    full = 0
 
     def on_collect(phase: str, info: dict) -> None:
+        nonlocal full
         if phase == "stop" and info["generation"] == 2:
-            full.append(1)
+            full += 1
 
     gc.callbacks.append(on_collect)
     try:
@@ -152,7 +153,7 @@ def epoch_rate(loader, count, step: Step | None = None) -> tuple[float, float, i
             n += count(batch)
             if step is not None:
                 step()
-        return n / (time.perf_counter() - start), 1e6 * (time.process_time() - cpu) / n, len(full)
+        return n / (time.perf_counter() - start), 1e6 * (time.process_time() - cpu) / n, full
     finally:
         gc.callbacks.remove(on_collect)
 

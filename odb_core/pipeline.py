@@ -186,7 +186,7 @@ class EpochRun(Iterator[ODBBatch]):
             return _Built(batch=batch, indices=(), samples=0, tokens=0, input_tokens=0, padded=0, cost=0, patches=0)
         rank = self.ctx.transport.rank
         samples = [sample_of(item, planned, rank, self.reader.take) for item in slot.items]
-        indices = slot.indices  # built per call
+        indices = slot.indices  # a property that builds the tuple: once here
         batch = run_collate(self.ctx.collate_fn, samples, indices)
         # without a length_fn an item's length is its input tokens, counted when it was admitted
         real = (sum(item.length for item in slot.items) if self.ctx.length_fn is None

@@ -93,8 +93,7 @@ class SampleReader:
             put(index, sample)
             self.consumed += 1
             space -= 1
-            if item.patches or self.dummy is None:  # the only samples _offer_dummy may take (per-sample path)
-                self._offer_dummy(index, sample, item.patches)
+            self._offer_dummy(index, sample, item.patches)
         return not (self.stream_ended and not pending)
 
     def _next_chunk(self) -> Chunk | None:
