@@ -170,6 +170,21 @@ class GroupBudget:
         if len(constraints) == 1:  # the common case, on the per-sample hot path
             self.fits = constraints[0].fits  # type: ignore[method-assign]
             self.alone_fits = constraints[0].fits_alone  # type: ignore[method-assign]
+        self.alone_length = self._longest_alone()
+
+    def _longest_alone(self) -> int:
+        """The longest sample without vision patches that fits alone (0 if none does): every cost model is
+        nondecreasing in length (`attention_alpha >= 0`) and the caps do not look at length, so a sample of
+        `length <= alone_length` and no patches fits alone with no call (`WindowEngine.admit`, once per sample).
+        Found by bisection over `[0, token_budget]`, at construction."""
+        low, high = 0, self.token_budget  # alone_fits holds at `low` (or low == 0); the answer is <= high
+        while low < high:
+            mid = (low + high + 1) // 2
+            if self.alone_fits(Item(0, mid)):
+                low = mid
+            else:
+                high = mid - 1
+        return low
 
     def fits(self, item: Item) -> bool:
         return all(c.fits(item) for c in self.constraints)

@@ -53,7 +53,7 @@ class WindowEngine:
 
     def admit(self, item: Item) -> None:
         """Add one observed sample to the buffer, applying the oversize policy."""
-        if not self.budget.alone_fits(item):
+        if (item.length > self.budget.alone_length or item.patches) and not self.budget.alone_fits(item):
             if self.config.oversize == "error":
                 raise SampleError(item.index, f"cost of length {item.length} (patches {item.patches}) exceeds "
                                               f"token_budget={self.config.token_budget} on its own; raise the "

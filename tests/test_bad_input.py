@@ -17,6 +17,8 @@ import traceback
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from conftest import LengthDataset
 from odb_core import CollateError, DatasetFetchError, ODBDataLoader, PadCollator, SampleError
@@ -259,6 +261,39 @@ def test_a_present_but_empty_field_is_refused_naming_it(sample, message):
 
     with pytest.raises(SampleError, match=rf"sample 3: {message}"):
         inspect_sample(3, sample, None)
+
+
+TENSORS = st.builds(lambda dtype, shape: torch.zeros(shape, dtype=dtype),
+                    st.sampled_from([torch.int64, torch.int32, torch.uint8, torch.int16, torch.float32, torch.bool]),
+                    st.sampled_from([(0,), (1,), (5,), (2, 3), ()]))
+
+
+@settings(max_examples=400, deadline=None)
+@given(ids=st.one_of(TENSORS, st.none(), st.just([1, 2])), labels=st.one_of(TENSORS, st.none(), st.just("absent")),
+       vision=st.sampled_from([None, "pixel_values", "image_grid_thw"]))
+def test_the_inline_tensor_check_answers_as_the_general_checks_do(ids, labels, vision):
+    # inspect_sample answers a text sample of tensors inline; a length_fn sends it through the general checks,
+    # which run before length_fn is called: both must accept the same samples, with equal facts, and refuse the
+    # rest with the same message
+    from odb_core.budget import Item
+    from odb_core.sample import inspect_sample
+
+    sample = {"input_ids": ids} if labels == "absent" else {"input_ids": ids, "labels": labels}
+    if vision == "pixel_values":
+        sample[vision] = torch.zeros(4, 3)
+    elif vision == "image_grid_thw":
+        sample[vision] = torch.tensor([[1, 2, 2]])
+
+    def outcome(length_fn):
+        try:
+            return inspect_sample(7, sample, length_fn)
+        except SampleError as exc:
+            return str(exc)
+
+    inline = outcome(None)
+    general = outcome(lambda s: len(s["input_ids"]))
+    assert inline == general
+    assert isinstance(inline, str) or (type(inline) is Item and inline == Item(7, len(ids), inline.patches))
 
 
 class CountsBatchReads:

@@ -87,6 +87,21 @@ def test_a_sample_over_the_budget_or_patch_cap_alone_is_oversize():
     assert not budget.alone_fits(Item(0, 1, patches=6))
 
 
+@settings(max_examples=300, deadline=None)
+@given(cost=st.sampled_from(["padded", "tokens", "attention"]), token_budget=st.integers(1, 50_000),
+       alpha=st.sampled_from([0.0, 1e-4, 0.5]), cap=st.sampled_from([None, 1, 4]),
+       lengths=st.lists(st.integers(1, 60_000), min_size=1, max_size=30))
+def test_alone_length_is_exactly_where_a_patchless_sample_stops_fitting_alone(cost, token_budget, alpha, cap,
+                                                                              lengths):
+    # admit() skips alone_fits for a patchless sample no longer than alone_length: the two must agree everywhere
+    config = ODBConfig(token_budget=token_budget, cost=cost, attention_alpha=alpha if cost == "attention" else 0.0,
+                       max_batch_size=cap)
+    budget = build_budget(config)
+    edge = budget.alone_length
+    for length in [*lengths, edge, edge + 1, max(edge - 1, 1)]:
+        assert (length <= edge) == budget.alone_fits(Item(0, length)), (length, edge)
+
+
 # -- two-pointer packing -------------------------------------------------------------------------------------
 
 def test_token_top_up_from_the_short_end_beats_next_fit():
