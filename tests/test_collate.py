@@ -66,3 +66,37 @@ def test_a_subclass_s_own_padding_is_used_for_equal_length_tensors_too():
     assert ToEight()(same)["input_ids"].shape == (2, 8) and PadCollator()(same)["input_ids"].shape == (2, 3)
     with pytest.raises(ValueError):  # an empty group fails as it always did
         PadCollator()([])
+
+
+@pytest.mark.parametrize("dtypes", [(torch.int64, torch.int32, torch.int64), (torch.int32, torch.int64, torch.int32),
+                                    (torch.int64, torch.bool, torch.int64), (torch.uint8, torch.float32, torch.uint8),
+                                    (torch.int16, torch.int8, torch.int16)])
+@pytest.mark.parametrize("middle", ["same length", "shorter", "a list"])
+def test_stacking_equal_ends_gives_what_pad_sequence_gives(dtypes, middle):
+    # the stacked fast path looks at the first and last rows only and lets torch.stack check the rest: whatever
+    # the rows between them, each field must be what pad_sequence makes of the rows (lists read as int64)
+    rows = [torch.arange(1, 5).to(dtypes[0]), torch.arange(5, 9).to(dtypes[1]), torch.arange(9, 13).to(dtypes[2])]
+    if middle == "shorter":
+        rows[1] = rows[1][:2]
+    elif middle == "a list":
+        rows[1] = rows[1].tolist()
+    tensors = [torch.as_tensor(row, dtype=torch.long) if isinstance(row, list) else row for row in rows]
+    lengths = torch.tensor([len(row) for row in rows])
+
+    def outcome(make):
+        try:
+            return make()
+        except RuntimeError:  # -100 does not fit uint8 labels: refused, not wrapped around
+            return "refused"
+
+    batch = outcome(lambda: PadCollator()([{"input_ids": row, "labels": row} for row in rows]))
+    expected = {key: outcome(lambda pad=pad: torch.nn.utils.rnn.pad_sequence(tensors, batch_first=True,
+                                                                              padding_value=pad))
+                for key, pad in (("input_ids", 0), ("labels", -100))}
+    if "refused" in expected.values():
+        assert batch == "refused"
+        return
+    expected["attention_mask"] = (torch.arange(4) < lengths[:, None]).long()
+    assert batch.keys() == expected.keys()
+    for key, value in expected.items():
+        assert batch[key].dtype == value.dtype and torch.equal(batch[key], value), key
