@@ -184,8 +184,12 @@ class EpochRun(Iterator[ODBBatch]):
         if slot is None:
             batch = run_collate(self.ctx.collate_fn, [as_dummy(self.reader.dummy_sample())], ())
             return _Built(batch=batch, indices=(), samples=0, tokens=0, input_tokens=0, padded=0, cost=0, patches=0)
-        rank = self.ctx.transport.rank
-        samples = [sample_of(item, planned, rank, self.reader.take) for item in slot.items]
+        if planned.arrivals is None:  # rank-local planning: every sample is this rank's own (once per step)
+            take = self.reader.take
+            samples = [take(item.index) for item in slot.items]
+        else:
+            rank = self.ctx.transport.rank
+            samples = [sample_of(item, planned, rank, self.reader.take) for item in slot.items]
         indices = slot.indices  # a property that builds the tuple: once here
         batch = run_collate(self.ctx.collate_fn, samples, indices)
         # without a length_fn an item's length is its input tokens, counted when it was admitted
@@ -198,24 +202,35 @@ class EpochRun(Iterator[ODBBatch]):
     def _stage(self, built: _Built, totals: list[int], round_index: int, step: int) -> None:
         g_samples, g_tokens, g_input, g_cost, g_cost_sq, g_patches = totals
         imbalance = cost_cv(g_cost, g_cost_sq, self.ctx.transport.world_size)
+        # without accumulation every step is an optimizer step of its own: its window fields are its own and known
+        # now, so the step is built once and `record_step` counts the optimizer step it ends, as `_release` would
+        alone = self.window.size == 1 and self.window.target is None
         info = StepInfo(epoch=self.epoch, step=step, round=round_index, indices=built.indices,
                         is_idle=not built.indices, local_samples=built.samples, global_samples=g_samples,
                         local_tokens=built.tokens, global_tokens=g_tokens, local_input_tokens=built.input_tokens,
                         global_input_tokens=g_input, padded_tokens=built.padded, cost=float(built.cost),
-                        rank_imbalance=imbalance, window_tokens=-1, local_patches=built.patches,
-                        global_patches=g_patches)
+                        rank_imbalance=imbalance, window_tokens=g_tokens if alone else -1,
+                        local_patches=built.patches, global_patches=g_patches, window_steps=int(alone),
+                        window_samples=g_samples if alone else 0)
         self.ctx.metrics.record_step(info)  # replayed steps too: metrics resume from the round start
-        self._release(self.window.stage(built, info))
+        if alone:
+            self._emit(built, info)
+        else:
+            self._release(self.window.stage(built, info))
 
     def _release(self, window: list[tuple[_Built, StepInfo]]) -> None:
         for released, final in window:
             if final.ends_window:
                 self.ctx.metrics.record_window(final)
-            if final.step < self.skip_below:
-                continue
-            if self.ctx.observer is not None:
-                self.ctx.observer(final)
-            self.ready.append(ODBBatch(released.batch, final))
+            self._emit(released, final)
+
+    def _emit(self, built: _Built, info: StepInfo) -> None:
+        """Hand a step with its window fields to the consumer (unless a resume replays it)."""
+        if info.step < self.skip_below:
+            return
+        if self.ctx.observer is not None:
+            self.ctx.observer(info)
+        self.ready.append(ODBBatch(built.batch, info))
 
     def _close_epoch(self) -> None:
         if self.report is not None:

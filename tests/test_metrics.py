@@ -56,3 +56,14 @@ def test_step_counts_add_and_close_window_equal_field_wise_sums():
     assert closed == StepCounts(optimizer_steps=1, step_samples_sum=window.window_samples,
                                 step_samples_sq=window.window_samples ** 2, step_tokens_sum=window.window_tokens,
                                 step_tokens_sq=window.window_tokens ** 2)
+
+
+def test_a_step_without_accumulation_is_counted_once_as_staging_and_closing_its_window_count_it():
+    # EpochRun._stage builds a step without accumulation with its window fields already filled and counts it with
+    # one `add`; with accumulation the step is added unfilled and its window closed when released
+    counts = StepCounts(**{f.name: 1000 + k for k, f in enumerate(fields(StepCounts))})
+    for idle in (False, True):
+        partial = replace(_distinct_info(window_tokens=-1), is_idle=idle)
+        final = partial.in_window(tokens=partial.global_tokens, samples=partial.global_samples, steps=1, index=0)
+        assert final.ends_window and not partial.ends_window
+        assert counts.add(final) == counts.add(partial).close_window(final)
