@@ -14,6 +14,7 @@ from torch.utils.data import default_collate
 from odb_core.sample import IGNORE_INDEX, sequence_length
 
 CollateFn = Callable[[list[Any]], Any]
+_IGNORE_INDEX = np.int64(IGNORE_INDEX)
 SEQUENCE_PAD = {"input_ids": None, "labels": IGNORE_INDEX, "attention_mask": 0, "position_ids": 0,
                 "token_type_ids": 0, "mm_token_type_ids": 0}
 CONCATENATED = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
@@ -72,7 +73,7 @@ class PadCollator:
             else:
                 batch[key] = default_collate(values)
         if "attention_mask" not in batch:
-            batch["attention_mask"] = (torch.ones((len(samples), longest), dtype=torch.long) if stacked is not None
+            batch["attention_mask"] = (torch.ones(len(samples), longest, dtype=torch.long) if stacked is not None
                                        else torch.from_numpy((np.arange(longest) < np.asarray(lengths)[:, None])
                                                              .astype(np.int64)))
         return batch
@@ -163,7 +164,8 @@ def supervised_tokens(batch: Mapping[str, Any], samples: Sequence[Mapping[str, A
     labels = batch.get("labels")
     if isinstance(labels, torch.Tensor):
         if labels.device.type == "cpu" and not labels.requires_grad:  # numpy is several times faster per call
-            return int(np.count_nonzero(labels.numpy()[..., 1:] != IGNORE_INDEX))
+            # the ufunc with an int64 scalar: `!=` with a Python int costs ~1 µs more per call, once per step
+            return int(np.count_nonzero(np.not_equal(labels.numpy()[..., 1:], _IGNORE_INDEX)))
         return int((labels[..., 1:] != IGNORE_INDEX).sum())
     return sum(max(len(s["input_ids"]) - 1, 0) for s in samples)
 
