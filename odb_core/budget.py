@@ -175,7 +175,7 @@ class GroupBudget:
     def _longest_alone(self) -> int:
         """The longest sample without vision patches that fits alone (0 if none does): every cost model is
         nondecreasing in length (`attention_alpha >= 0`) and the caps do not look at length, so a sample of
-        `length <= alone_length` and no patches fits alone with no call (`WindowEngine.admit`, once per sample).
+        `1 <= length <= alone_length` and no patches fits alone with no call (`WindowEngine.admit`, once per sample).
         Found by bisection over `[0, token_budget]`, at construction."""
         low, high = 0, self.token_budget  # alone_fits holds at `low` (or low == 0); the answer is <= high
         while low < high:

@@ -53,7 +53,9 @@ class WindowEngine:
 
     def admit(self, item: Item) -> None:
         """Add one observed sample to the buffer, applying the oversize policy."""
-        if (item.length > self.budget.alone_length or item.patches) and not self.budget.alone_fits(item):
+        # a checked sample has length >= 1; `odb plan` and `simulate_epoch` may pass any int, which the cost models
+        # answer (a negative length can exceed an attention budget)
+        if not (0 < item.length <= self.budget.alone_length and not item.patches) and not self.budget.alone_fits(item):
             if self.config.oversize == "error":
                 raise SampleError(item.index, f"cost of length {item.length} (patches {item.patches}) exceeds "
                                               f"token_budget={self.config.token_budget} on its own; raise the "

@@ -100,3 +100,14 @@ def test_stacking_equal_ends_gives_what_pad_sequence_gives(dtypes, middle):
     assert batch.keys() == expected.keys()
     for key, value in expected.items():
         assert batch[key].dtype == value.dtype and torch.equal(batch[key], value), key
+
+
+def test_equal_length_ids_of_two_integer_dtypes_stack_like_one_dtype_even_with_a_pad_id_they_cannot_hold():
+    # no padding is needed, so the pad id's range does not matter: int16 ids alone were always stacked this way
+    # (padding them with pad_sequence refuses 50256 for int16 even where no row is padded)
+    rows = [torch.tensor([1, 2, 3], dtype=torch.int16), torch.tensor([4, 5, 6], dtype=torch.int8),
+            torch.tensor([7, 8, 9], dtype=torch.int16)]
+    batch = PadCollator(pad_token_id=50256)([{"input_ids": row} for row in rows])
+    assert batch["input_ids"].dtype == torch.int16
+    assert torch.equal(batch["input_ids"], torch.tensor([[1, 2, 3], [4, 5, 6], [7, 8, 9]], dtype=torch.int16))
+    assert torch.equal(batch["attention_mask"], torch.ones(3, 3, dtype=torch.long))

@@ -102,6 +102,26 @@ def test_alone_length_is_exactly_where_a_patchless_sample_stops_fitting_alone(co
         assert (length <= edge) == budget.alone_fits(Item(0, length)), (length, edge)
 
 
+@pytest.mark.parametrize("cost", ["padded", "tokens", "attention"])
+def test_admit_refuses_exactly_what_alone_fits_refuses_whatever_the_length(cost):
+    # odb plan and simulate_epoch pass unchecked lengths: zero and negative ones too (-200 + 0.01 x 200^2 > 100)
+    from odb_core.engine import RankEngine
+    from odb_core.sample import SampleError
+
+    config = ODBConfig(token_budget=100, cost=cost, attention_alpha=0.01 if cost == "attention" else 0.0,
+                       oversize="error", max_patches=5)
+    engine = RankEngine(config, epoch=0)
+    for length in (-200, -1, 0, 1, 50, 100, 101):
+        for patches in (0, 5, 6):
+            item = Item(0, length, patches)
+            try:
+                engine.admit(item)
+                admitted = True
+            except SampleError:
+                admitted = False
+            assert admitted == engine.budget.alone_fits(item), (length, patches)
+
+
 # -- two-pointer packing -------------------------------------------------------------------------------------
 
 def test_token_top_up_from_the_short_end_beats_next_fit():
