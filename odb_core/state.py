@@ -13,7 +13,8 @@ what elastic resume needs (NOTE [ Elastic resume ] in resume.py).
 NOTE [ A state proves itself ]
 A state is trusted only after it proved itself. Version 3 carries a `digest`: the sha256 of its canonical JSON,
 so a truncated or hand-edited state is refused. `from_dict` checks every field's type and range (no negative
-position, a carried accumulation window shorter than G, a consumed step inside the saved round). Before a rank
+position, a carried accumulation window shorter than G and with no tokens or samples when it holds no
+micro-batch, a consumed step inside the saved round). Before a rank
 resumes, `check_against_shard` checks the position against the rank's own index order for the epoch: the
 samples admitted before the round (`consumed`) are a prefix of it, the buffered ones are among them, and the
 ones the round already emitted are among the buffered and the unread ones; what was emitted, buffered and
@@ -406,6 +407,9 @@ class LoaderState:
         if accumulation is not None and start.carry_count >= accumulation:
             raise StateError(f"{where}.start.carry_count={start.carry_count} must be below accumulation_steps="
                              f"{accumulation}; the state is corrupt")
+        if start.carry_count == 0 and (start.carry_tokens or start.carry_samples):
+            raise StateError(f"{where}.start carries {start.carry_tokens} tokens and {start.carry_samples} samples "
+                             "in an open window of 0 micro-batches; the state is corrupt")
         if len(start.buffer) > window:
             raise StateError(f"{where}.start.buffer holds {len(start.buffer)} samples, more than the window of "
                              f"{window}; the state is corrupt")

@@ -51,6 +51,8 @@ EDITS = {  # name: (edit of the state, what the error names)
     "buffer_unread_index": (lambda s: s["position"]["start"]["buffer"].append(10**5), "start.buffer"),
     "emitted_foreign": (lambda s: s["position"]["round_emitted"].append(10**5), "round_emitted"),
     "carry_past_the_window": (lambda s: s["position"]["start"].update(carry_count=7), "carry_count=7"),
+    "carry_tokens_without_steps": (lambda s: s["position"]["start"].update(carry_count=0, carry_tokens=40),
+                                   "carries 40 tokens"),
     "metrics_not_counters": (lambda s: s["metrics"].update(steps="many"), "metrics"),
     "rank_out_of_range": (lambda s: s.update(rank=4), r"state\.rank=4"),
 }
