@@ -197,6 +197,9 @@ def plan(args: argparse.Namespace) -> int:
     lengths = read_lengths(args.lengths, args.field)
     if not lengths:
         raise ValueError(f"{args.lengths} holds no lengths")
+    negative = next((index for index, length in enumerate(lengths) if length < 0), None)
+    if negative is not None:  # zero is a valid (empty) sample here; a negative length is a broken file
+        raise ValueError(f"{args.lengths}: sample {negative} has length {lengths[negative]}; lengths must be >= 0")
     if args.world_size < 1:
         raise ValueError(f"--world-size {args.world_size} is invalid: it must be >= 1")
     plannings = ("global", "local") if args.planning == "both" and args.world_size > 1 else (

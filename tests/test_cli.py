@@ -48,15 +48,19 @@ def exit_status(main, argv: list[str]) -> int:
     (cli.main, ["plan", "missing.npy", "--token-budget", "1024"], "No such file or directory: 'missing.npy'"),
     (cli.main, ["plan", "LENGTHS", "--token-budget", "0"], "ODBConfig.token_budget=0 is invalid"),
     (cli.main, ["plan", "LENGTHS", "--token-budget", "64", "--world-size", "0"], "--world-size 0 is invalid"),
+    (cli.main, ["plan", "NEGATIVE", "--token-budget", "64"], "sample 1 has length -9; lengths must be >= 0"),
     (launcher.main, [], "unknown command '(none)'"),
     (launcher.main, ["trian", "cfg.yaml"], "unknown command 'trian'"),
     (launcher.main, ["train", "cfg.txt"], "expected a .yaml, .yml or .json config file"),
     (launcher.main, ["train", "missing.yaml"], "missing.yaml does not exist"),
-], ids=["odb", "plan-args", "plan-file", "plan-budget", "plan-world", "lf-none", "lf-typo", "lf-ext", "lf-file"])
+], ids=["odb", "plan-args", "plan-file", "plan-budget", "plan-world", "plan-negative", "lf-none", "lf-typo", "lf-ext", "lf-file"])
 def test_errors_exit_2_with_one_line_naming_the_cause(tmp_path, capsys, main, args, cause):
     lengths = tmp_path / "lengths.txt"
     lengths.write_text("5\n9\n12\n")
-    status = exit_status(main, [str(lengths) if a == "LENGTHS" else a for a in args])
+    negative = tmp_path / "negative.txt"
+    negative.write_text("5\n-9\n12\n")
+    files = {"LENGTHS": str(lengths), "NEGATIVE": str(negative)}
+    status = exit_status(main, [files.get(a, a) for a in args])
     out, err = capsys.readouterr()
     assert status == 2 and not out
     assert len(err.strip().splitlines()) == 1 and cause in err, err
