@@ -54,8 +54,7 @@ class PadCollator:
         batch: dict[str, Any] = {}
         ids = [s["input_ids"] for s in samples]
         # equal-length tensors (hot path): stacked, no per-row lengths needed, unless a subclass pads its own way
-        own_pad = type(self)._pad is PadCollator._pad
-        stacked = _stacked(ids) if own_pad else None
+        stacked = _stacked(ids) if type(self)._pad is PadCollator._pad else None
         if stacked is None:
             lengths = [sequence_length(v) for v in ids]
             longest = max(lengths)
@@ -67,13 +66,13 @@ class PadCollator:
                 continue
             if key == "input_ids":
                 batch[key] = stacked if stacked is not None else self._pad_field(ids, longest, self.pad_token_id,
-                                                                                  own_pad, stack=False)
+                                                                                  stack=False)
                 continue
             values = [s[key] if key in s else _text_only_default(key, s) for s in samples]
             if key in SEQUENCE_PAD:
                 # ids not stacked (unequal lengths, or not tensors): the other fields skip the stack attempt, a
                 # failed `torch.stack` costs ~15 µs; the padding path stacks equal-width rows of one dtype itself
-                batch[key] = self._pad_field(values, longest, SEQUENCE_PAD[key], own_pad, stack=stacked is not None)
+                batch[key] = self._pad_field(values, longest, SEQUENCE_PAD[key], stack=stacked is not None)
             else:
                 batch[key] = default_collate(values)
         if "attention_mask" not in batch:
@@ -82,9 +81,11 @@ class PadCollator:
                                                              .astype(np.int64)))
         return batch
 
-    def _pad_field(self, values: list[Any], length: int, value: int, own_pad: bool, *, stack: bool) -> torch.Tensor:
+    def _pad_field(self, values: list[Any], length: int, value: int, *, stack: bool) -> torch.Tensor:
         """`_pad`, or with this class's own padding and `stack=False`, the same without trying `torch.stack`."""
-        return _pad_rows(values, length, value, stack=stack) if own_pad else self._pad(values, length, value)
+        if stack or type(self)._pad is not PadCollator._pad:
+            return self._pad(values, length, value)
+        return _pad_rows(values, length, value, stack=False)
 
     @staticmethod
     def _pad(values: list[Any], length: int, value: int) -> torch.Tensor:
