@@ -9,7 +9,7 @@ default `move="auto"`) and `local`. Three sources, one table:
   * `gloo`: the real loader in W processes over a real Gloo group (mp.spawn), W = 2, 4, 8, plus a probe of the
     raw collectives on the same group (all_gather and all_to_all of growing sizes) that measures this machine's
     per-message and per-byte cost;
-  * `simulated`: `odb_core.simulate` (what `odb plan` runs) for large W: the integers of the collectives
+  * `simulated`: `odb_core.planning.simulate` (what `odb plan` runs) for large W: the integers of the collectives
     (`EpochPlan.gathered_ints`, `reduced_ints`), the moved samples (`EpochPlan.moved`) and their tokens; the
     moved bytes are estimated from the pickled size of the samples (`Payload`; checked against the gloo runs).
 Per rank and per round: metadata bytes sent and received (`TransportStats` minus the moved samples' bytes), moved
@@ -42,13 +42,13 @@ import torch.multiprocessing as mp
 from benchmarks.data import real_lengths
 from benchmarks.data.workloads import LengthsDataset, lognormal
 from odb_core import ODBConfig, ODBDataLoader, VirtualHub, VirtualTransport, simulate_epoch
-from odb_core.alignment import RoundKey
-from odb_core.budget import Item
 from odb_core.cli import shard
-from odb_core.pooled import PoolRequest, plan_pooled_round
-from odb_core.simulate import EpochPlan, is_pooled
-from odb_core.sources import pack_sample
-from odb_core.sync import GlooTransport
+from odb_core.data.sources import pack_sample
+from odb_core.planning.alignment import RoundKey
+from odb_core.planning.budget import Item
+from odb_core.planning.pooled import PoolRequest, plan_pooled_round
+from odb_core.planning.simulate import EpochPlan, is_pooled
+from odb_core.ranks.sync import GlooTransport
 
 PER_RANK = 512
 L_MAX = 2048

@@ -10,7 +10,7 @@ conversations, and 50,000 and 200,000 lengths resampled from them with replaceme
 
 Every cell is one run of the real CLI, `python -m odb_core.cli plan <lengths.npy> --world-size W --token-budget
 16384 --json`, which prints global planning (the loader's default at W > 1) and rank-local planning side by side
-(the loader's own planning code on W virtual ranks). The oracle is `odb_core.grouping.oracle_groups` over all
+(the loader's own planning code on W virtual ranks). The oracle is `odb_core.planning.grouping.oracle_groups` over all
 lengths (a global sort, then the greedy fill): utilization = tokens / (groups x L_max), the same at every W.
 `dealt oracle` deals the oracle's groups to W ranks (ceil(groups / W) steps): no plan that keeps the oracle's
 groups does better at that W. All figures are deterministic.

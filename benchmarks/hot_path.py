@@ -42,7 +42,7 @@ from torch.utils.data import DataLoader, default_collate
 
 from benchmarks import RESULTS
 from odb_core import ODBDataLoader, PadCollator
-from odb_core.sources import arrow_arrays, integer_columns
+from odb_core.data.sources import arrow_arrays, integer_columns
 
 BATCH = 16
 SEQ = 64

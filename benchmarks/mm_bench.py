@@ -17,7 +17,7 @@ Parts:
             tiny Qwen2-VL on the same processed samples, once per method and repeat, methods alternating; the
             samples are processed once before the launch, so the timed region is training only.
 Methods: Standard (the largest fixed batch that fits the longest sample under both limits, shuffled, padded),
-ODB (`odb_core.simulate.simulate_epoch`, default settings with `max_patches`; the HF run uses `ODBCallback`), the
+ODB (`odb_core.planning.simulate.simulate_epoch`, default settings with `max_patches`; the HF run uses `ODBCallback`), the
 offline oracle (global sort, greedy next-fit under both limits) and the reference release (`online-dynamic-
 batching` 0.1.2 in benchmarks/.venv-ref): default buffer and a 512-sample buffer, each given the patch counts (as
 `odb_n_patches`, the field it reads) and the same `max_patches`, plus the 512-sample buffer without them (its
@@ -50,11 +50,11 @@ from benchmarks.comparison import peers
 from benchmarks.comparison.schedule import CostModel, Schedule, deal_round_robin, measure
 from benchmarks.data import mm_mix
 from benchmarks.reference import reference_release
-from odb_core.budget import Item, build_budget
 from odb_core.cli import shard
-from odb_core.config import ODBConfig
-from odb_core.grouping import oracle_groups
-from odb_core.simulate import simulate_epoch
+from odb_core.planning.budget import Item, build_budget
+from odb_core.planning.grouping import oracle_groups
+from odb_core.planning.simulate import simulate_epoch
+from odb_core.settings.config import ODBConfig
 
 PARTS = ("quality", "training", "time_to_quality")
 # the release's runs: name -> (buffer_size, whether it is given the patch counts and max_patches)

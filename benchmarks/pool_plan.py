@@ -15,10 +15,10 @@ import time
 
 import numpy as np
 
-from odb_core.alignment import RoundKey
-from odb_core.budget import Item
-from odb_core.config import ODBConfig
-from odb_core.pooled import PoolRequest, plan_pooled_round
+from odb_core.planning.alignment import RoundKey
+from odb_core.planning.budget import Item
+from odb_core.planning.pooled import PoolRequest, plan_pooled_round
+from odb_core.settings.config import ODBConfig
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -21,8 +21,8 @@ from torch.utils.data import DistributedSampler
 
 from benchmarks.data.workloads import LengthsDataset, lognormal
 from odb_core import ODBConfig, ODBDataLoader, VirtualHub, VirtualTransport
-from odb_core.budget import Item, build_budget
-from odb_core.grouping import oracle_groups
+from odb_core.planning.budget import Item, build_budget
+from odb_core.planning.grouping import oracle_groups
 
 L_MAX = 16384
 

@@ -4,16 +4,15 @@ Buffer processed samples, group them under a token budget, align step counts acr
 model-ready batches with `StepInfo` beside them. Imports torch, numpy and the standard library only.
 """
 
-from odb_core.budget import Item
-from odb_core.collate import CollateError, PadCollator
-from odb_core.config import ODBConfig
-from odb_core.engine import DesyncError
-from odb_core.loader import DatasetFetchError, ODBDataLoader
-from odb_core.pipeline import EpochReport
-from odb_core.sample import SampleError
-from odb_core.simulate import EpochPlan, simulate_epoch
-from odb_core.step_info import ODBBatch, StepInfo
-from odb_core.sync import GlooTransport, LocalTransport, PeerError, Transport, VirtualHub, VirtualTransport
+from odb_core.data.collate import CollateError, PadCollator
+from odb_core.epoch.loader import DatasetFetchError, ODBDataLoader
+from odb_core.epoch.pipeline import EpochReport
+from odb_core.planning.budget import Item, SampleError
+from odb_core.planning.planner import DesyncError
+from odb_core.planning.simulate import EpochPlan, simulate_epoch
+from odb_core.ranks.sync import GlooTransport, LocalTransport, PeerError, Transport, VirtualHub, VirtualTransport
+from odb_core.settings.config import ODBConfig
+from odb_core.steps.step_info import ODBBatch, StepInfo
 
 __all__ = [
     "CollateError", "DatasetFetchError", "DesyncError", "EpochPlan", "EpochReport", "GlooTransport", "Item",

@@ -28,10 +28,10 @@ from pathlib import Path
 
 import numpy as np
 
-from odb_core.budget import Item
-from odb_core.config import COST_NAMES, ODBConfig
-from odb_core.simulate import EpochPlan, is_pooled, simulate_epoch
-from odb_core.sources import ShardedSampler
+from odb_core.data.sources import ShardedSampler
+from odb_core.planning.budget import Item
+from odb_core.planning.simulate import EpochPlan, is_pooled, simulate_epoch
+from odb_core.settings.config import COST_NAMES, ODBConfig
 
 
 @dataclass(frozen=True, slots=True)

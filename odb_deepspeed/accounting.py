@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from odb_core import ODBBatch, ODBDataLoader, StepInfo
-from odb_core.metrics import StepCounts
+from odb_core.steps.metrics import StepCounts
 
 STATE_VERSION = 1
 WINDOW_KEYS = {"samples": "global_samples", "supervised_tokens": "global_supervised_tokens",
@@ -46,7 +46,7 @@ class DeepSpeedODBLoader:
     It also checks, at the first micro-batch of every accumulation window, that DeepSpeed's own window starts
     there too (`engine.micro_steps % G == 0`); a loop that skipped `engine.step()` for a batch would otherwise
     mix two windows' normalisers silently. Everything else is on `.odb`, the wrapped `ODBDataLoader`.
-    The counts are `odb_core.metrics.StepCounts`: `_seen` over every yielded micro-batch, `_stepped` up to the
+    The counts are `odb_core.steps.metrics.StepCounts`: `_seen` over every yielded micro-batch, `_stepped` up to the
     last complete optimizer step; their difference is the open window.
     """
 

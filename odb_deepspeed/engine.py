@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from odb_core import ODBBatch, StepInfo
-from odb_core.loss import causal_lm_loss_sum, weighting_error
+from odb_core.steps.loss import causal_lm_loss_sum, weighting_error
 from odb_deepspeed.loss import weighting_factor
 
 CHECK_TOLERANCE = 1e-3  # relative; a wrong normalisation is off by a micro-batch's token share or by W

@@ -2,7 +2,7 @@
 
 Without an enabled `odb` section every argument goes to `deepspeed.initialize` untouched and its result comes
 back as is. With `"odb": {"enabled": true, ...}`:
-  1. the section is validated before DeepSpeed starts (`odb_core.ds_section.split_ds_config`), into one
+  1. the section is validated before DeepSpeed starts (`odb_core.settings.ds_section.split_ds_config`), into one
      `ODBConfig` (`ODBSettings.config`);
   2. DeepSpeed gets a copy of the config *without* the section (DeepSpeed ignores unknown keys today; removing
      it keeps `engine.config` DeepSpeed's own and survives a stricter DeepSpeed), and no `training_data`;
@@ -25,9 +25,9 @@ from typing import Any
 from torch.utils.data import DataLoader
 
 from odb_core import ODBDataLoader
-from odb_core.console import announce
-from odb_core.ds_section import load_ds_config, split_ds_config
-from odb_core.settings import ODBSettings
+from odb_core.settings.console import announce
+from odb_core.settings.ds_section import load_ds_config, split_ds_config
+from odb_core.settings.settings import ODBSettings
 from odb_deepspeed.accounting import DeepSpeedODBLoader
 from odb_deepspeed.engine import with_odb
 

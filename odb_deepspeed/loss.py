@@ -12,7 +12,7 @@ What DeepSpeed 0.19.8 does to a loss `l` of micro-batch (r, m):
     by nothing.
 So the step's gradient is  (1 / (G * W)) * sum_{r,m} grad l_{r,m},  and
     l_{r,m} = sum_CE_{r,m} * G * W / N        (W := 1 under "sum")
-gives exactly grad L: `odb_core.loss.TokenLossScale(world_size=W, micro_batch_divisor=G)` (see NOTE [ Exact
+gives exactly grad L: `odb_core.steps.loss.TokenLossScale(world_size=W, micro_batch_divisor=G)` (see NOTE [ Exact
 token-weighted loss ] there). Each factor is applied once: nothing else here divides by G, W or a local token count.
 IDLE micro-batches have every label at -100: sum_CE = 0, a zero gradient, and they still run forward and backward,
 so ZeRO's per-micro-batch reductions stay matched across ranks.
@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from odb_core import StepInfo
-from odb_core.loss import TokenLossScale, causal_lm_loss_sum, logits_of
+from odb_core.steps.loss import TokenLossScale, causal_lm_loss_sum, logits_of
 
 
 def loss_scale(info: StepInfo, engine: Any) -> float:

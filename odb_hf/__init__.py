@@ -9,7 +9,7 @@ without loss kwargs next to a `compute_loss` override. See docs/guides/hf-traine
 exact, and how the callback takes effect.
 """
 
-from odb_core.loss import causal_lm_loss
+from odb_core.steps.loss import causal_lm_loss
 from odb_hf.arguments import ODBSetupError
 from odb_hf.attach import with_odb
 from odb_hf.callback import ODBCallback

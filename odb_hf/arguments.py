@@ -1,6 +1,6 @@
 """The Trainer's side of ODB's settings: what `ODBCallback` takes, how the Trainer completes it, what it refuses.
 
-`CALLBACK` is the `odb_core.settings` source of `ODBCallback(**options)`: ODBConfig fields, the epoch-length keys
+`CALLBACK` is the `odb_core.settings.settings` source of `ODBCallback(**options)`: ODBConfig fields, the epoch-length keys
 and the loader arguments it passes on; the settings that the Trainer already holds are refused (`DERIVED`).
 `build_loader` completes the callback's `ODBConfig` with what the Trainer derives (`ODBSettings.derive`:
 gradient accumulation, and the seed unless the user set one). Nothing here changes a user setting: a setting ODB
@@ -17,8 +17,8 @@ from typing import Any
 import torch.distributed as dist
 from transformers import Trainer, TrainingArguments
 
-from odb_core.loader import WORKER_OPTIONS, ODBDataLoader
-from odb_core.settings import EPOCH_LENGTH_KEYS, PASSED_ON, ODBSettings, SettingsSource
+from odb_core.epoch.loader import WORKER_OPTIONS, ODBDataLoader
+from odb_core.settings.settings import EPOCH_LENGTH_KEYS, PASSED_ON, ODBSettings, SettingsSource
 
 DERIVED = {"accumulation_steps": "TrainingArguments.gradient_accumulation_steps",
            "shuffle": "TrainingArguments.train_sampling_strategy ('random' or 'sequential')",

@@ -1,7 +1,7 @@
 """`ODBCallback`: turn ODB on in a `transformers.Trainer` (or a subclass such as TRL's SFTTrainer) with one line.
 
 The callback is ODB's state for one Trainer, `trainer.odb`: the settings (one `ODBConfig`, validated at
-construction by `odb_core.settings.read_settings`), the data position and the current `ODBRun`. It maps the
+construction by `odb_core.settings.settings.read_settings`), the data position and the current `ODBRun`. It maps the
 Trainer's events onto ODB; at `on_init_end` it attaches to the Trainer being built (NOTE [ Attaching ODB to a
 Trainer ] in attach.py, the one place a user's Trainer changes), which also reads the `odb` section of
 `TrainingArguments.deepspeed` (NOTE [ One DeepSpeed config for both adapters ] in ds_config.py). The Trainer methods
@@ -16,8 +16,8 @@ from typing import Any
 
 from transformers import Trainer, TrainerCallback
 
-from odb_core.console import announce
-from odb_core.settings import ODBSettings, combine, read_settings
+from odb_core.settings.console import announce
+from odb_core.settings.settings import ODBSettings, combine, read_settings
 from odb_hf import ds_config
 from odb_hf.arguments import CALLBACK, ODBSetupError
 from odb_hf.attach import attach_odb, initialising_trainer

@@ -1,11 +1,11 @@
-"""ODB's data position in Trainer checkpoints: `odb_loader_rank{r}.json` per rank (`odb_core.checkpoints`).
+"""ODB's data position in Trainer checkpoints: `odb_loader_rank{r}.json` per rank (`odb_core.resume.checkpoints`).
 
 Written at every save beside the Trainer's own files; read before the first batch of a resumed `train()`. With
 `ignore_data_skip=False` (the default) the Trainer asks for the exact data position: ODB restores it from its own
 state and sets `ignore_data_skip=True`, with a warning, so that the Trainer does not skip batches a second time.
 A user's own `ignore_data_skip=True` is honoured: no restore, the checkpoint's epoch restarts from its beginning.
 A resumed multi-process CPU run also needs torch to read `cpu:N` locations (NOTE [ Indexed CPU devices in
-torch.load ] in odb_core/checkpoints.py), which `start` registers.
+torch.load ] in odb_core/resume/checkpoints.py), which `start` registers.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from transformers import TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
-from odb_core.checkpoints import allow_indexed_cpu_location, load_loader_state, save_loader_state
-from odb_core.loader import ODBDataLoader
+from odb_core.epoch.loader import ODBDataLoader
+from odb_core.resume.checkpoints import allow_indexed_cpu_location, load_loader_state, save_loader_state
 from odb_hf.arguments import ODBSetupError
 
 logger = logging.getLogger(__name__)

@@ -4,11 +4,11 @@ NOTE [ One DeepSpeed config for both adapters ]
 The Trainer hands `TrainingArguments.deepspeed` (a path or a dict) to `deepspeed.initialize` itself, `odb` section
 included: `HfTrainerDeepSpeedConfig` only fills "auto" values and DeepSpeed 0.19.8 accepts unknown top-level keys
 silently. So the section alone does nothing under the Trainer; an `ODBCallback` reads it when it attaches, with
-`odb_core.ds_section.parse_odb_section` (the parser `odb_deepspeed` uses):
+`odb_core.settings.ds_section.parse_odb_section` (the parser `odb_deepspeed` uses):
   * a bad section (unknown key, bad value, no `enabled`) raises when the Trainer is built, whatever the callback;
   * `ODBCallback.from_deepspeed_config(args)` takes its settings from the section; `ODBCallback(token_budget=...)`
     adds the section's settings it leaves unset; a setting given in both must be equal, or it raises
-    (`odb_core.settings.combine`);
+    (`odb_core.settings.settings.combine`);
   * `odb.shuffle` / `odb.num_workers` must agree with `train_sampling_strategy` / `dataloader_num_workers`, from
     which the loader is built; a difference raises (neither side silently wins);
   * `"enabled": false` turns ODB off, with a warning, for a callback built from a config with `enabled: false`.
@@ -24,8 +24,8 @@ from typing import Any
 
 from transformers import Trainer, TrainingArguments
 
-from odb_core.ds_section import parse_odb_section
-from odb_core.settings import ODBSettings, combine
+from odb_core.settings.ds_section import parse_odb_section
+from odb_core.settings.settings import ODBSettings, combine
 from odb_hf.arguments import ODBSetupError
 from odb_hf.trainer import ODBTrainerMixin
 

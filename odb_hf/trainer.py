@@ -7,17 +7,17 @@ processes when `average_tokens_across_devices`, `training_step` does not divide 
 ODB only changes where num_items_in_batch comes from: `StepInfo.window_tokens`, the step's supervised tokens over
 all ranks and all G micro-batches, computed by the loader. So no per-step all-reduce runs (transformers#35387:
 ranks with different step counts hang in it) and nothing is normalised twice. A model whose forward takes no
-loss kwargs gets the same sum / N x W from `odb_core.loss` here (times G, which `training_step` divides out).
+loss kwargs gets the same sum / N x W from `odb_core.steps.loss` here (times G, which `training_step` divides out).
 IDLE micro-batches have no supervised token: they add exactly zero, and every rank still runs forward/backward.
 Under DeepSpeed the same holds: `engine.backward(loss, scale_wrt_gas=False)` and its "mean" reduction over W.
-Exact or loud (NOTE [ Exact or loud ] in odb_core/loss.py): during the first optimizer step the loss that
+Exact or loud (NOTE [ Exact or loud ] in odb_core/steps/loss.py): during the first optimizer step the loss that
 `compute_loss` returns must be divided by num_items_in_batch (`normalized_share`; skipped under DeepSpeed, whose
 output hooks would start a backward pass), and a `compute_loss` override that ODB's own path would bypass is
 refused; each refusal names whose loss it is (an override, `compute_loss_func`, the model) and the fix.
 
 NOTE [ Steps of a target size under the HF Trainer ]
 With `samples_per_step` (or `tokens_per_step`) an optimizer step holds a variable number k of micro-batches (the
-same on every rank; NOTE [ Steps of a target size ] in odb_core/accumulation.py), but the Trainer pulls a fixed
+same on every rank; NOTE [ Steps of a target size ] in odb_core/steps/accumulation.py), but the Trainer pulls a fixed
 `gradient_accumulation_steps` items per update. So the Trainer runs with gradient_accumulation_steps=1 and each
 item it pulls is one `StepWindow` (the k micro-batches of one optimizer step); `training_step` runs forward and
 backward over them in order, under the accelerator's `no_sync` for all but the last (DDP/FSDP synchronise once),
@@ -36,11 +36,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers import Trainer
 
-from odb_core.accumulation import StepWindow, window_normalizer
-from odb_core.epoch_length import EpochView, plan_epoch_length
-from odb_core.loader import ODBDataLoader
-from odb_core.loss import TokenLossScale, causal_lm_loss_sum, logits_of, normalized_share
-from odb_core.metrics import StepMeter
+from odb_core.epoch.epoch_length import EpochView, plan_epoch_length
+from odb_core.epoch.loader import ODBDataLoader
+from odb_core.steps.accumulation import StepWindow, window_normalizer
+from odb_core.steps.loss import TokenLossScale, causal_lm_loss_sum, logits_of, normalized_share
+from odb_core.steps.metrics import StepMeter
 from odb_hf.arguments import ODBSetupError, build_loader, check_collator_keeps_labels
 
 if TYPE_CHECKING:
@@ -78,7 +78,7 @@ class ODBTrainerMixin:
     odb: ODBCallback | None = None  # set on the instance when an ODBCallback attaches (attach.py)
     odb_owns_data = True  # arguments.check_trainer: this class's overrides of the data methods are ODB's own
     odb_bypassed_compute_loss: tuple[type, ...] = ()  # classes whose compute_loss ODB's own loss may skip
-    odb_adapter: str | None = None  # who runs ODB, in the start line (odb_core.console); None: "HF <Trainer class>"
+    odb_adapter: str | None = None  # who runs ODB, in the start line (odb_core.settings.console); None: "HF <Trainer class>"
 
     def _odb(self) -> ODBCallback:
         if self.odb is None:

@@ -11,7 +11,7 @@ command, torchrun relaunch, and the `train(config, callbacks=..., observer=...)`
 (LLaMA-Factory trains with the HF Trainer): it uses odb_hf's public API only. See docs/guides/llamafactory.md.
 """
 
-from odb_core.settings import ODBSettings
+from odb_core.settings.settings import ODBSettings
 from odb_llamafactory.settings import ALLOWED_KEYS, ODBConfigError, pop_odb_settings
 
 __all__ = ["ALLOWED_KEYS", "ODBConfigError", "ODBSettings", "pop_odb_settings"]

@@ -25,7 +25,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from odb_core.settings import ODBSettings
+from odb_core.settings.settings import ODBSettings
 from odb_llamafactory.settings import ODBConfigError, check_compatible, pop_odb_settings
 
 USAGE = "usage: odb-llamafactory train CONFIG.yaml|CONFIG.json [key=value ...]"

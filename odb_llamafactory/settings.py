@@ -6,7 +6,7 @@
     odb_length_slack: 0.25    # ODBCallback's estimate_sample_size / length_slack
 
 LLaMA-Factory's parser rejects keys it does not know, so they must be gone before it runs. They are validated by
-the core's settings parser (`odb_core.settings.read_settings` with `LLAMAFACTORY` below) into `ODBSettings`, whose
+the core's settings parser (`odb_core.settings.settings.read_settings` with `LLAMAFACTORY` below) into `ODBSettings`, whose
 `ODBConfig` the workflow hands to `ODBCallback.from_settings`. Settings that have a LLaMA-Factory/Trainer source
 keep that one source (one name per concept): gradient_accumulation_steps, seed/data_seed, disable_shuffling,
 dataloader_num_workers. `odb_max_patches` is refused: it could not act here (NO_EFFECT says why). This module
@@ -19,7 +19,7 @@ import warnings
 from collections.abc import Mapping, MutableMapping
 from typing import Any
 
-from odb_core.settings import EPOCH_LENGTH_KEYS, ODBSettings, SettingsSource, read_settings
+from odb_core.settings.settings import EPOCH_LENGTH_KEYS, ODBSettings, SettingsSource, read_settings
 
 PREFIX = "odb_"
 SWITCH = "odb"

@@ -26,8 +26,8 @@ from llamafactory.train.sft.trainer import CustomSeq2SeqTrainer
 from llamafactory.train.tuner import run_exp
 from transformers import TrainerCallback
 
+from odb_core.settings.settings import ODBSettings
 from odb_hf import ODBCallback, ODBTrainerMixin
-from odb_core.settings import ODBSettings
 
 PAD_MULTIPLE = 8  # run_sft builds its collator with pad_to_multiple_of=8 when training
 

@@ -28,7 +28,7 @@ if str(TESTS_DIR) not in sys.path:
 
 from conftest import LengthDataset, lognormal_lengths  # noqa: E402
 from odb_core import ODBDataLoader, StepInfo, VirtualHub, VirtualTransport  # noqa: E402
-from odb_core.resume import merge_states  # noqa: E402
+from odb_core.resume.resume import merge_states  # noqa: E402
 
 DATA = LengthDataset(lognormal_lengths(260, cv=1.0, mean=96, seed=11, hi=900))
 SMALL = LengthDataset(lognormal_lengths(37, cv=0.6, mean=60, seed=4, hi=400))

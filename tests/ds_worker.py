@@ -39,7 +39,7 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 import odb_deepspeed  # noqa: E402
 from odb_core import ODBDataLoader  # noqa: E402
-from odb_core.loss import causal_lm_loss_sum  # noqa: E402
+from odb_core.steps.loss import causal_lm_loss_sum  # noqa: E402
 
 deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # else init_distributed compiles it (~3 min)
 VOCAB = 128

@@ -15,7 +15,7 @@ writes its facts to `--out` and the tests assert on them. Scenarios:
 `--kill` (its own torchrun launch, or plain python for one process) runs the ODB run until the checkpoint at
 STOP_AT (mid-epoch) is on disk on every rank, then every rank SIGKILLs itself, as a lost node takes a job down.
 Nothing here works around torch or transformers: a resumed multi-process CPU run needs what odb_hf does itself
-(NOTE [ Indexed CPU devices in torch.load ] in odb_core/checkpoints.py).
+(NOTE [ Indexed CPU devices in torch.load ] in odb_core/resume/checkpoints.py).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 
 sys.path.insert(0, str(Path(__file__).parent))
 import hf_support  # noqa: E402
-from odb_core.collate import PadCollator  # noqa: E402
+from odb_core.data.collate import PadCollator  # noqa: E402
 from odb_hf import ODBCallback, ODBSetupError  # noqa: E402
 
 STOP_AT = 5

@@ -38,7 +38,7 @@ import deepspeed  # noqa: E402
 from transformers import Trainer, TrainerCallback, TrainingArguments  # noqa: E402
 
 import hf_support  # noqa: E402
-from odb_core.collate import PadCollator  # noqa: E402
+from odb_core.data.collate import PadCollator  # noqa: E402
 from odb_hf import ODBCallback, ODBSetupError  # noqa: E402
 
 deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # else init_distributed compiles it (~3 min)

@@ -114,7 +114,7 @@ def reference_gradient(model: torch.nn.Module, samples: list[dict], pad_token_id
     The CE is computed here in float64 from the logits (not by the model's loss) so that the reference is
     independent of the code under test. Every field but `labels` goes to the model (VLMs: pixel values, grids).
     """
-    from odb_core.collate import PadCollator
+    from odb_core.data.collate import PadCollator
 
     batch = PadCollator(pad_token_id=pad_token_id)(samples)
     model.zero_grad(set_to_none=True)

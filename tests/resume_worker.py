@@ -29,7 +29,7 @@ import torch.distributed as dist  # noqa: E402
 
 from conftest import LengthDataset, lognormal_lengths  # noqa: E402
 from odb_core import ODBDataLoader  # noqa: E402
-from odb_core.resume import merge_states  # noqa: E402
+from odb_core.resume.resume import merge_states  # noqa: E402
 
 N_SAMPLES = 240
 BUDGET = 1024

@@ -173,7 +173,7 @@ def test_dataset_error_names_the_index_and_keeps_the_original(num_workers, prefe
     assert "load_broken_record" in rendered
 
 
-# How workers exit promptly (odb_core/reader.py): when fetching a chunk raises, `SampleReader` clears the exception's
+# How workers exit promptly (odb_core/epoch/reader.py): when fetching a chunk raises, `SampleReader` clears the exception's
 # frames and drops the DataLoader iterator at once; otherwise it is freed only by the cyclic GC, whose `__del__`
 # waits 5 s per worker before terminating it.
 
@@ -257,7 +257,7 @@ def test_accepted_length_fn_values_drive_the_grouping():
 @pytest.mark.parametrize("sample,message", [({"input_ids": [3, 4], "labels": None}, "'labels' must be a 1-D"),
                                             ({"input_ids": None}, "'input_ids' must be a 1-D")])
 def test_a_present_but_empty_field_is_refused_naming_it(sample, message):
-    from odb_core.sample import SampleError, inspect_sample
+    from odb_core.data.sample import SampleError, inspect_sample
 
     with pytest.raises(SampleError, match=rf"sample 3: {message}"):
         inspect_sample(3, sample, None)
@@ -275,8 +275,8 @@ def test_the_inline_tensor_check_answers_as_the_general_checks_do(ids, labels, v
     # inspect_sample answers a text sample of tensors inline; a length_fn sends it through the general checks,
     # which run before length_fn is called: both must accept the same samples, with equal facts, and refuse the
     # rest with the same message
-    from odb_core.budget import Item
-    from odb_core.sample import inspect_sample
+    from odb_core.planning.budget import Item
+    from odb_core.data.sample import inspect_sample
 
     sample = {"input_ids": ids} if labels == "absent" else {"input_ids": ids, "labels": labels}
     if vision == "pixel_values":

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from odb_core.collate import PadCollator
+from odb_core.data.collate import PadCollator
 
 ROWS = [[5, 6, 7], [8], [9, 10, 11, 12]]
 LABELS = [[-100, 6, 7], [8], [-100, -100, 11, 12]]

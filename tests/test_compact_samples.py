@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from odb_core import ODBDataLoader, PadCollator, SampleError
-from odb_core.sample import compact_ids
-from odb_core.sources import Handover, IndexedDataset, arrow_arrays, integer_columns
+from odb_core.data.sample import compact_ids
+from odb_core.data.sources import Handover, IndexedDataset, arrow_arrays, integer_columns
 
 MODES = [pytest.param(0, 0, id="inline"), pytest.param(0, 2, id="thread"), pytest.param(2, 2, id="workers")]
 LENGTHS = [41 + (i * 37) % 300 for i in range(120)]  # none of length 64 (the ids' own lists are told apart below)

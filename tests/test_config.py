@@ -79,7 +79,7 @@ def test_every_config_field_has_a_rejected_value_above():
     assert {name for name, _, _ in BAD_VALUES} == {f.name for f in dataclasses.fields(ODBConfig)}
 
 
-# Proposed fix (odb_core/config.py): an `_is_int(v)` helper, `isinstance(v, int) and not isinstance(v, bool)`, for
+# Proposed fix (odb_core/settings/config.py): an `_is_int(v)` helper, `isinstance(v, int) and not isinstance(v, bool)`, for
 # the int fields, and an `isinstance(v, int | float) and not isinstance(v, bool)` check before comparing the float
 # fields, so that a wrong type raises the same field-naming ValueError.
 
@@ -145,7 +145,7 @@ def test_loader_rejects_config_together_with_individual_config_fields(dataset, c
         ODBDataLoader(dataset, config=ODBConfig(token_budget=64), **conflict)
 
 
-# Proposed fix (odb_core/loader.py, ODBDataLoader.__init__): default `seed` and `join` to None, fill in 0 / True
+# Proposed fix (odb_core/epoch/loader.py, ODBDataLoader.__init__): default `seed` and `join` to None, fill in 0 / True
 # only when building the config from arguments, and add `seed is not None or join is not None` to the conflict
 # check of the `config is not None` branch.
 

@@ -14,7 +14,7 @@ import torch
 
 import odb_deepspeed
 from odb_core import ODBConfig, ODBDataLoader
-from odb_core.ds_section import ALLOWED_KEYS, parse_odb_section, without_odb_section
+from odb_core.settings.ds_section import ALLOWED_KEYS, parse_odb_section, without_odb_section
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "configs/deepspeed/zero2_odb.json"
 

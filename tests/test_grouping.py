@@ -1,4 +1,4 @@
-"""Unit tests of the budget constraints and the pure grouping (`odb_core.budget`, `odb_core.grouping`)."""
+"""Unit tests of the budget constraints and the pure grouping (`odb_core.planning.budget`, `odb_core.planning.grouping`)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from hypothesis import strategies as st
 
 from conftest import lognormal_lengths
 from odb_core import Item, ODBConfig, simulate_epoch
-from odb_core.budget import AttentionBudget, CountCap, PaddedBudget, PatchCap, TokenBudget, build_budget
-from odb_core.grouping import (Group, oracle_groups, pack_sorted, plan_window, sort_longest_first, split_group,
-                               split_widest)
+from odb_core.planning.budget import AttentionBudget, CountCap, PaddedBudget, PatchCap, TokenBudget, build_budget
+from odb_core.planning.grouping import (Group, oracle_groups, pack_sorted, plan_window, sort_longest_first, split_group,
+                                        split_widest)
 
 
 def items_of(lengths, patches=None) -> list[Item]:
@@ -105,8 +105,8 @@ def test_alone_length_is_exactly_where_a_patchless_sample_stops_fitting_alone(co
 @pytest.mark.parametrize("cost", ["padded", "tokens", "attention"])
 def test_admit_refuses_exactly_what_alone_fits_refuses_whatever_the_length(cost):
     # odb plan and simulate_epoch pass unchecked lengths: zero and negative ones too (-200 + 0.01 x 200^2 > 100)
-    from odb_core.engine import RankEngine
-    from odb_core.sample import SampleError
+    from odb_core.planning.planner import RankEngine
+    from odb_core.planning.budget import SampleError
 
     config = ODBConfig(token_budget=100, cost=cost, attention_alpha=0.01 if cost == "attention" else 0.0,
                        oversize="error", max_patches=5)

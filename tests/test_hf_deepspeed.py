@@ -20,7 +20,7 @@ from transformers import Trainer, TrainingArguments
 from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
 import hf_support
-from odb_core.collate import PadCollator
+from odb_core.data.collate import PadCollator
 from odb_hf import ODBCallback, ODBSetupError, ODBTrainer, ODBTrainerMixin
 from odb_hf.arguments import check_process_count
 from odb_hf.ds_config import check_engine

@@ -209,7 +209,7 @@ def test_per_rank_normalisation_and_training_after_evaluate_are_refused_naming_t
 
 
 def test_rank_zero_says_once_per_training_run_that_odb_is_on(dist_run):
-    """The start line of odb_core.console, on stderr, from rank 0 only: one per ODB train() of the launch (the six
+    """The start line of odb_core.settings.console, on stderr, from rank 0 only: one per ODB train() of the launch (the six
     DDP gradient scenarios, the step-target one, the two schedule ones, odb, resumed, the two FSDP2 ones; not the
     plain Trainer's)."""
     lines = [line for line in (dist_run / "launch.stderr").read_text().splitlines() if line.startswith("odb: on")]

@@ -1,4 +1,4 @@
-"""G6 exact loss: `odb_core.loss` on its own, and through the HF Trainer in one process against the float64
+"""G6 exact loss: `odb_core.steps.loss` on its own, and through the HF Trainer in one process against the float64
 big-batch reference (the 2-rank cases are in test_hf_distributed.py)."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import torch
 from transformers import Trainer, TrainingArguments
 
 import hf_support
-from odb_core.collate import PadCollator
-from odb_core.loss import TokenLossScale, causal_lm_loss_sum, step_normalizer
+from odb_core.data.collate import PadCollator
+from odb_core.steps.loss import TokenLossScale, causal_lm_loss_sum, step_normalizer
 from odb_hf import ODBCallback, ODBSetupError, ODBTrainerMixin, causal_lm_loss
 
 pytest_plugins = ["hf_fixtures"]
@@ -205,11 +205,11 @@ def test_a_compute_loss_above_the_mixin_is_refused_when_the_trainer_is_built(cha
 
 
 def test_the_shared_loss_reads_logits_from_every_output_form_and_divides_by_the_given_tokens():
-    """odb_core.loss.logits_of / causal_lm_loss (odb_hf.causal_lm_loss; odb_deepspeed.token_weighted_loss reads
+    """odb_core.steps.loss.logits_of / causal_lm_loss (odb_hf.causal_lm_loss; odb_deepspeed.token_weighted_loss reads
     logits the same way): a tensor, a mapping, an output object, a return_dict=False tuple."""
     from types import SimpleNamespace
 
-    from odb_core.loss import logits_of
+    from odb_core.steps.loss import logits_of
 
     logits, labels = torch.randn(2, 5, 7, dtype=torch.float64), torch.tensor([[1, 2, 3, -100, -100], [4, 5, 6, 1, 2]])
     for output in (logits, {"logits": logits}, SimpleNamespace(logits=logits), (logits,)):

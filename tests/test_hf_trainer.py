@@ -9,8 +9,8 @@ import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 import hf_support
-from odb_core.collate import PadCollator
-from odb_core.loader import ODBDataLoader
+from odb_core.data.collate import PadCollator
+from odb_core.epoch.loader import ODBDataLoader
 from odb_hf import ODBCallback, ODBSetupError, ODBTrainer, ODBTrainerMixin
 
 pytest_plugins = ["hf_fixtures"]

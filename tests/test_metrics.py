@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from dataclasses import fields, replace
 
-from odb_core.config import ODBConfig
-from odb_core.metrics import LoaderMetrics, StepCounts, StepMeter
-from odb_core.step_info import StepInfo
+from odb_core.settings.config import ODBConfig
+from odb_core.steps.metrics import LoaderMetrics, StepCounts, StepMeter
+from odb_core.steps.step_info import StepInfo
 
 
 def test_moves_are_reported_per_log_from_whole_rounds_and_not_as_a_restored_total():

@@ -8,8 +8,8 @@ import torch
 
 from benchmarks.data import mm_mix
 from odb_core import ODBDataLoader
-from odb_core.collate import PadCollator
-from odb_core.sample import inspect_sample
+from odb_core.data.collate import PadCollator
+from odb_core.data.sample import inspect_sample
 
 
 @pytest.fixture(scope="module")

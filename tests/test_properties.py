@@ -32,8 +32,8 @@ from hypothesis import strategies as st
 from batch_record import _on_ranks
 from conftest import LengthDataset, lognormal_lengths
 from odb_core import EpochPlan, Item, ODBConfig, ODBDataLoader, simulate_epoch
-from odb_core.accumulation import window_normalizer
-from odb_core.config import COST_NAMES
+from odb_core.settings.config import COST_NAMES
+from odb_core.steps.accumulation import window_normalizer
 
 # 7 property tests x 120 examples = 840 generated cases per run (about 20 s on 2 CPU cores).
 EXAMPLES = 120
@@ -44,7 +44,7 @@ PROPERTY_SETTINGS = settings(max_examples=EXAMPLES, deadline=None, derandomize=T
 # -- reference model ------------------------------------------------------------------------------------------
 
 def reference_cost(config: ODBConfig, items: tuple[Item, ...]) -> float:
-    """The cost models of DESIGN 5, written out independently of `odb_core.budget`."""
+    """The cost models of DESIGN 5, written out independently of `odb_core.planning.budget`."""
     size, longest, total = len(items), max(it.length for it in items), sum(it.length for it in items)
     if config.cost == "padded":
         return size * longest

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 import batch_record as br
-from odb_core.resume import merge_states
+from odb_core.resume.resume import merge_states
 
 RECORDED = {
     "w1_padded_shuffle": "47424bdb7292ffbec6bf20732b567973e528ab7ec64520a69ca9a54b12674230",

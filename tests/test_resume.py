@@ -8,8 +8,8 @@ import time
 import pytest
 
 from conftest import LengthDataset, lognormal_lengths
-from odb_core.state import digest_of
 from odb_core import ODBDataLoader
+from odb_core.resume.fields import digest_of
 
 
 def _make(dataset, **kw):

@@ -1,4 +1,4 @@
-"""Elastic resume (NOTE [ Elastic resume ] in odb_core/resume.py) on the in-process virtual cluster: states of W
+"""Elastic resume (NOTE [ Elastic resume ] in odb_core/resume/resume.py) on the in-process virtual cluster: states of W
 ranks, merged, continue the epoch at W' without losing or repeating a sample; what cannot be honoured is refused."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 
 from conftest import LengthDataset, lognormal_lengths
 from odb_core import ODBDataLoader, VirtualHub, VirtualTransport
-from odb_core.resume import ElasticResumeError, merge_states
+from odb_core.resume.resume import ElasticResumeError, merge_states
 
 N = 300
 DATASET = LengthDataset(lognormal_lengths(N, 1.0, 128, seed=3, hi=1024))

@@ -1,4 +1,4 @@
-"""The one settings parser and the one step counter that every adapter uses (odb_core.settings, odb_core.metrics).
+"""The one settings parser and the one step counter that every adapter uses (odb_core.settings.settings, odb_core.steps.metrics).
 
 Pure checks, no framework needed: each adapter's source names keys its own way, the rules are the same.
 """
@@ -9,9 +9,9 @@ import pytest
 
 from conftest import LengthDataset
 from odb_core import ODBDataLoader
-from odb_core.ds_section import DEEPSPEED_SECTION
-from odb_core.metrics import LoaderMetrics, StepCounts
-from odb_core.settings import POSITIVE_INT, SettingsSource, combine, read_settings
+from odb_core.settings.ds_section import DEEPSPEED_SECTION
+from odb_core.settings.settings import POSITIVE_INT, SettingsSource, combine, read_settings
+from odb_core.steps.metrics import LoaderMetrics, StepCounts
 from odb_llamafactory.settings import LLAMAFACTORY, ODBConfigError
 
 SOURCES = [  # (source, the same settings as written there, how an error names `window`)

@@ -10,10 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from odb_core.accumulation import AccumulationWindow
-from odb_core.round_log import RoundLog
-from odb_core.state import LEGACY_FINGERPRINT, LoaderState, RoundStart, StateError, digest_of
-from odb_core.step_info import StepInfo
+from odb_core.resume.fields import StateError, digest_of
+from odb_core.resume.round_log import RoundLog
+from odb_core.resume.state import LEGACY_FINGERPRINT, LoaderState, RoundStart
+from odb_core.steps.accumulation import AccumulationWindow
+from odb_core.steps.step_info import StepInfo
 
 V2_STATES = json.loads((Path(__file__).parent / "data" / "v2_states.json").read_text())
 

@@ -1,4 +1,4 @@
-"""A loaded state proves itself (NOTE [ A state proves itself ] in odb_core/state.py): an edited, truncated,
+"""A loaded state proves itself (NOTE [ A state proves itself ] in odb_core/resume/state.py): an edited, truncated,
 out-of-range or inconsistent state is refused with an error that names the field, never resumed into lost or
 duplicated samples, and ranks whose states were saved at different steps fail at their first exchange."""
 
@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 from batch_record import _on_ranks
 from conftest import LengthDataset, lognormal_lengths
 from odb_core import DesyncError, ODBDataLoader, VirtualHub, VirtualTransport
-from odb_core.resume import ElasticResumeError, merge_states
-from odb_core.state import StateError, digest_of
+from odb_core.resume.fields import StateError, digest_of
+from odb_core.resume.resume import ElasticResumeError, merge_states
 
 N = 200
 EXAMPLES = int(os.environ.get("ODB_FAULT_EXAMPLES", "40"))  # bounded in make test; raise it for a longer search

@@ -11,9 +11,9 @@ import pytest
 from batch_record import _on_ranks
 from conftest import LengthDataset, lognormal_lengths
 from odb_core import ODBDataLoader
-from odb_core.accumulation import StepTarget, step_windows
-from odb_core.resume import merge_states
-from odb_core.state import ElasticResumeError
+from odb_core.resume.fields import ElasticResumeError
+from odb_core.resume.resume import merge_states
+from odb_core.steps.accumulation import StepTarget, step_windows
 
 DATA = LengthDataset(lognormal_lengths(203, cv=0.8, mean=80, seed=5, hi=700))
 OPTIONS = dict(token_budget=900, window=40, shuffle=True, seed=3, prefetch_steps=0)

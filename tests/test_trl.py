@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import lf_fixtures
-from odb_core.loss import causal_lm_loss_sum
+from odb_core.steps.loss import causal_lm_loss_sum
 
 if os.environ.get("MAKELEVEL") or os.environ.get("CI"):
     import trl  # noqa: F401  (requirements.txt pins it: make test must run these tests)

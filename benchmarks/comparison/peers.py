@@ -12,8 +12,8 @@ environment (`reference/reference_release.py`); everything else runs here, from 
   deepspeed_*       DeepSpeed data efficiency `batch_by_seqlens` (variable batch size, token-sum cap), offline
   packing           padding-free packing: random order, next-fit under sum(len) <= L_max (for
                     `DataCollatorWithFlattening`)
-  oracle_*          offline global sort + greedy fill (`odb_core.grouping.oracle_groups`) under each cost model
-  odb_*             ODB's own planning code on W virtual ranks (`odb_core.simulate`, as `odb plan` runs it), with
+  oracle_*          offline global sort + greedy fill (`odb_core.planning.grouping.oracle_groups`) under each cost model
+  odb_*             ODB's own planning code on W virtual ranks (`odb_core.planning.simulate`, as `odb plan` runs it), with
                     the default config: global planning at W > 1 (NOTE [ Pooled rounds ]); `odb_*_local` the same
                     with `planning="local"` (each rank plans its own samples). Identical at W = 1.
 """
@@ -28,10 +28,10 @@ import torch
 
 from benchmarks.comparison.schedule import CostModel, Group, Schedule, deal_round_robin
 from odb_core import ODBConfig, simulate_epoch
-from odb_core.simulate import is_pooled
-from odb_core.budget import Item, build_budget
 from odb_core.cli import shard
-from odb_core.grouping import oracle_groups
+from odb_core.planning.budget import Item, build_budget
+from odb_core.planning.grouping import oracle_groups
+from odb_core.planning.simulate import is_pooled
 
 DS_CHECK_SAMPLES = 600  # prefix on which our O(n) replay is checked against DeepSpeed's O(n^2) function
 

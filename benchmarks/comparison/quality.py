@@ -21,9 +21,9 @@ from benchmarks.comparison import peers
 from benchmarks.comparison.schedule import CostModel, measure
 from benchmarks.data.workloads import bimodal, lognormal
 from benchmarks.reference import reference_release
-from odb_core.budget import Item, build_budget
 from odb_core.cli import shard
-from odb_core.grouping import oracle_groups
+from odb_core.planning.budget import Item, build_budget
+from odb_core.planning.grouping import oracle_groups
 
 L_MAX = 16384
 ATTENTION_ALPHA = 2.0 / L_MAX  # the quadratic term equals the linear one at 8192 tokens

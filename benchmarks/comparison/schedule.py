@@ -4,7 +4,7 @@ A `Schedule` is one epoch on W ranks: `steps[r][k]` is the tuple of dataset indi
 k, or None when rank r has no batch at that step (IDLE, or a rank that ran out). Every measure below depends only
 on the schedule, the lengths and the budget, so the numbers are deterministic and identical across machines.
 
-Definitions (the same as `odb_core.metrics` and `odb plan`):
+Definitions (the same as `odb_core.steps.metrics` and `odb plan`):
   * budget utilization = real tokens / (steps x W x L_max);
   * padding ratio = 1 - real tokens / padded token slots (sum over groups of B x longest);
   * rank imbalance of a step = coefficient of variation (population std / mean) of the per-rank group cost, an

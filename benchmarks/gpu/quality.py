@@ -23,8 +23,8 @@ import torch
 from torch.utils.data import DataLoader
 
 from odb_core import ODBDataLoader
-from odb_core.collate import PadCollator, supervised_tokens
-from odb_core.loss import causal_lm_loss_sum
+from odb_core.data.collate import PadCollator, supervised_tokens
+from odb_core.steps.loss import causal_lm_loss_sum
 
 
 def load_text(out: Path, train: int, held_out: int, cutoff: int) -> dict:

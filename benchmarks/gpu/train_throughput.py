@@ -40,7 +40,7 @@ from benchmarks.data.workloads import bimodal, lognormal
 from benchmarks.demo import VOCAB as TEXT_VOCAB
 from benchmarks.gpu.quality import run_quality
 from odb_core import ODBDataLoader
-from odb_core.collate import PadCollator
+from odb_core.data.collate import PadCollator
 
 PAD = 0
 

@@ -91,7 +91,7 @@ class Data:
 def train(mode: str, spec: RunSpec, data: Data) -> dict:
     from transformers import Trainer, TrainingArguments
 
-    from odb_core.collate import PadCollator
+    from odb_core.data.collate import PadCollator
     from odb_hf import ODBCallback
 
     class ReplayTrainer(Trainer):

@@ -90,7 +90,7 @@ def tiny_llama(vocab: int, hidden: int, layers: int, max_len: int):
 def build_trainer(method: str, samples: list[dict], ns: argparse.Namespace, out: Path):
     from transformers import DataCollatorWithFlattening, Trainer, TrainingArguments
 
-    from odb_core.collate import PadCollator
+    from odb_core.data.collate import PadCollator
     from odb_hf import ODBCallback
 
     longest = max(len(s["input_ids"]) for s in samples)

@@ -1,0 +1,189 @@
+"""What the engine reads off one processed sample: its cost facts, checked with errors that name the index.
+
+NOTE [ Observed cost ]
+A sample's cost is known only after the user's pipeline ran (tokenization, templates, truncation, image-token
+expansion). The default cost length is `len(input_ids)`; vision patches are the rows of `pixel_values`, or the
+sum of t*h*w over `image_grid_thw`, and are capped per group by `max_patches`. A user `length_fn(sample) -> int`
+replaces the default length. Supervised tokens are counted later, on the collated batch, as
+`labels[..., 1:] != -100` (the causal shift), so that whatever the collator does to labels is what is counted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from odb_core.planning.budget import Item, SampleError
+
+IGNORE_INDEX = -100
+LengthFn = Callable[[Mapping[str, Any]], int]
+
+
+def sequence_length(value: Any) -> int | None:
+    """Length of a 1-D token sequence given as a tensor, ndarray, list or tuple; None if it is not 1-D."""
+    if type(value) is list:  # the common cases first: this runs per sample
+        return len(value)
+    if type(value) is torch.Tensor:
+        shape = value.shape
+        return shape[0] if len(shape) == 1 else None
+    if isinstance(value, torch.Tensor | np.ndarray):
+        shape = value.shape
+        return int(shape[0]) if len(shape) == 1 else None
+    if isinstance(value, list | tuple):
+        return len(value)
+    return None
+
+
+def count_patches(sample: Mapping[str, Any]) -> int:
+    """Vision patches of a sample: `image_grid_thw` products if present, else rows of `pixel_values`."""
+    grid = sample.get("image_grid_thw")
+    if grid is not None:
+        grid = torch.as_tensor(grid).reshape(-1, 3)
+        return int(grid.prod(dim=1).sum())
+    pixels = sample.get("pixel_values")
+    if pixels is not None and hasattr(pixels, "shape") and len(pixels.shape) >= 1:
+        return int(pixels.shape[0])
+    return 0
+
+
+INTEGER_DTYPES = frozenset({torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8})  # one lookup, hot path
+
+
+def non_integer(value: Any) -> str | None:
+    """Why a 1-D token sequence is not integer ids (a float or other dtype, a non-int element), or None.
+
+    Tensors and arrays are checked by dtype; a list is summed (one C loop, ~5 ns per token): any float element
+    makes the sum a float, any non-number raises TypeError."""
+    if isinstance(value, torch.Tensor):
+        if value.dtype in INTEGER_DTYPES:
+            return None
+        return None if not (value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool) \
+            else f"dtype {value.dtype}"
+    if isinstance(value, np.ndarray):
+        return None if value.dtype.kind in "iu" else f"dtype {value.dtype}"
+    try:
+        total = sum(value)
+    except TypeError:
+        return f"an element of type {next(type(v).__name__ for v in value if not isinstance(v, int | np.integer))}"
+    return None if isinstance(total, int | np.integer) else f"a {type(total).__name__} element"
+
+
+def _checked_length(index: int, key: str, value: Any) -> int:
+    """Length of a 1-D sequence of integer token ids under `key`; raises `SampleError` otherwise (hot path: one
+    shape and one dtype look for a tensor or array, one C-level sum for a list)."""
+    kind = type(value)
+    if kind is torch.Tensor:  # the common cases first, answered without the general path's calls
+        shape = value.shape
+        if len(shape) == 1 and value.dtype in INTEGER_DTYPES:
+            return shape[0]
+    elif kind is np.ndarray and value.ndim == 1 and value.dtype.kind in "iu":
+        return value.shape[0]
+    n = sequence_length(value)
+    if n is None:
+        raise SampleError(index, _not_1d(key, value))
+    wrong = non_integer(value)
+    if wrong is not None:
+        raise SampleError(index, _not_integer(key, wrong))
+    return n
+
+
+def _not_1d(key: str, value: Any) -> str:
+    if key == "labels":
+        return "'labels' must be a 1-D sequence like 'input_ids'"
+    return ("'input_ids' must be a 1-D tensor, ndarray or list of token ids, got "
+            f"{type(value).__name__} of shape {getattr(value, 'shape', '?')}")
+
+
+def _not_integer(key: str, wrong: str) -> str:
+    return (f"'{key}' must hold integer token ids, but it has {wrong}; convert it (e.g. torch.as_tensor(ids, "
+            "dtype=torch.long)) after checking where the floats come from, instead of letting them be truncated")
+
+
+def inspect_sample(index: int, sample: Any, length_fn: LengthFn | None) -> Item:
+    """Check one sample and return its planning facts. Raises `SampleError` naming `index` and the cause.
+
+    Hot path (once per sample read): a text sample whose ids are 1-D integer tensors and that has no vision field
+    and no `length_fn` is answered inline, with one shape and one dtype look per field and no call into the
+    general checks below, which give every other sample (and every error) its answer."""
+    if type(sample) is not dict and not isinstance(sample, Mapping):
+        raise SampleError(index, f"expected a mapping with 'input_ids', got {type(sample).__name__}")
+    ids, labels = sample.get("input_ids"), sample.get("labels", _ABSENT)
+    if (type(ids) is torch.Tensor and length_fn is None and (labels is _ABSENT or type(labels) is torch.Tensor)
+            and sample.get("image_grid_thw") is None and sample.get("pixel_values") is None):
+        shape = ids.shape
+        if (len(shape) == 1 and shape[0] > 0 and ids.dtype in INTEGER_DTYPES
+                and (labels is _ABSENT or (labels.ndim == 1 and labels.dtype in INTEGER_DTYPES))):
+            return _new_item(Item, (index, shape[0], 0, 0, False))
+    if "input_ids" not in sample:
+        raise SampleError(index, f"has no 'input_ids' (keys: {sorted(sample)})")
+    n_input = _checked_length(index, "input_ids", sample["input_ids"])
+    if n_input == 0:
+        raise SampleError(index, "'input_ids' is empty")
+    if "labels" in sample:
+        _checked_length(index, "labels", sample["labels"])
+    length = n_input
+    if length_fn is not None:
+        try:
+            length = length_fn(sample)
+        except Exception as exc:
+            raise SampleError(index, f"length_fn raised {type(exc).__name__}: {exc}") from exc
+        if not isinstance(length, int | np.integer) or isinstance(length, bool) or length <= 0:
+            raise SampleError(index, f"length_fn returned {length!r}; it must return a positive int")
+    return Item(index, int(length), count_patches(sample))
+
+
+_ABSENT = object()
+_new_item = tuple.__new__  # Item's fields in order, without the named tuple's Python-level __new__ (0.1 µs less)
+
+
+ID_FIELDS = ("input_ids", "labels", "attention_mask", "position_ids", "token_type_ids", "mm_token_type_ids")
+ID_KEYS = frozenset(ID_FIELDS)
+
+
+def compact_ids(sample: Any, integer_keys: frozenset[str] = frozenset()) -> Any:
+    """NOTE [ Compact buffered samples ]
+    A window buffers thousands of samples; as Python lists of ints a token costs ~36 bytes, and the cyclic garbage
+    collector walks every element of every buffered list whenever a collection runs (a plain DataLoader frees its
+    batch before one triggers; ODB holds the window across many). When ODB's own `PadCollator` batches the samples
+    and no `length_fn` reads them, the stream hands each 1-D list of integer ids under an `ID_FIELDS` key over as
+    an int64 ndarray instead: 8 bytes per token, nothing for the collector to walk, a memcpy when padded, and a
+    cheaper pickle from worker processes. The conversion costs what padding from the list cost before (one C
+    pass), so it moves work rather than adding it. Lists that are empty, nested or not all integers stay lists,
+    so `inspect_sample` reports them exactly as before; the dataset's own dict is never modified (a new one is
+    built). The new dict is built key by key rather than copied: a dict that holds only arrays, numbers and
+    strings is then untracked by the collector, so a buffered sample adds nothing to what a full collection walks
+    or to the count of promoted objects that triggers one (docs/benchmarks.md, "The loader's hot path").
+    Under `integer_keys` (columns whose Arrow schema holds integers, see `sources.integer_columns`) the per-element
+    check is skipped: a float cannot be there, and a null makes the conversion fail, leaving the list to the
+    checks."""
+    if type(sample) is not dict:
+        return sample
+    arrays = {}
+    for key, value in sample.items():  # a sample has few keys: cheaper than looking every ID_FIELDS key up
+        if type(value) is list and key in ID_KEYS and value and (key in integer_keys or non_integer(value) is None):
+            try:  # ~13 µs per 1,000 ids: less than np.array(value), which infers a dtype first
+                arrays[key] = np.fromiter(value, dtype=np.int64, count=len(value))
+            except (TypeError, ValueError, OverflowError):  # nested, or an id beyond int64: left to the checks
+                continue
+    return {key: arrays.get(key, value) for key, value in sample.items()} if arrays else sample
+
+
+def as_dummy(sample: Mapping[str, Any]) -> dict[str, Any]:
+    """A zero-weight copy of a real sample: every label is -100, so it contributes no loss and no gradient."""
+    dummy = dict(sample)
+    reference = sample.get("labels", sample["input_ids"])
+    if isinstance(reference, torch.Tensor):
+        dummy["labels"] = torch.full_like(reference, IGNORE_INDEX, dtype=torch.long)
+    elif isinstance(reference, np.ndarray):
+        dummy["labels"] = np.full(reference.shape, IGNORE_INDEX, dtype=np.int64)
+    else:
+        dummy["labels"] = [IGNORE_INDEX] * len(reference)
+    return dummy
+
+
+def input_tokens(sample: Mapping[str, Any]) -> int:
+    """Real (unpadded) input tokens of one sample."""
+    return int(sequence_length(sample["input_ids"]) or 0)

@@ -1,0 +1,168 @@
+"""An epoch length for trainers that plan with `len()`: one ODB epoch per trainer epoch (the HF Trainer, and
+LLaMA-Factory through it; any loop that sizes its schedule from `len(dataloader)` before the first batch).
+
+NOTE [ Epochs under the HF Trainer ]
+The HF Trainer reads `len(train_dataloader)` once and runs every epoch as `range(ceil(len / G))` optimizer steps,
+each pulling G micro-batches; once the iterator is exhausted the remaining iterations get no batch and do nothing.
+ODB epochs vary in length (batch sizes follow the observed lengths), so:
+  * epoch-based runs with an exact plan (the default for map-style data; NOTE [ Exact schedule ] in estimate.py):
+    `len()` is the longest planned epoch, and the schedule and `state.max_steps` are the real total;
+  * other epoch-based runs (`max_steps <= 0`): `len()` is an upper bound U = estimate x (1 + slack), rounded up to G.
+    An epoch shorter than U just ends early; the LR scheduler is built for the *estimated* total instead of the
+    bound (`planned_steps`), and training stops after `num_train_epochs` ODB epochs. An epoch longer than U
+    would be cut by the Trainer; the callback detects that at the epoch's end and raises (never silently).
+  * step-based runs (`max_steps > 0`): `len()` raises TypeError, so the Trainer runs epochs of up to
+    `max_steps` optimizer steps, i.e. each ODB epoch to its natural end, until `max_steps`.
+With a step target (`samples_per_step`), the Trainer runs G = 1 and each item is one `StepWindow` (the
+micro-batches of one optimizer step), so lengths count optimizer steps.
+Every rank derives U from the same cross-rank estimate, and every rank's ODB epoch has the same number of steps,
+a multiple of G (G2), so all ranks run the same optimizer steps and never split a GA window.
+The Trainer's epoch number is mapped to ODB's own epoch counter, which a resumed loader restores, so the
+Trainer's `epochs_trained = global_step // (U / G)` (an underestimate under a bound) cannot replay an epoch.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from odb_core.epoch.loader import ODBDataLoader
+from odb_core.steps.accumulation import step_windows
+from odb_core.steps.step_info import ODBBatch, StepInfo
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class EpochLength:
+    """Lengths the Trainer plans with. `length` None: no len() (step-based or unsized data). `exact`: the step
+    counts are the real ones (NOTE [ Exact schedule ]), so `planned_steps` is the run's real optimizer-step count."""
+
+    length: int | None
+    estimate: int | None
+    planned_steps: int | None
+    stop_epoch: int | None
+    exact: bool = False
+
+
+def _planned(per_epoch: Sequence[int], num_train_epochs: float) -> int:
+    """Optimizer steps of `num_train_epochs` epochs of these lengths (a fraction takes part of the last)."""
+    whole = math.floor(num_train_epochs)
+    fraction = num_train_epochs - whole
+    return max(sum(per_epoch[:whole]) + (math.ceil(fraction * per_epoch[whole]) if fraction else 0), 1)
+
+
+def plan_epoch_length(loader: ODBDataLoader, *, max_steps: int, num_train_epochs: float, slack: float,
+                      sample_size: int, exact: bool = True) -> EpochLength:
+    """The trainer's epoch lengths: exact (`exact`, the default: every rank's lengths on the virtual cluster, for
+    map-style data and sample- or G-sized steps) or estimated (one all_gather of one int). Every rank calls it at
+    the same point. With a step target the trainer's unit is an optimizer step (one `StepWindow`), otherwise a
+    micro-batch."""
+    if max_steps > 0:
+        return EpochLength(length=None, estimate=None, planned_steps=None, stop_epoch=None)
+    stop_epoch = math.ceil(num_train_epochs)
+    windows = loader.config.step_target is not None
+    if exact:
+        try:
+            # the epochs before a resume point too (for the schedule's total), in the same call: one read of the data
+            plan = loader.plan_epochs_exactly(range(0, max(stop_epoch, loader.epoch + 1)))
+        except TypeError as exc:
+            logger.info(f"ODB: the step count is estimated ({exc})")
+        else:
+            ahead = slice(loader.epoch, None)
+            unit = (plan.optimizer_steps if windows else plan.micro_batches)[ahead]
+            return EpochLength(length=max(max(unit), 1), estimate=max(plan.micro_batches[ahead]), exact=True,
+                               planned_steps=_planned(plan.optimizer_steps, num_train_epochs), stop_epoch=stop_epoch)
+    try:
+        estimate = loader.estimate_steps(sample_size=sample_size)
+    except TypeError as exc:
+        raise TypeError(f"an epoch-based run needs an epoch length, but {exc}; set max_steps > 0") from exc
+    per_epoch = _estimated_optimizer_steps(loader, estimate)
+    unit = loader.config.accumulation_steps if not windows else 1
+    bound = math.ceil(math.ceil(per_epoch * (1.0 + slack)) * unit)
+    if windows and loader.config.step_target[0] == "tokens":
+        bound = estimate  # an optimizer step holds at least one micro-batch: a safe bound, whatever the tokens
+    return EpochLength(length=max(bound, unit), estimate=estimate, stop_epoch=stop_epoch,
+                       planned_steps=max(math.ceil(num_train_epochs * per_epoch), 1))
+
+
+def _estimated_optimizer_steps(loader: ODBDataLoader, micro_batches: int) -> float:
+    """Optimizer steps per epoch from the estimated micro-batches: / G, or the epoch's samples / samples_per_step;
+    with tokens_per_step no better figure than the micro-batches exists before the collator ran (see the guide)."""
+    target = loader.config.step_target
+    if target is None:
+        return micro_batches / loader.config.accumulation_steps
+    if target[0] == "samples" and hasattr(loader.dataset, "__len__"):
+        return max(len(loader.dataset) / target[1], 1.0)
+    return float(micro_batches)
+
+
+class EpochView:
+    """`len()`, `set_epoch()` and `iter()` for the Trainer over an `ODBDataLoader` (see the NOTE above)."""
+
+    def __init__(self, loader: ODBDataLoader, plan: EpochLength, *, resumed: bool) -> None:
+        self.loader, self.plan, self.resumed = loader, plan, resumed
+        self.dataset = loader.dataset  # Trainer.num_examples() reads len(dataloader.dataset)
+        self._trainer_epoch: int | None = None
+        self._offset: int | None = None
+        self._running: Iterator[ODBBatch] | None = None
+        self.finished = True
+
+    def __len__(self) -> int:
+        if self.plan.length is None:
+            raise TypeError("ODB epochs have no fixed length in step-based runs; max_steps drives training")
+        return self.plan.length
+
+    def set_epoch(self, epoch: int) -> None:
+        self._trainer_epoch = epoch
+
+    def done(self) -> bool:
+        """All `num_train_epochs` ODB epochs have run (epoch-based runs only)."""
+        return self.plan.stop_epoch is not None and self.finished and self.loader.epoch >= self.plan.stop_epoch
+
+    def __iter__(self) -> Iterator[ODBBatch]:
+        if not self.finished:  # the Trainer stopped the epoch on request (should_epoch_stop)
+            self.loader.close()
+        trainer_epoch = self._trainer_epoch if self._trainer_epoch is not None else self.loader.epoch
+        if self._offset is None:  # a restored loader knows its epoch; otherwise the Trainer's count is used
+            self._offset = self.loader.epoch - trainer_epoch if self.resumed else 0
+        epoch = trainer_epoch + self._offset
+        if self.plan.stop_epoch is not None and epoch >= self.plan.stop_epoch:
+            return iter(())
+        self.loader.set_epoch(epoch)
+        self.finished = False
+        self._running = iter(self.loader)
+        return self._follow(self._running)
+
+    def _follow(self, source: Iterator[ODBBatch]) -> Iterator[Any]:
+        items = step_windows(source) if self.loader.config.step_target is not None else source
+        for item in items:  # not `yield from`: closing this generator must not close the epoch (end_epoch does)
+            yield item
+        self.finished = True
+
+    def progress(self, info: StepInfo) -> float | None:
+        """The epoch count after the step `info`: its epoch plus the fraction of the estimated length done
+        (None without an estimate: step-based runs)."""
+        if self.plan.estimate is None:
+            return None
+        return info.epoch + min((info.step + 1) / self.plan.estimate, 1.0)
+
+    def end_epoch(self) -> float:
+        """At the trainer's epoch end: the whole epoch count, or `RuntimeError` if the ODB epoch holds more
+        batches than the trainer took (never a silent cut).
+
+        Pulls one batch if the epoch is not known to be finished: every rank calls it at the same point.
+        """
+        if not self.finished and self._running is not None:
+            try:
+                next(self._running)
+            except StopIteration:
+                self.finished = True
+            else:
+                raise RuntimeError(f"ODB epoch {self.loader.epoch - 1} has more than the {len(self)} steps the "
+                                   f"trainer planned (estimate {self.plan.estimate}); raise length_slack "
+                                   "(ODBCallback(length_slack=...), odb_length_slack) or set max_steps")
+        return float(self.loader.epoch)

@@ -1,0 +1,294 @@
+"""`ODBDataLoader`: online dynamic batching around a plain DataLoader.
+
+Guarantees (see docs/guarantees.md): every rank yields the same number of steps per epoch (IDLE included); with
+`join=True` every index of the epoch's sampler output appears in exactly one non-IDLE step on exactly one rank;
+every group's cost is <= token_budget except a lone oversize sample; batches depend only on (seed, epoch, data,
+world size, config). Cost per round: one all_gather of 5 ints per rank and one all_reduce of 6 ints per step,
+over a dedicated Gloo group.
+
+`len()` is the step count of the last completed epoch on this loader (an honest estimate for the next one,
+which differs only by the shuffle) or `estimate_steps()`' result; before either exists it raises TypeError, which
+is how Python and the HF Trainer recognise a loader without a length.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import weakref
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
+
+from torch.utils.data import Sampler
+
+from odb_core.data.collate import CollateFn, PadCollator
+from odb_core.data.sample import LengthFn
+from odb_core.epoch.estimate import ExactPlan, estimate_steps, plan_epochs_exactly
+from odb_core.epoch.pipeline import EpochReport, EpochRun, RunContext
+from odb_core.epoch.prefetch import BackgroundIterator
+from odb_core.epoch.stream import DatasetFetchError, SampleStream, StreamOptions
+from odb_core.ranks.rounds import RoundsFactory, move_mode
+from odb_core.ranks.sync import Transport, default_transport
+from odb_core.resume.cursor import EpochCursor
+from odb_core.resume.resume import restore
+from odb_core.resume.round_log import RoundLog
+from odb_core.resume.source_state import RemainderSource
+from odb_core.resume.state import LoaderIdentity, LoaderState
+from odb_core.settings.config import ODBConfig
+from odb_core.settings.settings import PASSED_ON, SettingsSource, split_keys
+from odb_core.steps.metrics import LoaderMetrics
+from odb_core.steps.step_info import ODBBatch, StepInfo
+
+__all__ = ["DatasetFetchError", "ODBDataLoader"]
+logger = logging.getLogger(__name__)
+
+WORKER_OPTIONS = frozenset({"persistent_workers", "multiprocessing_context", "pin_memory", "prefetch_factor",
+                            "worker_init_fn", "generator"})
+OPTIONS = SettingsSource(where="ODBDataLoader", noun="argument", key_error=TypeError,
+                         keys=dict.fromkeys(sorted(WORKER_OPTIONS), PASSED_ON))  # its **options: fields, workers
+FINGERPRINT = ("token_budget", "cost", "attention_alpha", "max_patches", "max_batch_size", "window", "join",
+               "accumulation_steps", "samples_per_step", "tokens_per_step", "planning", "seed", "shuffle_steps")
+
+
+def _split_options(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    split = split_keys(options, OPTIONS)
+    return split.fields, split.extras
+
+
+def _config(token_budget: int | None, config: ODBConfig | None, fields_given: dict[str, Any]) -> ODBConfig:
+    """The one `ODBConfig`: passed whole as `config=`, or built from `token_budget=` and other field names."""
+    if config is None:
+        if token_budget is None:
+            raise TypeError("ODBDataLoader needs token_budget=... (tokens per micro-batch per rank) or config=")
+        return ODBConfig(token_budget=token_budget, **fields_given)
+    if token_budget is not None or fields_given:
+        raise TypeError("pass either config=ODBConfig(...) or individual config fields, not both")
+    return config
+
+
+class _LoaderCall:
+    """Calls a method of the loader's parts through a weak reference. The producer thread holds the epoch's
+    `RunContext`; a bound method there would keep a deleted loader, and so its thread and workers, alive forever."""
+
+    def __init__(self, method: Callable[..., Any]) -> None:
+        self._method = weakref.WeakMethod(method)
+
+    def __call__(self, *args: Any) -> Any:
+        method = self._method()
+        if method is None:
+            raise RuntimeError("the ODBDataLoader running this epoch was deleted")
+        return method(*args)
+
+
+class ODBDataLoader:
+    """Yields variable-size, model-ready `ODBBatch`es under a token budget, aligned across ranks.
+
+    Args:
+        dataset: map-style (indexable, sized) or `IterableDataset` of processed samples (mappings with
+            `input_ids`; see docs/design.md for the sample contract).
+        token_budget: `L_max`, with any other `ODBConfig` field by name (cost, window, join, seed, ...); or pass a
+            complete `config=ODBConfig(...)` instead.
+        collate_fn: user collator for a list of samples; defaults to `PadCollator()`.
+        sampler: optional map-style sampler yielding this rank's indices (e.g. `DistributedSampler`); by default
+            ODB shards the dataset over ranks itself, without padding or dropping.
+        shuffle: shuffling of ODB's own sampler (seeded by the config's `seed` and the epoch).
+        num_workers: DataLoader worker processes producing samples; the batches do not depend on it.
+        length_fn: optional `sample -> int` cost length replacing `len(input_ids)`.
+        transport: metadata transport; defaults to a dedicated Gloo group when torch.distributed is initialized.
+        idle_sample: sample used for IDLE dummies on a rank that has seen no data (iterable datasets only).
+        shard_iterable: for an `IterableDataset`, whether ODB shards it over ranks by stream position.
+        observer: optional callable receiving every yielded `StepInfo` (e.g. to log emitted indices).
+        **options: `ODBConfig` fields and DataLoader worker options (persistent_workers, multiprocessing_context,
+            pin_memory, prefetch_factor, worker_init_fn).
+    """
+
+    def __init__(self, dataset: Any, *, token_budget: int | None = None, config: ODBConfig | None = None,
+                 collate_fn: CollateFn | None = None, sampler: Sampler[int] | None = None, shuffle: bool = False,
+                 num_workers: int = 0, length_fn: LengthFn | None = None, transport: Transport | None = None,
+                 idle_sample: Mapping[str, Any] | None = None, shard_iterable: bool = True,
+                 observer: Callable[[StepInfo], None] | None = None, **options: Any) -> None:
+        config_options, worker_options = _split_options(options)
+        self.config = config = _config(token_budget, config, config_options)
+        self.dataset = dataset
+        self.transport = transport if transport is not None else default_transport(config.sync_timeout_s,
+                                                                                       config.liveness_timeout_s)
+        self.metrics = self._new_metrics()
+        collate_fn = collate_fn if collate_fn is not None else PadCollator()
+        stream_options = StreamOptions(sampler=sampler, shuffle=shuffle, seed=config.seed, num_workers=num_workers,
+                                       shard_iterable=shard_iterable, fetch_chunk=config.fetch_chunk,
+                                       worker_timeout_s=config.worker_timeout_s, worker_options=worker_options,
+                                       idle_sample=idle_sample,
+                                       compact_ids=type(collate_fn) is PadCollator and length_fn is None)
+        self._stream = SampleStream(dataset, stream_options, rank=self.transport.rank,
+                                    world_size=self.transport.world_size)
+        self.sampler = self._stream.sampler
+        move_mode(config, map_style=self._stream.size is not None)  # refuses move='fetch' for a stream, now
+        rounds = RoundsFactory(config=config, transport=self.transport, fetch=_LoaderCall(self._stream.fetch),
+                               map_style=self._stream.size is not None)
+        self._ctx = RunContext(rounds_factory=rounds, transport=self.transport,
+                               collate_fn=collate_fn,
+                               length_fn=length_fn, metrics=self.metrics,
+                               fallback_dummy=_LoaderCall(self._stream.fallback_dummy),
+                               fetch=_LoaderCall(self._stream.fetch),
+                               observer=observer, packed_samples=num_workers > 0)
+        self._cursor = EpochCursor()
+        self._current: _EpochIterator | None = None
+        self.last_report: EpochReport | None = None
+        self._length: int | None = None
+
+    # -- iteration ----------------------------------------------------------------------------------------
+    @property
+    def epoch(self) -> int:
+        """The epoch the next `iter()` will run."""
+        return self._cursor.epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch of the next `iter()` (reshuffles). Without calls, each `iter()` advances by one.
+
+        After `load_state_dict()` the restored epoch is `self.epoch`; selecting another one while the restored
+        epoch still has steps to run raises ValueError instead of silently dropping (or misplacing) them."""
+        self._cursor.select(epoch)
+
+    def __iter__(self) -> Iterator[ODBBatch]:
+        self.close()
+        start = self._cursor.begin()
+        if start.nothing_left:  # its last step was consumed before the save
+            return iter(())
+        start_metrics = self.metrics.snapshot()
+        chunks = self._stream.open(start.epoch, start.plan, start.point)
+        log = RoundLog(start.position)
+        run = EpochRun(self._ctx, start.epoch, chunks, log, start.point)  # re-fetches the resume point's samples
+        self._stream.forget_replayed()
+        self._current = _EpochIterator(self, run, log, epoch=start.epoch, plan=start.plan, start_metrics=start_metrics)
+        return self._current
+
+    def _finish(self, report: EpochReport) -> None:
+        if report.unread_chunks_remaining:  # non-join: name the never-read indices (map-style)
+            report = dataclasses.replace(report, not_emitted=report.not_emitted
+                                         + self._stream.unread(report.stream_position))
+        self.last_report = report
+        self._length = report.steps
+
+    # -- state ----------------------------------------------------------------------------------------------
+    def _identity(self) -> LoaderIdentity:
+        return LoaderIdentity(world_size=self.transport.world_size, rank=self.transport.rank,
+                              config={name: getattr(self.config, name) for name in FINGERPRINT},
+                              source=self._stream.source())
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's position, as plain JSON-serialisable data (save one per rank, after the same step).
+
+        Taken after any consumed step, it makes a fresh loader's next `iter()` yield exactly the batches the
+        uninterrupted run would have yielded next (same indices, order and `StepInfo`). Between epochs it
+        points at the start of the next epoch. To resume at another world size, merge every rank's state with
+        `odb_core.resume.resume.merge_states`. Size: O(window) ints (plus O(W x window) during a remainder epoch).
+        """
+        current, cursor, me = self._current, self._cursor, self._identity()
+        if current is not None and not current.finished:  # where the trainer stands, not the producer thread
+            epoch, plan, position, metrics = current.epoch, current.plan, current.log.position, current.start_metrics
+        else:
+            epoch, plan, position, metrics = cursor.epoch, cursor.plan, cursor.position, self.metrics.snapshot()
+        return LoaderState(world_size=me.world_size, rank=me.rank, config=me.config, source=me.source, epoch=epoch,
+                           plan=plan, position=position,
+                           metrics=dict(position.metrics if position is not None else metrics)).to_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a `state_dict()` (or a `merge_states()` of every rank's); the next `iter()` continues from it.
+
+        A rank state, or a merged state of the same world size, resumes exactly. A merged state of another world
+        size continues the epoch with the remaining samples (NOTE [ Elastic resume ] in `odb_core/resume/resume.py`).
+        Refuses (ValueError) a different batching config, dataset size or sampler, and a single rank's state
+        from another world size.
+        """
+        fixed = self.config.accumulation_steps if self.config.step_target is None else None  # None: a step target
+        restored = restore(state, self._identity(), self._shard_order, self.config.window, fixed)
+        self.close()
+        self.metrics.restore(restored.metrics if restored.metrics is not None else self._new_metrics().snapshot())
+        self._cursor.load(restored.epoch, restored.position, restored.plan)
+
+    def _shard_order(self, loaded: LoaderState) -> list[int] | None:
+        """This rank's index order of the loaded epoch (its remainder after an elastic resume); None: a stream."""
+        if self._stream.size is None or loaded.position is None:
+            return None
+        if loaded.plan is not None:
+            return loaded.plan.indices(self.transport.rank, loaded.epoch)
+        return self._stream.epoch_indices(loaded.epoch)
+
+    def _new_metrics(self) -> LoaderMetrics:
+        return LoaderMetrics(token_budget=self.config.token_budget, world_size=self.transport.world_size,
+                             patch_budget=self.config.max_patches or 0)
+
+    # -- length ---------------------------------------------------------------------------------------------
+    def estimate_steps(self, sample_size: int = 512) -> int:
+        """Estimate the next epoch's step count, the same on every rank, and make `len()` return it.
+
+        Every rank must call this at the same point (one all_gather of one int); see `odb_core.epoch.estimate`. Exact
+        at W=1 when `sample_size` covers the epoch."""
+        self._length = estimate_steps(self._stream, self.config, epoch=self._cursor.epoch, length_fn=self._ctx.length_fn,
+                                      transport=self.transport, sample_size=sample_size)
+        return self._length
+
+    def plan_epochs_exactly(self, epochs: Iterable[int]) -> ExactPlan:
+        """The real micro-batch and optimizer-step counts of `epochs`, the same on every rank (NOTE [ Exact
+        schedule ] in estimate.py). Every rank must call it at the same point. Raises TypeError where no exact
+        plan exists (an iterable dataset, `tokens_per_step`)."""
+        return plan_epochs_exactly(self._stream, self.config, epochs=list(epochs), length_fn=self._ctx.length_fn,
+                                   transport=self.transport)
+
+    def __len__(self) -> int:
+        if self._length is None:
+            raise TypeError("ODBDataLoader has no length before its first epoch completes (batch sizes depend on "
+                            "observed lengths); call estimate_steps() or iterate once")
+        return self._length
+
+    def close(self) -> None:
+        """Stop the current epoch's producer thread and workers, if any. An epoch left before its end is left in
+        step with the other ranks (NOTE [ Leaving an epoch ] in pipeline.py): this waits, at most
+        `sync_timeout_s`, until every rank continued or left it too, so the next epoch starts aligned."""
+        if self._current is not None:
+            self._current.close(leave=True)
+            self._current = None
+
+    def __del__(self) -> None:
+        if getattr(self, "_current", None) is not None:  # __init__ may have raised before setting it
+            self._current.close(leave=False)  # no collective from a finalizer
+            self._current = None
+
+
+class _EpochIterator(Iterator[ODBBatch]):
+    """The iterator `ODBDataLoader.__iter__` returns: inline or through a background producer. Each batch it
+    hands to the caller is reported to the epoch's `RoundLog`, whose position is what `state_dict()` saves."""
+
+    def __init__(self, loader: ODBDataLoader, run: EpochRun, log: RoundLog, *, epoch: int,
+                 plan: RemainderSource | None, start_metrics: dict[str, float | int]) -> None:
+        self.loader, self.run, self.log, self.epoch, self.plan = loader, run, log, epoch, plan
+        self.start_metrics = start_metrics
+        depth = loader.config.prefetch_steps
+        self.source: Iterator[ODBBatch] = BackgroundIterator(run, depth) if depth > 0 else run
+        self.finished = False
+
+    def __next__(self) -> ODBBatch:
+        try:
+            batch = next(self.source)
+        except StopIteration:
+            self.finished = True
+            if self.run.report is not None:
+                self.loader._finish(self.run.report)
+            raise
+        assert batch.info is not None
+        self.log.consume(batch.info)
+        return batch
+
+    def close(self, leave: bool) -> None:
+        """Stop the epoch; with `leave` (an explicit close before the end), leave it with the other ranks."""
+        leave = leave and not self.finished
+        if isinstance(self.source, BackgroundIterator):
+            self.source.close(leave=leave, timeout_s=self.loader.config.sync_timeout_s + 5.0)
+            return
+        try:
+            if leave:
+                self.run.leave()
+        except Exception as exc:  # noqa: BLE001 - the next epoch's first exchange reports the same peer problem
+            logger.warning("ODB: leaving the epoch early failed (%s: %s)", type(exc).__name__, exc)
+        finally:
+            self.run.close()

@@ -1,0 +1,247 @@
+"""One epoch on one rank: fill the window, plan, align over the transport, collate, and yield steps.
+
+NOTE [ One round ]
+  1. fill: read tagged samples until the window is full or the stream ends; check each (`SampleReader`);
+  2. plan (`rounds.py`): rank-local, all_gather(RankState) + decide + adjust (`RankEngine`); global, also the
+     pooled items, the shared plan (`PooledEngine`, NOTE [ Pooled rounds ]) and the moved samples: exactly T
+     ordered slots on every rank;
+  3. collate each slot (IDLE: the cached zero-weight dummy) and count its supervised/input tokens;
+  4. all_reduce_sum of 6 ints per slot: global samples, supervised tokens, input tokens, cost, cost^2 and vision
+     patches;
+  5. release steps; with accumulation_steps = G, a step is released once its G-step window is complete, so
+     that `StepInfo.window_tokens` is exact (a window may span two rounds; `AccumulationWindow`); with a step
+     target (`samples_per_step` / `tokens_per_step`) once the window is decided (NOTE [ Steps of a target
+     size ]), and the epoch's last window when the epoch ends.
+The whole round is deterministic given the samples, so the batches do not depend on worker timing.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from odb_core.data.collate import CollateFn, padded_tokens, run_collate, supervised_tokens
+from odb_core.data.sample import LengthFn, as_dummy, input_tokens
+from odb_core.epoch.reader import SampleReader
+from odb_core.epoch.stream import Chunk
+from odb_core.planning.alignment import Slot
+from odb_core.planning.termination import STEP_SUM_FIELDS
+from odb_core.ranks.rounds import RankRound, Rounds, sample_of
+from odb_core.ranks.sync import Transport
+from odb_core.resume.round_log import RoundLog
+from odb_core.resume.state import ResumePoint, RoundStart
+from odb_core.steps.accumulation import AccumulationWindow, StepTarget
+from odb_core.steps.metrics import LoaderMetrics, cost_cv
+from odb_core.steps.step_info import ODBBatch, StepInfo
+
+
+@dataclass(frozen=True, slots=True)
+class EpochReport:
+    """What an epoch emitted on this rank, and what it did not (only non-join leaves samples behind)."""
+
+    epoch: int
+    steps: int
+    rounds: int
+    not_emitted: tuple[int, ...]
+    unread_chunks_remaining: bool
+    stream_position: int = 0  # samples read from this rank's stream (admitted + pending), resume offset included
+    abandoned: bool = False  # a consumer left the epoch early (NOTE [ Leaving an epoch ])
+
+
+@dataclass(frozen=True, slots=True)
+class RunContext:
+    """Everything an epoch needs besides its data; shared by the epochs of one loader."""
+
+    rounds_factory: Callable[[int], Rounds]
+    transport: Transport
+    collate_fn: CollateFn
+    length_fn: LengthFn | None
+    metrics: LoaderMetrics
+    fallback_dummy: Callable[[], Mapping[str, Any]]
+    fetch: Callable[[int], Mapping[str, Any]]
+    observer: Callable[[StepInfo], None] | None = None
+    packed_samples: bool = False  # worker processes send small tensors as arrays
+
+
+@dataclass(frozen=True, slots=True)
+class _Built:
+    """A collated slot and its local counts, before the all_reduce."""
+
+    batch: Mapping[str, Any]
+    indices: tuple[int, ...]
+    samples: int
+    tokens: int
+    input_tokens: int
+    padded: int
+    cost: int
+    patches: int
+
+    def as_ints(self) -> list[int]:
+        return [self.samples, self.tokens, self.input_tokens, self.cost, self.cost * self.cost, self.patches]
+
+
+class EpochRun(Iterator[ODBBatch]):
+    """Yields this rank's steps of one epoch. Every rank's `EpochRun` yields the same number of steps.
+
+    NOTE [ Exact resume ]
+    At the start of every round the run records a `RoundStart` in its `RoundLog`: the stream position (samples
+    admitted so far), the dataset indices still buffered, the step count, the open accumulation window carried in
+    from earlier rounds (its step count and supervised tokens) and the index of the sample used for IDLE dummies.
+    A new process that re-fetches those indices, skips the stream to the same position and replays the round runs
+    the same pure plan and the same collectives, so it yields the same batches; steps already consumed are
+    dropped. The loader's metrics are snapshotted at the same point and the replayed round records all its steps
+    again, so resumed counters equal the uninterrupted ones. The epoch's step count reaches the log before the
+    final round's steps are released, so the consumer can tell that it took the last step.
+    """
+
+    def __init__(self, ctx: RunContext, epoch: int, chunks: Iterator[Chunk], log: RoundLog,
+                 resume: ResumePoint | None = None) -> None:
+        self.ctx, self.epoch, self.log = ctx, epoch, log
+        self.rounds = ctx.rounds_factory(epoch)
+        self.engine = self.rounds.engine
+        self.reader = SampleReader(chunks, ctx.length_fn, ctx.fallback_dummy, ctx.packed_samples)
+        config = self.engine.config
+        target = StepTarget(*config.step_target) if config.step_target is not None else None
+        self.window: AccumulationWindow[_Built] = AccumulationWindow(config.accumulation_steps, target)
+        self.ready: deque[ODBBatch] = deque()
+        self.skip_below = 0
+        self.report: EpochReport | None = None
+        if resume is not None:
+            start = resume.start
+            self.engine.round, self.engine.steps_done = start.round, start.steps_done
+            self.skip_below = resume.steps_consumed
+            self.window.restore(start.carry_count, start.carry_tokens, start.carry_samples)
+            self.reader.restore(start, self.engine, ctx.fetch)
+            self.engine.n_carried = len(start.buffer)  # what the saved round began with
+            self.engine.resumed_at = resume.steps_consumed  # checked against every rank's (check_same_progress)
+
+    def __next__(self) -> ODBBatch:
+        while not self.ready:
+            if self.engine.finished:
+                self._close_epoch()
+                raise StopIteration
+            self._run_round()
+        return self.ready.popleft()
+
+    def close(self) -> None:
+        """Release the worker iterator (and with it the worker processes); called on errors and on shutdown."""
+        self.reader.close()
+
+    def leave(self) -> None:
+        """NOTE [ Leaving an epoch ]
+        A consumer that stops iterating an epoch before its end (a `break`, `set_epoch`, a new `iter()`) must not
+        leave its peers inside a collective that it never joins, nor let the next epoch's first collective pair
+        up with a peer's last one of this epoch. So the rank that leaves takes part in exactly one more state
+        exchange, flagged `leaving`, at the position of the next round, instead of that round; every rank that
+        sees the flag ends its epoch right after the steps it already planned (`EpochReport.abandoned`), and runs
+        no more collectives for it. The rounds are lockstep, so a peer is either in that same exchange (as a
+        normal round or leaving too) or reaches it when its own consumer takes the next step or leaves. Called
+        once, on the thread that runs the rounds, between rounds; a finished epoch needs nothing."""
+        if not self.engine.finished:
+            self.rounds.leave()
+            self.report = self._report(abandoned=True)
+
+    def _round_start(self) -> RoundStart:
+        return RoundStart(round=self.engine.round, steps_done=self.engine.steps_done, consumed=self.reader.consumed,
+                          buffer=tuple(item.index for item in self.engine.items),
+                          carry_count=self.window.open_count, carry_tokens=self.window.open_tokens,
+                          dummy_index=self.reader.dummy_index, carry_samples=self.window.open_samples)
+
+    def _run_round(self) -> None:
+        metrics = self.ctx.metrics
+        self.log.begin_round(self._round_start(), metrics.snapshot())
+        stats = self.ctx.transport.stats
+        bytes_before, seconds_before = stats.bytes_sent, stats.seconds
+        active = self.reader.fill(self.engine)
+        first_step = self.engine.steps_done
+        planned = self.rounds.plan(active, self.reader.take)
+        if planned.abandoned:
+            self.report = self._report(abandoned=True)
+            self.log.end_epoch(self.engine.steps_done, metrics.snapshot())
+            return
+        if planned.owned_by_step is not None:
+            self.log.record_owned(first_step, planned.owned_by_step)
+        built = [self._build(slot, planned) for slot in planned.slots]
+        reduced = self.ctx.transport.all_reduce_sum([x for b in built for x in b.as_ints()])
+        moved = planned.arrivals
+        metrics.rounds += 1
+        metrics.splits += planned.n_split
+        metrics.pushed_back_groups += planned.n_pushed_back
+        metrics.moved_samples += moved.samples if moved else 0
+        metrics.moved_bytes += moved.bytes_in if moved else 0
+        metrics.sync_bytes += stats.bytes_sent - bytes_before - (moved.bytes_out if moved else 0)
+        metrics.sync_seconds += stats.seconds - seconds_before
+        for k, b in enumerate(built):
+            totals = reduced[k * STEP_SUM_FIELDS : (k + 1) * STEP_SUM_FIELDS]
+            self._stage(b, totals, planned.index, first_step + k)
+        metrics.publish_moves()
+        if self.engine.finished:
+            self._release(self.window.flush())  # a target-sized epoch may end in a short step
+            self.log.end_epoch(self.engine.steps_done, metrics.snapshot())
+
+    def _build(self, slot: Slot, planned: RankRound) -> _Built:
+        if slot is None:
+            batch = run_collate(self.ctx.collate_fn, [as_dummy(self.reader.dummy_sample())], ())
+            return _Built(batch=batch, indices=(), samples=0, tokens=0, input_tokens=0, padded=0, cost=0, patches=0)
+        if planned.arrivals is None:  # rank-local planning: every sample is this rank's own (once per step)
+            take = self.reader.take
+            samples = [take(item.index) for item in slot.items]
+        else:
+            rank = self.ctx.transport.rank
+            samples = [sample_of(item, planned, rank, self.reader.take) for item in slot.items]
+        indices = slot.indices  # a property that builds the tuple: once here
+        batch = run_collate(self.ctx.collate_fn, samples, indices)
+        # without a length_fn an item's length is its input tokens, counted when it was admitted
+        real = (sum(item.length for item in slot.items) if self.ctx.length_fn is None
+                else sum(input_tokens(s) for s in samples))
+        return _Built(batch=batch, indices=indices, samples=slot.size, tokens=supervised_tokens(batch, samples),
+                      input_tokens=real, padded=padded_tokens(batch, real), cost=round(slot.cost),
+                      patches=sum(item.patches for item in slot.items))
+
+    def _stage(self, built: _Built, totals: list[int], round_index: int, step: int) -> None:
+        g_samples, g_tokens, g_input, g_cost, g_cost_sq, g_patches = totals
+        imbalance = cost_cv(g_cost, g_cost_sq, self.ctx.transport.world_size)
+        # without accumulation every step is an optimizer step of its own: its window fields are its own and known
+        # now, so the step is built once and `record_step` counts the optimizer step it ends, as `_release` would
+        alone = self.window.size == 1 and self.window.target is None
+        info = StepInfo(epoch=self.epoch, step=step, round=round_index, indices=built.indices,
+                        is_idle=not built.indices, local_samples=built.samples, global_samples=g_samples,
+                        local_tokens=built.tokens, global_tokens=g_tokens, local_input_tokens=built.input_tokens,
+                        global_input_tokens=g_input, padded_tokens=built.padded, cost=float(built.cost),
+                        rank_imbalance=imbalance, window_tokens=g_tokens if alone else -1,
+                        local_patches=built.patches, global_patches=g_patches, window_steps=int(alone),
+                        window_samples=g_samples if alone else 0)
+        self.ctx.metrics.record_step(info)  # replayed steps too: metrics resume from the round start
+        if alone:
+            self._emit(built, info)
+        else:
+            self._release(self.window.stage(built, info))
+
+    def _release(self, window: list[tuple[_Built, StepInfo]]) -> None:
+        for released, final in window:
+            if final.ends_window:
+                self.ctx.metrics.record_window(final)
+            self._emit(released, final)
+
+    def _emit(self, built: _Built, info: StepInfo) -> None:
+        """Hand a step with its window fields to the consumer (unless a resume replays it)."""
+        if info.step < self.skip_below:
+            return
+        if self.ctx.observer is not None:
+            self.ctx.observer(info)
+        self.ready.append(ODBBatch(built.batch, info))
+
+    def _close_epoch(self) -> None:
+        if self.report is not None:
+            return
+        assert not self.window.open_count, "an epoch must end on an accumulation-window boundary"
+        self.ctx.metrics.oversize_samples += self.engine.oversize
+        self.report = self._report(abandoned=False)
+
+    def _report(self, abandoned: bool) -> EpochReport:
+        leftover = [item.index for item in self.engine.items] + self.reader.pending_indices()
+        return EpochReport(epoch=self.epoch, steps=self.engine.steps_done, rounds=self.engine.round,
+                           not_emitted=tuple(leftover), unread_chunks_remaining=not self.reader.stream_ended,
+                           stream_position=self.reader.consumed + len(self.reader.pending), abandoned=abandoned)

@@ -1,0 +1,126 @@
+"""Reading one epoch's samples into the window: the stream cursor, the payloads of buffered samples, the IDLE dummy.
+
+`SampleReader` is the part of an epoch that touches samples; the planning only sees `Item`s. It admits every
+sample it reads to the engine's window (checked by `inspect_sample`, which names the index of a bad sample),
+keeps the payload by dataset index until its group is collated, and picks the sample IDLE steps are built from.
+"""
+
+from __future__ import annotations
+
+import traceback
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from odb_core.data.sample import LengthFn, count_patches, inspect_sample
+from odb_core.data.sources import unpack_sample
+from odb_core.epoch.stream import Chunk
+from odb_core.planning.planner import WindowEngine
+from odb_core.resume.state import RoundStart
+
+
+@dataclass(slots=True)
+class Payloads:
+    """Buffered sample payloads by dataset index, first in first out per index (a multiset: samplers may repeat
+    an index). The common case, one payload per index, is a plain dict entry; repeats wait in `more`."""
+
+    first: dict[int, Any] = field(default_factory=dict)
+    more: dict[int, deque[Any]] = field(default_factory=dict)
+
+    def put(self, index: int, sample: Any) -> None:
+        if index in self.first:
+            self.more.setdefault(index, deque()).append(sample)
+        else:
+            self.first[index] = sample
+
+    def take(self, index: int) -> Any:
+        sample = self.first.pop(index)
+        waiting = self.more.get(index)
+        if waiting:
+            self.first[index] = waiting.popleft()
+            if not waiting:
+                del self.more[index]
+        return sample
+
+
+class SampleReader:
+    """This rank's stream of one epoch, read into a `RankEngine`'s window.
+
+    `consumed` counts the samples admitted so far (the resume offset included); `pending` holds samples of the
+    last fetched chunk that the window had no room for."""
+
+    def __init__(self, chunks: Iterator[Chunk], length_fn: LengthFn | None,
+                 fallback_dummy: Callable[[], Mapping[str, Any]], packed: bool) -> None:
+        self.chunks, self.length_fn, self.fallback_dummy = chunks, length_fn, fallback_dummy
+        self.packed = packed  # worker processes send small tensors as arrays (sources.PackedTensor)
+        self.pending: deque[tuple[int, Any]] = deque()
+        self.payloads = Payloads()
+        self.take = self.payloads.take  # a buffered payload by dataset index (bound once: per-sample hot path)
+        self.stream_ended = False
+        self.consumed = 0
+        self.dummy_index: int | None = None
+        self.dummy: Mapping[str, Any] | None = None
+        self.dummy_patches = 0
+
+    def restore(self, start: RoundStart, engine: WindowEngine, fetch: Callable[[int], Mapping[str, Any]]) -> None:
+        """Re-fetch the samples buffered at `start` (and the dummy) by index, as the saved round began."""
+        self.consumed = start.consumed
+        for index in start.buffer:
+            sample = fetch(index)
+            engine.admit(inspect_sample(index, sample, self.length_fn))
+            self.payloads.put(index, sample)
+        if start.dummy_index is not None:
+            self.dummy_index, self.dummy = start.dummy_index, fetch(start.dummy_index)
+            self.dummy_patches = count_patches(self.dummy)
+
+    def fill(self, engine: WindowEngine) -> bool:
+        """Top the window up; returns whether this rank is still active (its stream may hold more)."""
+        pending, admit, put, length_fn = self.pending, engine.admit, self.payloads.put, self.length_fn
+        space = engine.space()
+        while space > 0:
+            if not pending:
+                chunk = self._next_chunk()
+                if chunk is None:
+                    self.stream_ended = True
+                    return False
+                pending.extend(chunk)
+            index, sample = pending.popleft()
+            if self.packed:
+                sample = unpack_sample(sample)
+            item = inspect_sample(index, sample, length_fn)
+            admit(item)
+            put(index, sample)
+            self.consumed += 1
+            space -= 1
+            self._offer_dummy(index, sample, item.patches)
+        return not (self.stream_ended and not pending)
+
+    def _next_chunk(self) -> Chunk | None:
+        try:
+            return next(self.chunks, None)
+        except BaseException as exc:
+            # Free the worker iterator now (not at the next GC), so its processes exit at once.
+            traceback.clear_frames(exc.__traceback__)
+            self.close()
+            raise
+
+    def _offer_dummy(self, index: int, sample: Mapping[str, Any], patches: int) -> None:
+        """NOTE [ IDLE dummy ] The dummy is the first sample this rank read, replaced once by the first one with
+        vision patches: a VLM's IDLE step then runs the vision tower too, as every real step does, so sharded
+        engines (ZeRO-3, FSDP) that gather the vision parameters see the same collectives on every rank. The
+        choice depends only on the stream order, and `RoundStart.dummy_index` records it for resume."""
+        if self.dummy is None or (patches > 0 and self.dummy_patches == 0):
+            self.dummy_index, self.dummy, self.dummy_patches = index, sample, patches
+
+    def dummy_sample(self) -> Mapping[str, Any]:
+        if self.dummy is None:
+            self.dummy = self.fallback_dummy()
+        return self.dummy
+
+    def pending_indices(self) -> list[int]:
+        return [index for index, _ in self.pending]
+
+    def close(self) -> None:
+        """Release the worker iterator (and with it the worker processes); called on errors and on shutdown."""
+        self.chunks = iter(())

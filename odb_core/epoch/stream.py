@@ -1,0 +1,209 @@
+"""Where an epoch's samples come from: the index source, the DataLoader workers, fetches by index, resume skips.
+
+`SampleStream` owns the sampler (ODB's own `ShardedSampler`, a user sampler, or the remainder of an elastically
+resumed epoch), the plain `torch.utils.data.DataLoader` whose workers produce tagged chunks (NOTE [ Workers emit
+tagged samples ] in sources.py), and the two ways to get one sample again in the trainer process: by index
+(map-style) or from the replay cache of a re-read stream (iterable). Workers start in `open()`, on the calling
+thread.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from torch.utils.data import DataLoader, DistributedSampler, Sampler
+
+from odb_core.data.sources import (ChunkSampler, Handover, IndexedDataset, IndexedIterable, IndexListSampler,
+                                   ShardedSampler, integer_columns, keep_chunk, map_style_size, unpack_sample,
+                                   worker_parts)
+from odb_core.epoch.lifeline import Lifeline
+from odb_core.resume.fields import StateError
+from odb_core.resume.source_state import CustomSource, RemainderSource, ShardedSource, Source, StreamSource
+from odb_core.resume.state import ResumePoint
+
+Chunk = list[tuple[int, Any]]
+IN_PROCESS_CHUNK = 64
+
+
+class DatasetFetchError(RuntimeError):
+    """`dataset[index]` raised inside a worker; the message names the index and keeps the original error."""
+
+
+class _CheckedDataset(IndexedDataset):
+    """Names the failing index when the user's `__getitem__` raises (the worker traceback is kept)."""
+
+    def __getitem__(self, index: int) -> tuple[int, Any]:
+        try:
+            return super().__getitem__(index)
+        except Exception as exc:
+            raise DatasetFetchError(f"sample {index}: dataset[{index}] raised {type(exc).__name__}: {exc}") from exc
+
+    def __getitems__(self, indices: list[int]) -> list[tuple[int, Any]]:
+        try:
+            return super().__getitems__(indices)
+        except Exception as exc:  # find the sample that fails, one index at a time, and name it
+            for i in indices:
+                self[i]
+            if self.arrays is not None:
+                raise DatasetFetchError(f"samples {indices}: reading them through ODB's numpy view of the dataset "
+                                        f"raised {type(exc).__name__}: {exc}, although each dataset[i] alone works "
+                                        "(NOTE [ Arrow ids read as arrays ]); please report it. A dataset with a "
+                                        "format set (e.g. dataset.with_format('numpy')) is read as it is") from exc
+            raise DatasetFetchError(f"samples {indices}: dataset.__getitems__ raised {type(exc).__name__}: {exc}, "
+                                    "although each dataset[i] alone works (torch's DataLoader calls __getitems__ "
+                                    "too): fix the dataset's __getitems__ or remove it") from exc
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StreamOptions:
+    """How the workers read: `ODBDataLoader`'s sampling and worker arguments."""
+
+    sampler: Sampler[int] | None
+    shuffle: bool
+    seed: int
+    num_workers: int
+    shard_iterable: bool
+    fetch_chunk: int
+    worker_timeout_s: float
+    worker_options: Mapping[str, Any]
+    idle_sample: Mapping[str, Any] | None
+    compact_ids: bool = False  # NOTE [ Compact buffered samples ]
+
+
+def skip_stream(chunks: Iterator[Chunk], consumed: int, needed: set[int]) -> tuple[dict[int, Any], Iterator[Chunk]]:
+    """Read the first `consumed` samples of a tagged chunk stream, keeping those whose tag is `needed`; returns
+    them and the rest of the stream (resume of an iterable dataset: it can only be re-read from its start)."""
+    kept: dict[int, Any] = {}
+    seen = 0
+    rest: Chunk = []
+    while seen < consumed:
+        chunk = next(chunks, None)
+        if chunk is None:
+            raise RuntimeError(f"the resumed stream ended after {seen} samples, but the saved position is at "
+                               f"{consumed}: the IterableDataset does not replay the same samples")
+        take = min(len(chunk), consumed - seen)
+        for index, sample in chunk[:take]:
+            if index in needed:
+                kept[index] = unpack_sample(sample)
+        seen += take
+        rest = chunk[take:]
+    return kept, itertools.chain([rest] if rest else [], chunks)
+
+
+class SampleStream:
+    """One rank's sample source for every epoch of a loader (see the module docstring)."""
+
+    def __init__(self, dataset: Any, options: StreamOptions, *, rank: int, world_size: int) -> None:
+        self.dataset, self.rank, self.world_size = dataset, rank, world_size
+        self.size = map_style_size(dataset)
+        self._own_sampler, self._shuffle, self._seed = options.sampler is None, options.shuffle, options.seed
+        self._idle_sample = options.idle_sample
+        self.sampler = self._build_sampler(options.sampler)
+        self._replayed: dict[int, Any] = {}
+        self._parts = worker_parts(dataset, options.num_workers)  # a stream's parts; 1 for map-style data
+        timeout = options.worker_timeout_s if options.num_workers > 0 else 0
+        # In-process reads (no workers) cost a DataLoader step per chunk and nothing per byte: take larger ones.
+        chunk = options.fetch_chunk if options.num_workers > 0 else max(options.fetch_chunk, IN_PROCESS_CHUNK)
+        workers = dict(options.worker_options)
+        if options.num_workers > 0:  # NOTE [ Workers die with their rank ]
+            workers["worker_init_fn"] = Lifeline(os.getpid(), workers.get("worker_init_fn"))
+        if self.size is None:
+            self._iterable = IndexedIterable(dataset, rank=rank, world_size=world_size, shard=options.shard_iterable,
+                                             chunk=chunk, compact=options.compact_ids)
+            self._workers = DataLoader(self._iterable, batch_size=None, num_workers=options.num_workers,
+                                       collate_fn=keep_chunk, timeout=timeout, **workers)
+        else:
+            self._chunks = ChunkSampler(self.sampler, chunk)  # type: ignore[arg-type]
+            handover = Handover(pack=options.num_workers > 0, compact=options.compact_ids,
+                                integer_keys=integer_columns(dataset) if options.compact_ids else frozenset())
+            self._indexed = _CheckedDataset(dataset, handover)
+            self._workers = DataLoader(self._indexed, batch_sampler=self._chunks,
+                                       num_workers=options.num_workers, collate_fn=keep_chunk, timeout=timeout,
+                                       **workers)
+
+    def _build_sampler(self, sampler: Sampler[int] | None) -> Sampler[int] | None:
+        if self.size is None:
+            if sampler is not None:
+                raise ValueError("sampler= is not supported with an IterableDataset; it yields its own order")
+            return None
+        if sampler is None:
+            return ShardedSampler(self.size, rank=self.rank, world_size=self.world_size, shuffle=self._shuffle,
+                                  seed=self._seed)
+        if self._shuffle:
+            raise ValueError("sampler= and shuffle=True are mutually exclusive (shuffle inside your sampler)")
+        if isinstance(sampler, DistributedSampler) and sampler.num_replicas != self.world_size:
+            raise ValueError(f"DistributedSampler has num_replicas={sampler.num_replicas} but ODB's transport has "
+                             f"world_size={self.world_size}; they must match")
+        return sampler
+
+    def source(self) -> Source:
+        """Descriptor of this rank's index source for a normal epoch (see NOTE [ Elastic resume ])."""
+        if self.size is None:
+            return StreamSource(shard=self._iterable.shard, parts=self._parts)
+        if self._own_sampler:
+            return ShardedSource(size=self.size, shuffle=self._shuffle, seed=self._seed, world_size=self.world_size)
+        return CustomSource(type=type(self.sampler).__name__, size=self.size)
+
+    def open(self, epoch: int, plan: RemainderSource | None, point: ResumePoint | None) -> Iterator[Chunk]:
+        """Start the workers on this epoch's index source (the remainder `plan` after an elastic resume), past
+        the samples admitted before the resume point."""
+        consumed = point.start.consumed if point is not None else 0
+        self._replayed = {}
+        if self.size is None:
+            if hasattr(self.dataset, "set_epoch"):  # e.g. a shuffled HF IterableDataset: replay the same order
+                self.dataset.set_epoch(epoch)
+            chunks = iter(self._workers)
+            if point is None:
+                return chunks
+            start = point.start
+            needed = set(start.buffer) | ({start.dummy_index} if start.dummy_index is not None else set())
+            self._replayed, rest = skip_stream(chunks, consumed, needed)
+            missing = sorted(needed - set(self._replayed))
+            if missing:
+                raise StateError(f"state.position.start names stream positions {missing[:8]} that the stream's first "
+                                 f"{consumed} samples do not hold: the state is corrupt, or the IterableDataset "
+                                 "does not replay the same samples")
+            return rest
+        if plan is not None:
+            self._chunks.sampler = IndexListSampler(plan.indices(self.rank, epoch))
+        else:
+            self._chunks.sampler = self.sampler
+            if hasattr(self.sampler, "set_epoch"):
+                self.sampler.set_epoch(epoch)
+        self._chunks.start = consumed
+        self._indexed.refresh()  # the dataset as it is now (NOTE [ Arrow ids read as arrays ])
+        return iter(self._workers)
+
+    def forget_replayed(self) -> None:
+        """Drop the replay cache once the resumed epoch has re-fetched what it needs."""
+        self._replayed = {}
+
+    def epoch_indices(self, epoch: int) -> list[int]:
+        """This rank's indices of a normal epoch, in sampler order (map-style only)."""
+        if hasattr(self.sampler, "set_epoch"):
+            self.sampler.set_epoch(epoch)
+        return list(iter(self.sampler))  # type: ignore[arg-type]
+
+    def unread(self, position: int) -> tuple[int, ...]:
+        """The indices of the open epoch's source past `position` (map-style; empty for a stream)."""
+        return tuple(self._chunks.order[position:]) if self.size is not None else ()
+
+    def fetch(self, index: int) -> Mapping[str, Any]:
+        """A sample by its tag, in the calling thread: by index for map-style data, from the replay cache of
+        an iterable stream (filled by `open()` before a resumed epoch starts)."""
+        if self.size is not None:
+            return self.dataset[index]
+        return self._replayed[index]  # the IDLE dummy may also be buffered: fetched twice
+
+    def fallback_dummy(self) -> Mapping[str, Any]:
+        """A sample for IDLE dummies on a rank that has received no sample this epoch."""
+        if self._idle_sample is not None:
+            return self._idle_sample
+        if self.size:
+            return self.dataset[0]
+        raise RuntimeError(f"rank {self.rank} received no samples but must run an IDLE step; pass "
+                           "idle_sample=<a processed sample> to ODBDataLoader for iterable datasets")

@@ -1,0 +1,255 @@
+"""Transports: with liveness.py, the only modules that touch `torch.distributed`.
+
+A `Transport` moves small int64 vectors between ranks with two collectives, always called in the same order on
+every rank (see NOTE [ Rounds and termination ]):
+  * `all_gather(values)` once per round: each rank's `RankState` (5 ints), O(W) ints per rank;
+  * `all_reduce_sum(values)` once per round: 6 ints per step of the round (`STEP_SUM_FIELDS`), O(T) ints;
+  * under global planning, a second `all_gather` of every buffered item (3 ints each, padded to the longest
+    buffer) and `all_to_all_bytes` of the samples that move to another rank (NOTE [ Moving samples ]).
+Three implementations: `LocalTransport` (one process), `GlooTransport` (a dedicated Gloo group, created
+collectively on the main thread with a timeout, isolated from the model's process group) and `VirtualTransport`
+(W ranks as threads of one process, for tests and simulation of the full loader).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from odb_core.ranks.liveness import Liveness
+
+INT64_BYTES = 8
+
+
+class PeerError(RuntimeError):
+    """A metadata collective failed or timed out: a peer rank died, hung, or left the epoch early."""
+
+
+@dataclass(slots=True)
+class TransportStats:
+    """Cumulative traffic and latency of the collectives: bytes this rank sent and received, wall seconds."""
+
+    calls: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    seconds: float = 0.0
+
+
+class Transport(ABC):
+    """Small int64 collectives among `world_size` ranks. Every rank must call them in the same order."""
+
+    rank: int
+    world_size: int
+
+    def __init__(self) -> None:
+        self.stats = TransportStats()
+
+    def all_gather(self, values: list[int]) -> list[list[int]]:
+        """Every rank's `values` (same length on every rank), in rank order."""
+        start = time.perf_counter()
+        gathered = self._all_gather(values)
+        self._account(len(values), len(values) * self.world_size, start)
+        return gathered
+
+    def all_reduce_sum(self, values: list[int]) -> list[int]:
+        """Element-wise sum of `values` over ranks (same length on every rank)."""
+        start = time.perf_counter()
+        reduced = self._all_reduce_sum(values) if values else []
+        self._account(len(values), len(values), start)
+        return reduced
+
+    def all_to_all_bytes(self, chunks: list[bytes]) -> list[bytes]:
+        """`chunks[r]` goes to rank r; returns the chunk every rank sent to this one, in rank order."""
+        if len(chunks) != self.world_size:
+            raise ValueError(f"all_to_all_bytes needs one chunk per rank ({self.world_size}), got {len(chunks)}")
+        start = time.perf_counter()
+        received = self._all_to_all_bytes(chunks)
+        self.stats.calls += 1
+        self.stats.bytes_sent += sum(len(c) for r, c in enumerate(chunks) if r != self.rank)
+        self.stats.bytes_received += sum(len(c) for r, c in enumerate(received) if r != self.rank)
+        self.stats.seconds += time.perf_counter() - start
+        return received
+
+    def _account(self, n_sent: int, n_received: int, start: float) -> None:
+        self.stats.calls += 1
+        self.stats.bytes_sent += n_sent * INT64_BYTES
+        self.stats.bytes_received += n_received * INT64_BYTES
+        self.stats.seconds += time.perf_counter() - start
+
+    @abstractmethod
+    def _all_gather(self, values: list[int]) -> list[list[int]]: ...
+
+    @abstractmethod
+    def _all_reduce_sum(self, values: list[int]) -> list[int]: ...
+
+    @abstractmethod
+    def _all_to_all_bytes(self, chunks: list[bytes]) -> list[bytes]: ...
+
+    def close(self) -> None:
+        """Release resources; the transport must not be used afterwards."""
+
+
+class LocalTransport(Transport):
+    """A single rank: collectives are identities."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rank, self.world_size = 0, 1
+
+    def _all_gather(self, values: list[int]) -> list[list[int]]:
+        return [list(values)]
+
+    def _all_reduce_sum(self, values: list[int]) -> list[int]:
+        return list(values)
+
+    def _all_to_all_bytes(self, chunks: list[bytes]) -> list[bytes]:
+        return list(chunks)
+
+
+class _Courier:
+    """Runs blocking collectives on a daemon thread so that the caller can stop waiting when the heartbeat finds a
+    peer silent (NOTE [ Liveness ]); the abandoned call stays on that thread until Gloo's own timeout."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.Queue = queue.Queue()
+        threading.Thread(target=self._work, name="odb-collective", daemon=True).start()
+
+    def _work(self) -> None:
+        while True:
+            call, box, done = self._jobs.get()
+            try:
+                box.append((True, call()))
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller
+                box.append((False, exc))
+            done.set()
+
+    def run(self, call, failure) -> object:
+        box: list = []
+        done = threading.Event()
+        self._jobs.put((call, box, done))
+        while not done.wait(0.1):
+            if failure() is not None:
+                raise failure()
+        ok, value = box[0]
+        if not ok:
+            raise value
+        return value
+
+
+class GlooTransport(Transport):
+    """A dedicated Gloo group over the initialized default group; every op is bounded by `timeout_s`, and by the
+    heartbeat's `liveness_timeout_s` when a peer goes silent (NOTE [ Liveness ]).
+
+    Construction is a collective (`dist.new_group`): every rank must build its loader in the same order, on the
+    main thread. A dead peer makes the next collective raise `PeerError` at once (its sockets close), a frozen one
+    within `liveness_timeout_s`, one that is alive but never takes part within `timeout_s`.
+    """
+
+    def __init__(self, timeout_s: float, liveness_timeout_s: float = 30.0) -> None:
+        super().__init__()
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("GlooTransport needs torch.distributed to be initialized (init_process_group)")
+        self.timeout_s = timeout_s
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+        self.liveness = Liveness(self.rank, self.world_size, liveness_timeout_s)
+        self._courier = _Courier()
+
+    def _silent_peer(self) -> PeerError | None:
+        failure = self.liveness.failure
+        return None if failure is None else PeerError(f"rank {self.rank}: ODB metadata exchange abandoned: {failure}")
+
+    def _collective(self, what: str, call) -> None:
+        try:
+            self._courier.run(call, self._silent_peer)
+        except PeerError:
+            raise
+        except Exception as exc:  # gloo raises RuntimeError subclasses with transport-specific types
+            raise self._fail(what, exc) from exc
+
+    def _fail(self, what: str, exc: Exception) -> PeerError:
+        return PeerError(f"rank {self.rank}: ODB metadata {what} failed (timeout {self.timeout_s:g}s): a peer rank "
+                         f"probably died, hung, or stopped iterating early ({type(exc).__name__}: {exc})")
+
+    def _all_gather(self, values: list[int]) -> list[list[int]]:
+        local = torch.tensor(values, dtype=torch.int64)
+        out = [torch.empty_like(local) for _ in range(self.world_size)]
+        self._collective("all_gather", lambda: dist.all_gather(out, local, group=self.group))
+        return [t.tolist() for t in out]
+
+    def _all_reduce_sum(self, values: list[int]) -> list[int]:
+        tensor = torch.tensor(values, dtype=torch.int64)
+        self._collective("all_reduce", lambda: dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group))
+        return tensor.tolist()
+
+    def _all_to_all_bytes(self, chunks: list[bytes]) -> list[bytes]:
+        sizes = torch.tensor([len(c) for c in chunks], dtype=torch.int64)
+        incoming = torch.empty_like(sizes)
+        self._collective("all_to_all", lambda: dist.all_to_all_single(incoming, sizes, group=self.group))
+        send = torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8) if sizes.sum() else \
+            torch.empty(0, dtype=torch.uint8)
+        received = torch.empty(int(incoming.sum()), dtype=torch.uint8)
+        self._collective("all_to_all", lambda: dist.all_to_all_single(received, send, incoming.tolist(),
+                                                                      sizes.tolist(), group=self.group))
+        data, out, offset = received.numpy().tobytes(), [], 0
+        for size in incoming.tolist():
+            out.append(data[offset : offset + size])
+            offset += size
+        return out
+
+    def close(self) -> None:
+        # Destroying a subgroup is itself collective in some backends; leave it to destroy_process_group().
+        self.liveness.stop()
+        self.group = None
+
+
+class VirtualHub:
+    """Rendezvous of W in-process ranks (threads). `timeout_s` bounds every exchange."""
+
+    def __init__(self, world_size: int, timeout_s: float = 60.0) -> None:
+        self.world_size = world_size
+        self.timeout_s = timeout_s
+        self._barrier = threading.Barrier(world_size)
+        self._slots: list[list[int] | None] = [None] * world_size
+
+    def exchange(self, rank: int, values: list[int]) -> list[list[int]]:
+        try:
+            self._barrier.wait(self.timeout_s)
+            self._slots[rank] = list(values)
+            self._barrier.wait(self.timeout_s)
+            gathered = [list(v) for v in self._slots]  # type: ignore[arg-type]
+            self._barrier.wait(self.timeout_s)
+        except threading.BrokenBarrierError as exc:
+            raise PeerError(f"virtual rank {rank}: a peer did not reach the exchange within {self.timeout_s}s") from exc
+        return gathered
+
+
+class VirtualTransport(Transport):
+    """Rank `rank` of a `VirtualHub`: lets W loaders run as threads of one process."""
+
+    def __init__(self, hub: VirtualHub, rank: int) -> None:
+        super().__init__()
+        self.hub, self.rank, self.world_size = hub, rank, hub.world_size
+
+    def _all_gather(self, values: list[int]) -> list[list[int]]:
+        return self.hub.exchange(self.rank, values)
+
+    def _all_reduce_sum(self, values: list[int]) -> list[int]:
+        return [sum(column) for column in zip(*self.hub.exchange(self.rank, values), strict=True)]
+
+    def _all_to_all_bytes(self, chunks: list[bytes]) -> list[bytes]:
+        return [sent[self.rank] for sent in self.hub.exchange(self.rank, chunks)]
+
+
+def default_transport(timeout_s: float, liveness_timeout_s: float = 30.0) -> Transport:
+    """Gloo when torch.distributed is initialized with more than one rank, else a local transport."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return GlooTransport(timeout_s, liveness_timeout_s)
+    return LocalTransport()
