@@ -1,21 +1,18 @@
-"""The Trainer's side of ODB's settings: what `ODBCallback` takes, how the Trainer completes it, what it refuses.
+"""The Trainer's side of ODB's settings: what `ODBCallback` takes and how the Trainer completes it.
 
-`CALLBACK` is the `odb_core.settings.settings` source of `ODBCallback(**options)`: ODBConfig fields, the epoch-length keys
-and the loader arguments it passes on; the settings that the Trainer already holds are refused (`DERIVED`).
-`build_loader` completes the callback's `ODBConfig` with what the Trainer derives (`ODBSettings.derive`:
-gradient accumulation, and the seed unless the user set one). Nothing here changes a user setting: a setting ODB
-makes meaningless gets a warning, one that would make the run wrong (or hang) raises `ODBSetupError`.
+`CALLBACK` is the `odb_core.settings.settings` source of `ODBCallback(**options)`: ODBConfig fields, the
+epoch-length keys (defaults `EPOCH_LENGTH_DEFAULTS`) and the loader arguments it passes on; the settings that the
+Trainer already holds are refused (`DERIVED`). `build_loader` completes the callback's `ODBConfig` with what the
+Trainer derives (`ODBSettings.derive`: gradient accumulation, and the seed unless the user set one). The Trainer
+classes and arguments that ODB refuses or warns about are checked in checks.py; nothing here changes a user setting.
 """
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Mapping
-from dataclasses import fields
 from typing import Any
 
-import torch.distributed as dist
-from transformers import Trainer, TrainingArguments
+from transformers import TrainingArguments
 
 from odb_core.epoch.loader import WORKER_OPTIONS, ODBDataLoader
 from odb_core.settings.settings import EPOCH_LENGTH_KEYS, PASSED_ON, ODBSettings, SettingsSource
@@ -35,70 +32,7 @@ CALLBACK = SettingsSource(
     where="ODBCallback", noun="option", budget="optional", error=ODBSetupError, key_error=TypeError,
     refused={name: f"is not an ODBCallback option: it comes from {source}" for name, source in DERIVED.items()},
     keys={**EPOCH_LENGTH_KEYS, **dict.fromkeys(LOADER_ARGS, PASSED_ON)})
-OWNED_METHODS = ("get_train_dataloader", "_get_train_sampler")
-
-
-def _default(name: str) -> Any:
-    return next(f.default for f in fields(TrainingArguments) if f.name == name)
-
-
-def check_trainer(trainer: Trainer) -> None:
-    """Refuse Trainer classes and arguments that conflict with ODB (called when ODB attaches)."""
-    for name in OWNED_METHODS:
-        owner = next(c for c in type(trainer).__mro__ if name in vars(c))
-        if owner is not Trainer and not vars(owner).get("odb_owns_data", False):
-            raise ODBSetupError(f"{owner.__name__}.{name} is overridden, but ODB builds the training batches "
-                                "itself and would silently bypass it; remove the override (ODB shards, shuffles "
-                                "and batches the data) or do not use ODB with this Trainer")
-    args = trainer.args
-    if getattr(args, "train_sampling_strategy", "random") == "group_by_length":
-        raise ODBSetupError("train_sampling_strategy='group_by_length' conflicts with ODB, which groups samples "
-                            "by observed length itself; use 'random' (shuffle) or 'sequential'")
-    if args.auto_find_batch_size:
-        raise ODBSetupError("auto_find_batch_size=True conflicts with ODB: batch sizes come from token_budget; "
-                            "lower ODBCallback(token_budget=...) instead if you run out of memory")
-    if args.label_smoothing_factor != 0:
-        raise ODBSetupError("label_smoothing_factor != 0 uses a per-batch mean loss that ODB cannot weight "
-                            "exactly; pass a compute_loss_func that sums token losses and divides by "
-                            "num_items_in_batch instead")
-    if getattr(args, "packing", False):  # TRL's SFTConfig
-        raise ODBSetupError("SFTConfig(packing=True) packs samples into fixed max_length rows before batching, so "
-                            "ODB would only batch equal rows and its gain is gone: set packing=False and let ODB "
-                            "batch the samples (padding_free=True with ODBCallback(cost='tokens') for a collator "
-                            "without padding), or keep packing without ODB")
-    if args.n_gpu > 1:
-        raise ODBSetupError(f"n_gpu={args.n_gpu} means torch.nn.DataParallel; ODB aligns one process per "
-                            "device: launch with torchrun / accelerate launch instead")
-    if args.world_size > 1 and not args.average_tokens_across_devices:
-        raise ODBSetupError("average_tokens_across_devices=False normalises each rank's loss by its own tokens; "
-                            "ODB's exact loss divides by the step's tokens over all ranks: set it to True")
-    check_process_count(trainer.accelerator.num_processes, deepspeed=args.deepspeed is not None)
-    if args.per_device_train_batch_size != _default("per_device_train_batch_size") and not args.deepspeed:
-        # (under DeepSpeed the Trainer requires it to equal train_micro_batch_size_per_gpu: set for that, not ODB)
-        warnings.warn(f"per_device_train_batch_size={args.per_device_train_batch_size} is ignored: ODB sizes "
-                      "each batch by ODBCallback(token_budget=...); use max_batch_size=... to cap samples",
-                      stacklevel=4)
-    if args.dataloader_drop_last:
-        warnings.warn("dataloader_drop_last=True is ignored: ODB drops no sample (every rank drains its data)",
-                      stacklevel=4)
-
-
-def check_process_count(trainer_processes: int, deepspeed: bool) -> None:
-    """The Trainer's process count must be torch.distributed's: ODB shards over the latter, the loss uses the former.
-
-    On a machine without a GPU, accelerate 1.16 finds no device backend unless use_cpu=True: it counts 1 process
-    (index 0) on every rank, so without DeepSpeed the Trainer sets up no DDP at all (every rank trains alone on all
-    the data) and under DeepSpeed the loss would be W times too small.
-    """
-    ranks = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    if ranks == trainer_processes:
-        return
-    cause = ("the Trainer still runs DeepSpeed over the ranks but ODB's loss scale would be W times too small"
-             if deepspeed else "transformers sets up no DDP: every rank would train alone, on all the data")
-    raise ODBSetupError(f"the Trainer counts {trainer_processes} process(es) but torch.distributed runs {ranks} "
-                        "ranks: on a machine without a GPU, accelerate finds no device backend unless "
-                        f"TrainingArguments(use_cpu=True), so {cause}; pass use_cpu=True (accelerate then runs gloo on "
-                        "every rank; see docs/guides/hf-trainer.md)")
+EPOCH_LENGTH_DEFAULTS = {"estimate_sample_size": 512, "length_slack": 0.25, "exact_schedule": True}
 
 
 def build_loader(args: TrainingArguments, dataset: Any, collate_fn: Any, settings: ODBSettings) -> ODBDataLoader:

@@ -9,28 +9,36 @@ A callback only observes events, but ODB must own `get_train_dataloader`, `get_b
   * Which Trainer (`initialising_trainer`): at on_init_end, the nearest caller frame whose `self` is a Trainer
     holding the callback (`inspect`'s public frame API; subclasses such as SFTTrainer reach it through
     `super().__init__`).
-  * Checks, then changes: `arguments.check_trainer` refuses Trainer classes and arguments that conflict with ODB
-    (`ODBSetupError`) before anything is changed; so does `ds_config.resolve` for a DeepSpeed `odb` section, and
-    `attach_odb` for a `compute_loss` defined above the mixin (ODB checks the loss it gets from below).
+  * Checks, then changes: `checks.check_attach` runs every check (the Trainer class, its arguments, a DeepSpeed
+    `odb` section) and raises `ODBSetupError` before anything is changed.
   * What changes, on that instance only: its class becomes `ODB<Class>(ODBTrainerMixin, <Class>)` (`with_odb`, one
-    class per base) unless it mixes ODB in already, and `trainer.odb` is set to the callback, which holds the
-    settings and the run state of this Trainer (so a callback serves one Trainer). Nothing else is set on the
-    Trainer; its class and other instances are untouched. The user's overrides stay below the mixin in the MRO and
-    are called through `super()`; isinstance checks still hold.
+    class per base) unless it mixes ODB in already, and `trainer.odb` is set to a new `RunState` (run.py: the
+    settings, the data position and the live run of this Trainer; the callback keeps the same object, so a
+    callback serves one Trainer). That is all ODB adds to a Trainer: `odb` on the instance, and through the mixin
+    the class declaration `odb_traits` (`ODBTrainerTraits`); the mixin's other methods override the Trainer's.
+    Its class and other instances are untouched. The user's overrides stay below the mixin in the MRO and are
+    called through `super()`; isinstance checks still hold.
   * A Trainer class may inherit `ODBTrainerMixin` itself (or be `ODBTrainer`). A class that overrides a data method
-    on ODB's behalf declares it with `odb_owns_data = True` in its own body (odb_llamafactory's trainer does).
-  * Off: a callback built from a DeepSpeed config with `"enabled": false` changes nothing; its events do nothing.
+    on ODB's behalf declares it in its own body, `odb_traits = ODBTrainerTraits(owns_data=True, ...)`
+    (odb_llamafactory's trainer does).
+  * Off: a callback built from a DeepSpeed config with `"enabled": false` changes nothing (a warning says ODB is
+    off); its events do nothing.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
+import logging
 
 from transformers import Trainer, TrainerCallback
 
-from odb_hf.arguments import ODBSetupError, check_trainer
+from odb_core.settings.settings import ODBSettings
+from odb_hf.checks import check_attach
+from odb_hf.run import RunState
 from odb_hf.trainer import ODBTrainerMixin
+
+logger = logging.getLogger(__name__)
 
 
 @functools.cache
@@ -54,15 +62,16 @@ def initialising_trainer(callback: TrainerCallback) -> Trainer | None:
         del frame
 
 
-def attach_odb(trainer: Trainer, callback: TrainerCallback) -> None:
-    """Check `trainer`, then mix ODB into this instance and set `trainer.odb = callback` (see the NOTE above)."""
-    check_trainer(trainer)
-    mro = type(trainer).__mro__
-    above = [c for c in mro[:mro.index(ODBTrainerMixin)] if "compute_loss" in vars(c)] if ODBTrainerMixin in mro else []
-    if above:  # ODB checks the loss it gets from below (trainer.py NOTE [ Exact loss under the HF Trainer ])
-        raise ODBSetupError(f"{above[0].__name__}.compute_loss is defined above ODBTrainerMixin in the MRO, so ODB "
-                            "cannot check the loss it returns: move it into a base class that comes after "
-                            "ODBTrainerMixin, or drop the mixin (ODBCallback alone puts ODB above your class)")
+def attach_odb(trainer: Trainer, settings: ODBSettings) -> RunState | None:
+    """Check `trainer`, then mix ODB into this instance and set `trainer.odb` to its new `RunState` (see the NOTE
+    above); None, with nothing changed, when a DeepSpeed config's `odb.enabled` is false."""
+    settings = check_attach(trainer, settings)
+    if settings is None:
+        logger.warning("ODB is off: odb.enabled is false in the DeepSpeed config; the Trainer uses its own "
+                       "data loader, batch size and loss")
+        return None
     if not isinstance(trainer, ODBTrainerMixin):
         trainer.__class__ = with_odb(type(trainer))
-    trainer.odb = callback
+    adapter = trainer.odb_traits.adapter or f"HF {type(trainer).__name__.removeprefix('ODB')}"
+    trainer.odb = RunState(settings, adapter)
+    return trainer.odb

@@ -1,11 +1,11 @@
 """`ODBCallback`: turn ODB on in a `transformers.Trainer` (or a subclass such as TRL's SFTTrainer) with one line.
 
-The callback is ODB's state for one Trainer, `trainer.odb`: the settings (one `ODBConfig`, validated at
-construction by `odb_core.settings.settings.read_settings`), the data position and the current `ODBRun`. It maps the
-Trainer's events onto ODB; at `on_init_end` it attaches to the Trainer being built (NOTE [ Attaching ODB to a
-Trainer ] in attach.py, the one place a user's Trainer changes), which also reads the `odb` section of
-`TrainingArguments.deepspeed` (NOTE [ One DeepSpeed config for both adapters ] in ds_config.py). The Trainer methods
-that ODB owns are in trainer.py.
+The callback holds the settings it was built with (one `ODBSettings`, validated at construction by
+`odb_core.settings.settings.read_settings`) and maps the Trainer's events onto ODB. At `on_init_end` it attaches to
+the Trainer being built (NOTE [ Attaching ODB to a Trainer ] in attach.py, the one place a user's Trainer changes,
+after every check in checks.py), which also reads the `odb` section of `TrainingArguments.deepspeed` (NOTE [ One
+DeepSpeed config for both adapters ] in ds_config.py). The per-Trainer state (settings, data position, live run)
+is the `RunState` of run.py, `trainer.odb`, which the callback shares; the Trainer methods ODB owns are in trainer.py.
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ from transformers import Trainer, TrainerCallback
 from odb_core.settings.console import announce
 from odb_core.settings.settings import ODBSettings, combine, read_settings
 from odb_hf import ds_config
-from odb_hf.arguments import CALLBACK, ODBSetupError
+from odb_hf.arguments import CALLBACK, EPOCH_LENGTH_DEFAULTS, ODBSetupError
 from odb_hf.attach import attach_odb, initialising_trainer
-from odb_hf.checkpoint import DataPosition, save_position
-from odb_hf.trainer import ODBRun
+from odb_hf.checks import check_training_start
+from odb_hf.run import RunState
 
 
 def _when_on(event: Any) -> Any:
@@ -46,21 +46,24 @@ class ODBCallback(TrainerCallback):
     With `TrainingArguments(deepspeed=...)`, `ODBCallback.from_deepspeed_config(args)` reads the config's `odb` section.
     """
 
-    def __init__(self, token_budget: int, *, estimate_sample_size: int = 512, length_slack: float = 0.25,
-                 exact_schedule: bool = True, **options: Any) -> None:
-        self.settings = read_settings({"token_budget": token_budget, "estimate_sample_size": estimate_sample_size,
-                                       "length_slack": length_slack, "exact_schedule": exact_schedule, **options},
-                                      CALLBACK)
+    def __init__(self, token_budget: int, *, estimate_sample_size: int = EPOCH_LENGTH_DEFAULTS["estimate_sample_size"],
+                 length_slack: float = EPOCH_LENGTH_DEFAULTS["length_slack"],
+                 exact_schedule: bool = EPOCH_LENGTH_DEFAULTS["exact_schedule"], **options: Any) -> None:
+        self._hold(read_settings({"token_budget": token_budget, "estimate_sample_size": estimate_sample_size,
+                                  "length_slack": length_slack, "exact_schedule": exact_schedule, **options}, CALLBACK))
+
+    def _hold(self, settings: ODBSettings) -> None:
+        self._settings = settings
         self._trainer: weakref.ref[Trainer] | None = None
-        self.position = DataPosition()  # where train() resumes the data from (checkpoint.py)
-        self.run: ODBRun | None = None  # the latest get_train_dataloader()'s loader, view and meter
+        self._odb: RunState | None = None  # the attached Trainer's `trainer.odb`
 
     @classmethod
     def from_settings(cls, settings: ODBSettings, **options: Any) -> ODBCallback:
         """A callback for settings read elsewhere (a DeepSpeed `odb` section, LLaMA-Factory's `odb_*` keys) plus
-        `ODBCallback` options; a field set in both must be equal. Their `ODBConfig` is the one the loader gets."""
-        callback = cls(**{"token_budget": settings.config.token_budget, **options})
-        callback.settings = combine(callback.settings, settings)
+        `ODBCallback` options; a field set in both must be equal. Only `options` are validated here: the
+        settings' `ODBConfig`, completed by the options' fields, is the one the loader gets."""
+        callback = cls.__new__(cls)
+        callback._hold(combine(read_settings({**EPOCH_LENGTH_DEFAULTS, **options}, CALLBACK), settings))
         return callback
 
     @classmethod
@@ -68,6 +71,11 @@ class ODBCallback(TrainerCallback):
         """The settings of the `odb` section of `source` (TrainingArguments, or a DeepSpeed config dict or path);
         `kwargs`: other `ODBCallback` arguments. `"enabled": false` gives a callback that leaves the Trainer as is."""
         return cls.from_settings(ds_config.read_section(source, required=True), **kwargs)
+
+    @property
+    def settings(self) -> ODBSettings:
+        """The settings: once attached, those the Trainer runs with (completed by a DeepSpeed `odb` section)."""
+        return self._odb.settings if self._odb is not None else self._settings
 
     @property
     def enabled(self) -> bool:
@@ -87,20 +95,17 @@ class ODBCallback(TrainerCallback):
     def attach(self, trainer: Trainer) -> Trainer:
         """Make `trainer` use ODB (done automatically when passed in `Trainer(callbacks=[...])`)."""
         self._trainer = weakref.ref(trainer)
-        settings = ds_config.resolve(self.settings, trainer)
-        if settings is None:
-            return trainer  # odb.enabled is false in the DeepSpeed config: ODB is off
-        self.settings = settings
-        attach_odb(trainer, self)
-        if self not in trainer.callback_handler.callbacks:
+        self._odb = attach_odb(trainer, self._settings)
+        if self._odb is not None and self not in trainer.callback_handler.callbacks:
             trainer.add_callback(self)
         return trainer
 
-    def _run(self) -> ODBRun:
-        if self.run is None:
+    def _live(self) -> RunState:
+        """The attached Trainer's `RunState`, with the run its `get_train_dataloader()` started."""
+        if self._odb is None or self._odb.run is None:
             raise ODBSetupError("ODBCallback is not attached to this Trainer (added after construction?); pass it "
                                 "in Trainer(callbacks=[...]) or call ODBCallback(...).attach(trainer) before train()")
-        return self.run
+        return self._odb
 
     # -- events --------------------------------------------------------------------------------------------
     def on_init_end(self, args, state, control, **kwargs):
@@ -113,23 +118,19 @@ class ODBCallback(TrainerCallback):
 
     @_when_on
     def on_train_begin(self, args, state, control, **kwargs):
-        run, trainer = self._run(), self.trainer
-        ds_config.check_engine(trainer)
-        if args.world_size > 1 and not trainer.is_fsdp_enabled and trainer.model_wrapped is trainer.model:
-            raise ODBSetupError("the model is not wrapped for data-parallel training, so gradients would not be "
-                                "synchronised across ranks (transformers skips the DDP wrap when "
-                                "trainer.evaluate() ran before train()); evaluate after training or on another "
-                                "Trainer instance")
+        odb = self._live()
+        run = odb.run
+        check_training_start(self.trainer)
         planned = run.view.plan.planned_steps
         if planned is not None:  # ratio logging/eval/save steps follow the plan, not the bound
             state.compute_steps(args, planned)
         if run.view.plan.exact:  # the real count: the progress bar (created after this) and the stop
             state.max_steps = planned
-        announce(run.loader, trainer.odb_adapter or f"HF {type(trainer).__name__.removeprefix('ODB')}")
+        announce(run.loader, odb.adapter)
 
     @_when_on
     def on_step_end(self, args, state, control, **kwargs):
-        run = self._run()
+        run = self._live().run
         epoch = run.view.progress(run.meter.last) if run.meter.last is not None else None
         if epoch is None:
             return
@@ -139,7 +140,7 @@ class ODBCallback(TrainerCallback):
 
     @_when_on
     def on_epoch_end(self, args, state, control, **kwargs):
-        view = self._run().view
+        view = self._live().run.view
         requested_stop = control.should_training_stop and state.global_step < state.max_steps
         if view.plan.length is None or control.should_epoch_stop or requested_stop:
             return  # step-based run, or a stop asked for by a callback: the epoch is left on purpose
@@ -149,8 +150,8 @@ class ODBCallback(TrainerCallback):
 
     @_when_on
     def on_save(self, args, state, control, **kwargs):
-        save_position(self._run().loader, args.output_dir, state.global_step)
+        self._live().save_position(args.output_dir, state.global_step)
 
     @_when_on
     def on_train_end(self, args, state, control, **kwargs):
-        self._run().loader.close()
+        self._live().run.loader.close()

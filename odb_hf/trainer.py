@@ -13,7 +13,8 @@ Under DeepSpeed the same holds: `engine.backward(loss, scale_wrt_gas=False)` and
 Exact or loud (NOTE [ Exact or loud ] in odb_core/steps/loss.py): during the first optimizer step the loss that
 `compute_loss` returns must be divided by num_items_in_batch (`normalized_share`; skipped under DeepSpeed, whose
 output hooks would start a backward pass), and a `compute_loss` override that ODB's own path would bypass is
-refused; each refusal names whose loss it is (an override, `compute_loss_func`, the model) and the fix.
+refused (unless the class lists it in `ODBTrainerTraits.bypassed_compute_loss`); each refusal (loss.py) names
+whose loss it is (an override, `compute_loss_func`, the model) and the fix.
 
 NOTE [ Steps of a target size under the HF Trainer ]
 With `samples_per_step` (or `tokens_per_step`) an optimizer step holds a variable number k of micro-batches (the
@@ -31,20 +32,17 @@ import contextlib
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from transformers import Trainer
 
-from odb_core.epoch.epoch_length import EpochView, plan_epoch_length
-from odb_core.epoch.loader import ODBDataLoader
+from odb_core.epoch.epoch_length import EpochView
 from odb_core.steps.accumulation import StepWindow, window_normalizer
-from odb_core.steps.loss import TokenLossScale, causal_lm_loss_sum, logits_of, normalized_share
-from odb_core.steps.metrics import StepMeter
-from odb_hf.arguments import ODBSetupError, build_loader, check_collator_keeps_labels
-
-if TYPE_CHECKING:
-    from odb_hf.callback import ODBCallback
+from odb_core.steps.loss import TokenLossScale, causal_lm_loss_sum, logits_of
+from odb_hf.arguments import ODBSetupError, check_collator_keeps_labels
+from odb_hf.loss import check_divided, check_not_bypassed
+from odb_hf.run import ODBRun, RunState
 
 logger = logging.getLogger(__name__)
 
@@ -57,44 +55,55 @@ def _is_arrow_dataset(dataset: Any) -> bool:
     return isinstance(dataset, datasets.Dataset)
 
 
-@dataclass(slots=True)
-class ODBRun:
-    """One `get_train_dataloader()`'s ODB objects: the loader, the Trainer's view of it, the log meter, and how
-    many micro-batches of the first optimizer step still have their loss checked."""
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ODBTrainerTraits:
+    """What a Trainer class tells ODB about itself: one class attribute, `odb_traits`, declared in its body.
 
-    loader: ODBDataLoader
-    view: EpochView
-    meter: StepMeter
-    checks_left: int = 0
+        class MyTrainer(ODBTrainerMixin, Trainer):
+            odb_traits = ODBTrainerTraits(owns_data=True, adapter="my framework")
+
+    Args:
+        owns_data: this class's own overrides of `get_train_dataloader` / `_get_train_sampler` are ODB's. Read
+            from the body of the class that defines the override (checks.py), never inherited: any other
+            override is refused, since ODB builds the batches and would silently bypass it.
+        bypassed_compute_loss: classes whose `compute_loss` ODB's own loss may skip, for a model without loss
+            kwargs (NOTE [ Exact loss under the HF Trainer ]); any other skipped override is refused.
+        adapter: who runs ODB, in the start line (`odb_core.settings.console`); None: "HF <Trainer class>".
+    A subclass inherits its base's traits unless it declares its own (`dataclasses.replace(Base.odb_traits, ...)`).
+    """
+
+    owns_data: bool = False
+    bypassed_compute_loss: tuple[type, ...] = ()
+    adapter: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.owns_data, bool):
+            raise ValueError(f"ODBTrainerTraits.owns_data={self.owns_data!r} is invalid: it must be True or False")
+        bypassed = self.bypassed_compute_loss
+        if not isinstance(bypassed, tuple) or not all(isinstance(c, type) for c in bypassed):
+            raise ValueError(f"ODBTrainerTraits.bypassed_compute_loss={bypassed!r} is invalid: it must be a tuple of "
+                             "Trainer classes")
+        if self.adapter is not None and not isinstance(self.adapter, str):
+            raise ValueError(f"ODBTrainerTraits.adapter={self.adapter!r} is invalid: it must be a name or None")
 
 
 class ODBTrainerMixin:
     """Put first in the bases of a Trainer class (`class T(ODBTrainerMixin, SFTTrainer)`), with an `ODBCallback`.
 
-    `ODBCallback` mixes this class in by itself; subclass it only to make the ODB trainer class explicit. ODB's state
-    is `self.odb`, the attached `ODBCallback` (its settings, the data position, the current `ODBRun`).
+    `ODBCallback` mixes this class in by itself; subclass it only to make the ODB trainer class explicit. ODB adds
+    two names to a Trainer: `odb`, its `RunState` (run.py: the settings, the data position, the live `ODBRun`),
+    and the class declaration `odb_traits`; every other method here overrides one of the Trainer's.
     """
 
-    odb: ODBCallback | None = None  # set on the instance when an ODBCallback attaches (attach.py)
-    odb_owns_data = True  # arguments.check_trainer: this class's overrides of the data methods are ODB's own
-    odb_bypassed_compute_loss: tuple[type, ...] = ()  # classes whose compute_loss ODB's own loss may skip
-    odb_adapter: str | None = None  # who runs ODB, in the start line (odb_core.settings.console); None: "HF <Trainer class>"
-
-    def _odb(self) -> ODBCallback:
-        if self.odb is None:
-            raise ODBSetupError(f"{type(self).__name__} mixes in ODB but has no ODBCallback; pass "
-                                "callbacks=[ODBCallback(token_budget=...)] to the Trainer")
-        return self.odb
-
-    def _odb_run(self) -> ODBRun | None:
-        return self.odb.run if self.odb is not None else None
+    odb: RunState | None = None  # set on the instance when an ODBCallback attaches (attach.py)
+    odb_traits = ODBTrainerTraits(owns_data=True)  # this class's get_train_dataloader is ODB's own
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
-        self._odb().position.start(self.args, resume_from_checkpoint)  # checkpoint.py: ODB's data position
+        _state(self).start_train(self.args, resume_from_checkpoint)
         return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def get_train_dataloader(self) -> EpochView:
-        odb = self._odb()
+        odb = _state(self)
         if self.train_dataset is None:
             raise ValueError("Trainer: training requires a train_dataset.")
         dataset, collator = self.train_dataset, self.data_collator
@@ -103,21 +112,12 @@ class ODBTrainerMixin:
         else:
             collator = self._get_collator_with_removed_columns(collator, description="training")
         check_collator_keeps_labels(collator, dataset)
-        loader = build_loader(self.args, dataset, collator, odb.settings)
-        resumed = odb.position.restore(loader)
-        extras = odb.settings.extras
-        plan = plan_epoch_length(loader, max_steps=self.args.max_steps, num_train_epochs=self.args.num_train_epochs,
-                                 slack=extras["length_slack"], sample_size=extras["estimate_sample_size"],
-                                 exact=extras["exact_schedule"])
-        view = EpochView(loader, plan, resumed=resumed)
         checks = 0 if self.is_deepspeed_enabled else self.args.gradient_accumulation_steps
-        odb.run = ODBRun(loader=loader, view=view, meter=StepMeter(loader.config, loader.metrics),
-                         checks_left=checks)
-        return view
+        return odb.new_run(self.args, dataset, collator, loss_checks=checks)
 
     def get_batch_samples(self, epoch_iterator: Iterator[Any], num_batches: int,
                           device: torch.device) -> tuple[list, torch.Tensor | None]:
-        run = self._odb_run()
+        run = _live_run(self)
         if run is None:
             return super().get_batch_samples(epoch_iterator, num_batches, device)
         batches = [batch for _, batch in zip(range(num_batches), epoch_iterator)]
@@ -131,7 +131,7 @@ class ODBTrainerMixin:
         normalizer = window_normalizer(infos, None if windows else self.args.gradient_accumulation_steps)
         for info in infos:
             run.meter.add(info)
-        if run.checks_left:  # a leaf that records gradients: compute_loss checks the loss is divided by it
+        if run.loss_checks_left:  # a leaf that records gradients: compute_loss checks the loss is divided by it
             return batches, torch.tensor(float(normalizer), device=device, requires_grad=True)
         return batches, torch.tensor(normalizer, device=device)
 
@@ -158,62 +158,27 @@ class ODBTrainerMixin:
 
     def compute_loss(self, model: torch.nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
                      num_items_in_batch: torch.Tensor | int | None = None) -> Any:
-        if self._odb_run() is None or not model.training or num_items_in_batch is None:
+        run = _live_run(self)
+        if run is None or not model.training or num_items_in_batch is None:
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         if "labels" not in inputs:
             raise ODBSetupError(f"a training batch has no 'labels' (keys {sorted(inputs)}); ODB's exact loss "
                                 "needs them: use a collator that keeps or creates labels")
         if self.model_accepts_loss_kwargs or self.compute_loss_func is not None:
             result = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-            self._odb_check_loss(result[0] if return_outputs else result, num_items_in_batch)
+            if run.take_loss_check():  # during the first optimizer step (see the NOTE)
+                check_divided(self, compute_loss_below_odb(type(self)), result[0] if return_outputs else result,
+                              num_items_in_batch)
             return result
-        bypassed = self._odb_loss_override()
-        if bypassed is not None and bypassed not in self.odb_bypassed_compute_loss:
-            raise ODBSetupError(f"{bypassed.__name__}.compute_loss is overridden, but {self._odb_model_name()}'s "
-                                "forward takes no loss kwargs, so ODB computes the exact loss from the logits itself "
-                                f"and {bypassed.__name__}.compute_loss would not run: pass Trainer(..., "
-                                "compute_loss_func=odb_hf.causal_lm_loss) to keep it, or remove the override")
+        check_not_bypassed(self, compute_loss_below_odb(type(self)), self.odb_traits.bypassed_compute_loss)
         outputs = model(**{key: value for key, value in inputs.items() if key != "labels"})
         scale = TokenLossScale(window_tokens=int(num_items_in_batch), world_size=self.accelerator.num_processes,
                                micro_batch_divisor=self.current_gradient_accumulation_steps)
         loss = scale.apply(causal_lm_loss_sum(logits_of(outputs), inputs["labels"]))
         return (loss, outputs) if return_outputs else loss
 
-    def _odb_check_loss(self, loss: torch.Tensor, normalizer: torch.Tensor) -> None:
-        """During the first optimizer step: the loss must be divided by num_items_in_batch (see the NOTE)."""
-        run = self._odb_run()
-        if not run.checks_left:
-            return
-        run.checks_left -= 1
-        share = normalized_share(loss, normalizer)
-        if 0.5 <= share <= 1.001:  # auxiliary terms allowed (NOTE [ Exact or loud ])
-            return
-        owner = self._odb_loss_override()
-        if owner is not None:
-            whose, fix = f"{owner.__name__}.compute_loss", ("divide the summed token loss by num_items_in_batch (as "
-                                                            "Trainer.compute_loss does), or remove the override")
-        elif self.compute_loss_func is not None:
-            whose, fix = "compute_loss_func", "return the summed token loss divided by num_items_in_batch"
-        else:
-            name = self._odb_model_name()
-            whose, fix = f"{name}'s loss", (f"set {name}.accepts_loss_kwargs = False (ODB then computes the exact "
-                                            "loss from the logits), or make its loss divide by num_items_in_batch")
-        raise ODBSetupError(f"{whose} is not divided by num_items_in_batch (share {share:.2f} of the loss, 1.00 "
-                            "expected), e.g. a mean per micro-batch or per sequence: with ODB's variable batches the "
-                            f"step's gradient would not be the per-token mean; {fix}")
-
-    def _odb_loss_override(self) -> type | None:
-        """The class below ODBTrainerMixin whose `compute_loss` runs under it, or None for Trainer's own."""
-        mro = type(self).__mro__
-        owner = next(c for c in mro[mro.index(ODBTrainerMixin) + 1:] if "compute_loss" in vars(c))
-        return None if owner is Trainer else owner
-
-    def _odb_model_name(self) -> str:
-        model = self.accelerator.unwrap_model(self.model)
-        return type(getattr(model, "get_base_model", lambda: model)()).__name__
-
     def create_scheduler(self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None) -> Any:
-        run = self._odb_run()
+        run = _live_run(self)
         planned = run.view.plan.planned_steps if run is not None else None
         if planned is not None and self.lr_scheduler is None:
             logger.info(f"ODB: LR schedule over the estimated {planned} optimizer steps (the Trainer's "
@@ -222,7 +187,7 @@ class ODBTrainerMixin:
         return super().create_scheduler(num_training_steps, optimizer)
 
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
-        run = self._odb_run()
+        run = _live_run(self)
         if run is not None and "loss" in logs:
             logs = {**logs, **run.meter.flush()}
         super().log(logs, *args, **kwargs)
@@ -230,3 +195,21 @@ class ODBTrainerMixin:
 
 class ODBTrainer(ODBTrainerMixin, Trainer):
     """A `transformers.Trainer` with ODB: `ODBTrainer(..., callbacks=[ODBCallback(token_budget=16384)])`."""
+
+
+def _state(trainer: ODBTrainerMixin) -> RunState:
+    if trainer.odb is None:
+        raise ODBSetupError(f"{type(trainer).__name__} mixes in ODB but has no ODBCallback; pass "
+                            "callbacks=[ODBCallback(token_budget=...)] to the Trainer")
+    return trainer.odb
+
+
+def _live_run(trainer: ODBTrainerMixin) -> ODBRun | None:
+    return trainer.odb.run if trainer.odb is not None else None
+
+
+def compute_loss_below_odb(trainer_class: type) -> type | None:
+    """The class below ODBTrainerMixin whose `compute_loss` runs under it, or None for Trainer's own."""
+    mro = trainer_class.__mro__
+    owner = next(c for c in mro[mro.index(ODBTrainerMixin) + 1:] if "compute_loss" in vars(c))
+    return None if owner is Trainer else owner

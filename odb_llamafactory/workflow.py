@@ -10,8 +10,8 @@ attaches as in any Trainer (odb_hf NOTE [ Attaching ODB to a Trainer ]): ODB own
 loss is normalised by the step's supervised tokens over all ranks and accumulation micro-batches (odb_hf NOTE
 [ Exact loss under the HF Trainer ]). `callback.attached` tells whether it took effect.
 CustomSeq2SeqTrainer overrides `_get_train_sampler` only for `disable_shuffling`, which ODB honours itself
-(`train_sampling_strategy: sequential`, set by the launcher), so `ODBSeq2SeqTrainer` declares that ODB owns it
-(`odb_owns_data = True`).
+(`train_sampling_strategy: sequential`, set by the launcher), so `ODBSeq2SeqTrainer` declares that ODB owns it, in
+its one declaration to ODB, `odb_traits = ODBTrainerTraits(owns_data=True, ...)`.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from llamafactory.train.tuner import run_exp
 from transformers import TrainerCallback
 
 from odb_core.settings.settings import ODBSettings
-from odb_hf import ODBCallback, ODBTrainerMixin
+from odb_hf import ODBCallback, ODBTrainerMixin, ODBTrainerTraits
 
 PAD_MULTIPLE = 8  # run_sft builds its collator with pad_to_multiple_of=8 when training
 
@@ -35,11 +35,12 @@ PAD_MULTIPLE = 8  # run_sft builds its collator with pad_to_multiple_of=8 when t
 class ODBSeq2SeqTrainer(ODBTrainerMixin, CustomSeq2SeqTrainer):
     """LLaMA-Factory's SFT trainer with ODB batches and exact token-weighted loss (needs an `ODBCallback`)."""
 
-    odb_owns_data = True  # odb_hf.arguments.check_trainer: this class's data-method overrides are ODB's own
+    # owns_data: this class's _get_train_sampler override is ODB's own (odb_hf.checks). bypassed_compute_loss:
     # LLaMA-Factory sets model_accepts_loss_kwargs = False for models with a processor (VLMs); ODB then computes the
-    # loss itself, skipping CustomSeq2SeqTrainer.compute_loss, which only adds use_asft_loss (refused with odb: true)
-    odb_bypassed_compute_loss = (CustomSeq2SeqTrainer,)
-    odb_adapter = "LLaMA-Factory"  # the start line: "odb: on (LLaMA-Factory), token budget ..."
+    # loss itself, skipping CustomSeq2SeqTrainer.compute_loss, which only adds use_asft_loss (refused with odb: true).
+    # adapter: the start line says "odb: on (LLaMA-Factory), token budget ...".
+    odb_traits = ODBTrainerTraits(owns_data=True, bypassed_compute_loss=(CustomSeq2SeqTrainer,),
+                                  adapter="LLaMA-Factory")
 
     def _get_train_sampler(self, *args: Any, **kwargs: Any) -> None:
         raise RuntimeError("ODB shards and orders the training data itself; no training sampler is used")

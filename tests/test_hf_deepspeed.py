@@ -22,8 +22,7 @@ from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 import hf_support
 from odb_core.data.collate import PadCollator
 from odb_hf import ODBCallback, ODBSetupError, ODBTrainer, ODBTrainerMixin
-from odb_hf.arguments import check_process_count
-from odb_hf.ds_config import check_engine
+from odb_hf.checks import check_engine, check_process_count
 
 pytest_plugins = ["hf_fixtures"]
 ROOT = Path(__file__).resolve().parent.parent
@@ -110,7 +109,7 @@ def test_section_shuffle_num_workers_and_epochs_must_agree_with_training_argumen
 def test_disabled_section_turns_odb_off_for_a_callback_built_from_the_config(tmp_path, caplog):
     args = make_args(tmp_path, ds_config(enabled=False))
     callback = ODBCallback.from_deepspeed_config(args)
-    with caplog.at_level(logging.WARNING, logger="odb_hf.ds_config"):
+    with caplog.at_level(logging.WARNING, logger="odb_hf.attach"):
         trainer = build(args, callback)
     assert type(trainer) is Trainer and not hasattr(trainer, "odb") and not callback.enabled
     assert "ODB is off: odb.enabled is false" in caplog.text

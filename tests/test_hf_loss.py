@@ -10,7 +10,7 @@ from transformers import Trainer, TrainingArguments
 import hf_support
 from odb_core.data.collate import PadCollator
 from odb_core.steps.loss import TokenLossScale, causal_lm_loss_sum, step_normalizer
-from odb_hf import ODBCallback, ODBSetupError, ODBTrainerMixin, causal_lm_loss
+from odb_hf import ODBCallback, ODBSetupError, ODBTrainerMixin, ODBTrainerTraits, causal_lm_loss
 
 pytest_plugins = ["hf_fixtures"]
 TOLERANCE = 1e-6
@@ -192,6 +192,20 @@ def test_an_override_that_odb_would_bypass_is_refused_and_causal_lm_loss_keeps_i
     PassThroughTrainer.calls = 0
     grads, steps = train_frozen(tmp_path, model, samples, PassThroughTrainer, compute_loss_func=causal_lm_loss)
     assert PassThroughTrainer.calls == 2 * len(steps)
+    assert check_against_reference(model.inner, samples, grads, steps) <= TOLERANCE
+
+
+def test_a_compute_loss_declared_bypassed_is_skipped_and_the_loss_stays_exact(chat_data, tmp_path):
+    """`ODBTrainerTraits(bypassed_compute_loss=...)` (odb_llamafactory's VLM path): for a model without loss kwargs
+    ODB computes the exact loss from the logits and the declared override does not run."""
+
+    class Declared(ODBTrainerMixin, PassThroughTrainer):
+        odb_traits = ODBTrainerTraits(owns_data=True, bypassed_compute_loss=(PassThroughTrainer,))
+
+    samples, model = chat_data.train[:24], hf_support.LogitsOnly(hf_support.tiny_llama(dtype=torch.float64))
+    PassThroughTrainer.calls = 0
+    grads, steps = train_frozen(tmp_path, model, samples, Declared)
+    assert PassThroughTrainer.calls == 0
     assert check_against_reference(model.inner, samples, grads, steps) <= TOLERANCE
 
 

@@ -11,7 +11,7 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 import hf_support
 from odb_core.data.collate import PadCollator
 from odb_core.epoch.loader import ODBDataLoader
-from odb_hf import ODBCallback, ODBSetupError, ODBTrainer, ODBTrainerMixin
+from odb_hf import ODBCallback, ODBSetupError, ODBTrainer, ODBTrainerMixin, ODBTrainerTraits
 
 pytest_plugins = ["hf_fixtures"]
 COLLATE = PadCollator(pad_token_id=hf_support.PAD)
@@ -45,6 +45,36 @@ def test_callback_mixes_odb_into_the_trainer_instance_and_keeps_user_overrides(c
     assert type(trainer).__name__ == "ODBCountingTrainer" and ODBTrainerMixin not in CountingTrainer.__mro__
     trainer.train()
     assert CountingTrainer.calls == trainer.state.global_step > 0  # GA = 1: one compute_loss per step
+
+
+def public_names(obj) -> set[str]:
+    """The names reachable on `obj`, without Python's own dunders (`__annotations__` of an annotated class)."""
+    return {name for name in dir(obj) if not (name.startswith("__") and name.endswith("__"))}
+
+
+def test_odb_adds_at_most_two_names_to_the_users_trainer(chat_data, tmp_path):
+    """`odb` on the instance (its RunState) and the class declaration `odb_traits`: nothing else, before or after
+    training, whether the callback attaches itself in __init__ or by attach(); the user's class is untouched."""
+
+    class UserTrainer(Trainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+    class_dict = dict(vars(UserTrainer))
+    plain = make_trainer(tmp_path / "plain", chat_data.train[:8], trainer_class=UserTrainer)
+    names, attributes = public_names(plain), set(vars(plain))
+    late = make_trainer(tmp_path / "late", chat_data.train[:8], trainer_class=UserTrainer)
+    ODBCallback(token_budget=512).attach(late)
+    built = make_trainer(tmp_path / "built", chat_data.train[:8], [ODBCallback(token_budget=512)], UserTrainer)
+    for trainer in (late, built):
+        assert set(vars(trainer)) - attributes == {"odb"}
+        assert public_names(trainer) - names == {"odb", "odb_traits"}
+        assert public_names(type(trainer)) - public_names(UserTrainer) == {"odb", "odb_traits"}
+    plain.train()
+    built.train()
+    assert set(vars(built)) - set(vars(plain)) == {"odb"}
+    assert public_names(built) - public_names(plain) == {"odb", "odb_traits"}
+    assert dict(vars(UserTrainer)) == class_dict and ODBTrainerMixin not in UserTrainer.__mro__
 
 
 def test_odb_trainer_class_and_callback_give_the_same_run(chat_data, tmp_path):
@@ -184,6 +214,28 @@ def test_custom_sampler_and_odb_owned_options_raise(chat_data, tmp_path):
         ODBCallback(token_budget=0)
 
 
+def test_a_data_method_override_is_accepted_only_from_a_class_that_declares_odb_owns_it(chat_data, tmp_path):
+    """`odb_traits = ODBTrainerTraits(owns_data=True)` in the overriding class's own body (odb_llamafactory's
+    trainer); a subclass that overrides the method again must declare it again; a malformed declaration raises."""
+
+    class OwnedSampler(ODBTrainerMixin, Trainer):
+        odb_traits = ODBTrainerTraits(owns_data=True, adapter="test")
+
+        def _get_train_sampler(self, train_dataset=None):
+            raise AssertionError("ODB uses no training sampler")
+
+    class Undeclared(OwnedSampler):
+        def _get_train_sampler(self, train_dataset=None):
+            return None
+
+    trainer = make_trainer(tmp_path, chat_data.train[:8], [ODBCallback(token_budget=512)], OwnedSampler)
+    assert trainer.odb.adapter == "test" and trainer.train().global_step > 0
+    with pytest.raises(ODBSetupError, match="Undeclared._get_train_sampler is overridden"):
+        make_trainer(tmp_path, chat_data.train[:8], [ODBCallback(token_budget=512)], Undeclared)
+    with pytest.raises(ValueError, match=r"ODBTrainerTraits.bypassed_compute_loss=\[<class .*a tuple of Trainer"):
+        ODBTrainerTraits(bypassed_compute_loss=[Trainer])
+
+
 def test_collator_that_drops_labels_is_refused(chat_data, tmp_path):
     def no_labels(samples):
         return {k: v for k, v in COLLATE(samples).items() if k != "labels"}
@@ -217,8 +269,8 @@ def test_every_scheduler_ends_at_its_end_value_after_the_real_last_step(chat_dat
                            lr_scheduler_type=scheduler, warmup_steps=warmup, learning_rate=1e-2)
     trainer.train()
     real = trainer.state.global_step
-    assert real == trainer.state.max_steps == len(lrs) == sum(odb.run.view.loader.plan_epochs_exactly(range(2))
-                                                              .optimizer_steps)
+    planned = trainer.odb.run.view.loader.plan_epochs_exactly(range(2))
+    assert real == trainer.state.max_steps == len(lrs) == sum(planned.optimizer_steps)
     assert trainer.lr_scheduler.get_last_lr()[0] == pytest.approx(end, abs=1e-12)
     assert lrs[-1] > end and max(lrs) == pytest.approx(1e-2, rel=0.2)
 
@@ -233,8 +285,8 @@ def test_a_step_target_needs_gradient_accumulation_1_and_trains_every_sample_wit
                       observer=lambda info: seen.extend(info.indices))
     trainer = make_trainer(tmp_path, chat_data.train[:30], [odb])
     trainer.train()
-    assert sorted(seen) == list(range(30)) and not odb.run.view.plan.exact
-    assert trainer.state.global_step == odb.run.loader.metrics.counts.optimizer_steps
+    assert sorted(seen) == list(range(30)) and not trainer.odb.run.view.plan.exact
+    assert trainer.state.global_step == trainer.odb.run.loader.metrics.counts.optimizer_steps
 def test_a_callback_outside_a_trainer_says_how_to_attach_it(tmp_path):
     from transformers import TrainerControl, TrainerState
 
