@@ -15,7 +15,7 @@ Importing this package does not import deepspeed (only `initialize()` does).
 from odb_core.settings.ds_section import load_ds_config, parse_odb_section, without_odb_section
 from odb_core.settings.settings import ODBSettings
 from odb_deepspeed.accounting import ConsumedCounts, DeepSpeedODBLoader
-from odb_deepspeed.engine import ODBLossError
+from odb_deepspeed.engine_mixin import ODBLossError
 from odb_deepspeed.initialize import initialize
 from odb_deepspeed.loss import loss_scale, token_weighted_loss
 

@@ -64,7 +64,7 @@ class DeepSpeedODBLoader:
                               supervised_tokens=done.global_supervised_tokens, input_tokens=done.global_input_tokens)
 
     def __iter__(self) -> Iterator[ODBBatch]:
-        serve = getattr(self.engine, "odb_serve", None)  # ODB's engine weights and checks the loss (engine.py)
+        serve = getattr(self.engine, "odb_serve", None)  # ODB's engine weights and checks the loss (engine_mixin.py)
         target = self.odb.config.step_target is not None
         for batch in self.odb:
             self._check_aligned(batch.info)

@@ -70,7 +70,7 @@ def _takes_var_keywords(forward: Any) -> bool:
 
 
 class ODBEngineMixin:
-    """Put first in the MRO of a DeepSpeed engine by `with_odb` (see the NOTE above)."""
+    """Put first in the MRO of a DeepSpeed engine by `mix_into` (see the NOTE above)."""
 
     odb_served: ServedBatch | None = None
 
@@ -144,7 +144,7 @@ def _odb_class(base: type) -> type:
     return type(f"ODB{base.__name__}", (ODBEngineMixin, base), {"__module__": __name__})
 
 
-def with_odb(engine: Any) -> Any:
+def mix_into(engine: Any) -> Any:
     """Mix `ODBEngineMixin` into this engine instance (its class and other engines are untouched)."""
     engine.__class__ = _odb_class(type(engine))
     return engine

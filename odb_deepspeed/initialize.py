@@ -12,7 +12,7 @@ back as is. With `"odb": {"enabled": true, ...}`:
   4. with `odb.epochs`, a decaying scheduler's `total_num_steps` becomes the exact optimizer-step count of those
      epochs (NOTE [ Exact DeepSpeed schedule ]);
   5. it returns `(engine, optimizer, DeepSpeedODBLoader, lr_scheduler)`, the engine with ODB's loss weighting and
-     checks mixed in (NOTE [ The plain DeepSpeed loop under ODB ] in engine.py), and logs "odb: on, ..." on rank 0.
+     checks mixed in (NOTE [ The plain DeepSpeed loop under ODB ] in engine_mixin.py), and logs "odb: on, ..." on rank 0.
 Cost: one Gloo group for ODB's metadata (created collectively, so call this on every rank in the same order).
 """
 
@@ -29,7 +29,7 @@ from odb_core.settings.console import announce
 from odb_core.settings.ds_section import load_ds_config, split_ds_config
 from odb_core.settings.settings import ODBSettings
 from odb_deepspeed.accounting import DeepSpeedODBLoader
-from odb_deepspeed.engine import with_odb
+from odb_deepspeed.engine_mixin import mix_into
 
 DEFAULT_PORT = 29500  # deepspeed.constants.TORCH_DISTRIBUTED_DEFAULT_PORT
 LAST_STEP_OFFSET = {"WarmupDecayLR": -1, "WarmupCosineLR": 0}  # NOTE [ Exact DeepSpeed schedule ]
@@ -86,7 +86,7 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
     if "epochs" in section.extras:
         fit_schedule(scheduler, loader, section.extras["epochs"])
     announce(loader, "DeepSpeed")
-    return with_odb(engine), optimizer, DeepSpeedODBLoader(loader, engine), scheduler
+    return mix_into(engine), optimizer, DeepSpeedODBLoader(loader, engine), scheduler
 
 
 def fit_schedule(scheduler: Any, loader: ODBDataLoader, epochs: int) -> int:

@@ -19,7 +19,7 @@ so ZeRO's per-micro-batch reductions stay matched across ranks.
 `engine.backward(l)` returns l / G = sum_CE * W / N; summed over the window and averaged over ranks, that is
 the step's per-token mean loss (see docs/guides/deepspeed.md). With ODB on, the engine applies the same l to the
 model's own `output.loss` and checks what reaches `engine.backward` (NOTE [ The plain DeepSpeed loop under ODB ]
-in engine.py).
+in engine_mixin.py).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def loss_scale(info: StepInfo, engine: Any) -> float:
     Use it with your own loss: `engine.backward(my_sum_loss * odb_deepspeed.loss_scale(batch.info, engine))`.
     G is `engine.gradient_accumulation_steps()`, W is `engine.dp_world_size` when DeepSpeed averages gradients
     (`gradient_allreduce_op` "mean", the default) and 1 when it sums them. With ODB's engine this also tells it
-    that the loop weights this batch's loss itself (engine.py).
+    that the loop weights this batch's loss itself (engine_mixin.py).
     """
     mark = getattr(engine, "odb_mark_scaled", None)
     if mark is not None:

@@ -12,7 +12,7 @@ importing deepspeed and transformers costs ~20 s per process on these machines:
      single-process float64 reference of the per-supervised-token mean over the step's samples;
   4. the plain loop (`loss = engine(**batch).loss; engine.backward(loss)`, no ODB helper) checked the same way,
      for a model that takes loss kwargs and for one declared without them (NOTE [ The plain DeepSpeed loop under
-     ODB ] in odb_deepspeed/engine.py);
+     ODB ] in odb_deepspeed/engine_mixin.py);
   5. refusals: a loss ODB did not weight, scale_wrt_gas=False, a model whose loss ignores num_items_in_batch.
 Writes OUT_DIR/rank{r}.json. The test process makes the assertions.
 """

@@ -3,8 +3,8 @@
 Guarantees (see docs/guarantees.md): every rank yields the same number of steps per epoch (IDLE included); with
 `join=True` every index of the epoch's sampler output appears in exactly one non-IDLE step on exactly one rank;
 every group's cost is <= token_budget except a lone oversize sample; batches depend only on (seed, epoch, data,
-world size, config). Cost per round: one all_gather of 5 ints per rank and one all_reduce of 6 ints per step,
-over a dedicated Gloo group.
+world size, config). Cost per round: one all_gather of `STATE_FIELDS` (10) ints per rank and one all_reduce of
+`STEP_SUM_FIELDS` (6) ints per step, over a dedicated Gloo group.
 
 `len()` is the step count of the last completed epoch on this loader (an honest estimate for the next one,
 which differs only by the shuffle) or `estimate_steps()`' result; before either exists it raises TypeError, which

@@ -1,7 +1,7 @@
-"""Reading one epoch's samples into the window: the stream cursor, the payloads of buffered samples, the IDLE dummy.
+"""Reading one epoch's samples into the buffer: the stream cursor, the payloads of buffered samples, the IDLE dummy.
 
 `SampleReader` is the part of an epoch that touches samples; the planning only sees `Item`s. It admits every
-sample it reads to the engine's window (checked by `inspect_sample`, which names the index of a bad sample),
+sample it reads to the engine's buffer (checked by `inspect_sample`, which names the index of a bad sample),
 keeps the payload by dataset index until its group is collated, and picks the sample IDLE steps are built from.
 """
 
@@ -16,7 +16,7 @@ from typing import Any
 from odb_core.data.sample import LengthFn, count_patches, inspect_sample
 from odb_core.data.sources import unpack_sample
 from odb_core.epoch.stream import Chunk
-from odb_core.planning.planner import WindowEngine
+from odb_core.planning.planner import BufferEngine
 from odb_core.resume.state import RoundStart
 
 
@@ -45,10 +45,10 @@ class Payloads:
 
 
 class SampleReader:
-    """This rank's stream of one epoch, read into a `RankEngine`'s window.
+    """This rank's stream of one epoch, read into a `RankEngine`'s buffer.
 
     `consumed` counts the samples admitted so far (the resume offset included); `pending` holds samples of the
-    last fetched chunk that the window had no room for."""
+    last fetched chunk that the buffer had no room for."""
 
     def __init__(self, chunks: Iterator[Chunk], length_fn: LengthFn | None,
                  fallback_dummy: Callable[[], Mapping[str, Any]], packed: bool) -> None:
@@ -63,7 +63,7 @@ class SampleReader:
         self.dummy: Mapping[str, Any] | None = None
         self.dummy_patches = 0
 
-    def restore(self, start: RoundStart, engine: WindowEngine, fetch: Callable[[int], Mapping[str, Any]]) -> None:
+    def restore(self, start: RoundStart, engine: BufferEngine, fetch: Callable[[int], Mapping[str, Any]]) -> None:
         """Re-fetch the samples buffered at `start` (and the dummy) by index, as the saved round began."""
         self.consumed = start.consumed
         for index in start.buffer:
@@ -74,8 +74,8 @@ class SampleReader:
             self.dummy_index, self.dummy = start.dummy_index, fetch(start.dummy_index)
             self.dummy_patches = count_patches(self.dummy)
 
-    def fill(self, engine: WindowEngine) -> bool:
-        """Top the window up; returns whether this rank is still active (its stream may hold more)."""
+    def fill(self, engine: BufferEngine) -> bool:
+        """Top the buffer up; returns whether this rank is still active (its stream may hold more)."""
         pending, admit, put, length_fn = self.pending, engine.admit, self.payloads.put, self.length_fn
         space = engine.space()
         while space > 0:

@@ -1,4 +1,4 @@
-"""Pure DGAP adjustment: turn one rank's window plan into exactly `target` step slots.
+"""Pure DGAP adjustment: turn one rank's buffer plan into exactly `target` step slots.
 
 A slot holds a `Group` or `None` (an IDLE step). Ranks with more ready groups than the target push the extra
 groups back into their buffer; ranks with fewer split their largest groups, then fill what is left with IDLE.

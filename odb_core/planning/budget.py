@@ -27,7 +27,7 @@ class Item(NamedTuple):
     when the round began (`carried`).
 
     A named tuple rather than a frozen dataclass: one is built per sample read (0.3 µs against 0.6-0.9), and a
-    tuple of ints is untracked by the garbage collector once it survives a collection, so the window's items do
+    tuple of ints is untracked by the garbage collector once it survives a collection, so the buffer's items do
     not add to what each full collection walks (docs/benchmarks.md, "The loader's hot path")."""
 
     index: int
@@ -184,7 +184,7 @@ class GroupBudget:
     def _longest_alone(self) -> int:
         """The longest sample without vision patches that fits alone (0 if none does): every cost model is
         nondecreasing in length (`attention_alpha >= 0`) and the caps do not look at length, so a sample of
-        `1 <= length <= alone_length` and no patches fits alone with no call (`WindowEngine.admit`, once per sample).
+        `1 <= length <= alone_length` and no patches fits alone with no call (`BufferEngine.admit`, once per sample).
         Found by bisection over `[0, token_budget]`, at construction."""
         low, high = 0, self.token_budget  # alone_fits holds at `low` (or low == 0); the answer is <= high
         while low < high:

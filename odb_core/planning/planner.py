@@ -17,7 +17,7 @@ from odb_core.planning.termination import (Decision, DesyncError, RankState, ali
                                            check_same_progress)
 from odb_core.settings.config import ODBConfig
 
-__all__ = ["DesyncError", "LocalRound", "RankEngine", "WindowEngine"]
+__all__ = ["DesyncError", "LocalRound", "RankEngine", "BufferEngine"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,10 +28,10 @@ class LocalRound:
     state: RankState
 
 
-class WindowEngine:
+class BufferEngine:
     """One rank's buffer of observed-but-unemitted samples and its epoch counters (both planning modes).
 
-    `space()` and `admit()` fill the window before each round; `round`, `steps_done`, `oversize` and `finished`
+    `space()` and `admit()` fill the buffer before each round; `round`, `steps_done`, `oversize` and `finished`
     count the epoch's progress. The planning itself is the subclass's."""
 
     def __init__(self, config: ODBConfig, epoch: int, rank: int = 0) -> None:
@@ -47,7 +47,7 @@ class WindowEngine:
         self.finished = False
 
     def space(self) -> int:
-        """How many more samples the window takes before this round's plan."""
+        """How many more samples the buffer takes before this round's plan."""
         return max(self.config.window - len(self.items), 0)
 
     def admit(self, item: Item) -> None:
@@ -73,15 +73,15 @@ class WindowEngine:
         self.finished = True
 
 
-class RankEngine(WindowEngine):
-    """Rank-local planning: this rank's window is planned alone, and alignment equalises the step counts.
+class RankEngine(BufferEngine):
+    """Rank-local planning: this rank's buffer is planned alone, and alignment equalises the step counts.
 
-    Call order per round: `space()` and `admit()` until the window is full or the stream ends, then
+    Call order per round: `space()` and `admit()` until the buffer is full or the stream ends, then
     `start_round()`, exchange `LocalRound.state` with every rank, then `finish_round()` with all states.
     """
 
     def start_round(self, active: bool) -> LocalRound:
-        """Plan the window. `active` is False once this rank's stream has ended (the rank is closing)."""
+        """Plan the buffer. `active` is False once this rank's stream has ended (the rank is closing)."""
         plan = plan_window(self.items, self.budget, closing=not active)
         state = RankState(active=active, n_ready=plan.n_ready, n_groups=len(plan.groups),
                           n_samples=len(self.items), steps_done=self.steps_done, epoch=self.epoch, round=self.round,

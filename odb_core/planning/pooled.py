@@ -1,7 +1,7 @@
 """Global planning: one plan over every rank's buffered samples, dealt to the ranks one band of groups per step.
 
 NOTE [ Pooled rounds ]
-In global mode (`planning="global"`, W > 1) every rank still reads its own stream into its own window, but the
+In global mode (`planning="global"`, W > 1) every rank still reads its own stream into its own buffer, but the
 round's plan is computed over the *pool*, the union of every rank's buffered items, which every rank receives
 (one all_gather of (index, length, patches) per buffered item). `plan_pooled_round` is a pure function of the
 pool, so every rank computes the same plan:
@@ -19,9 +19,9 @@ pool, so every rank computes the same plan:
      of similar cost run side by side;
   6. in each band a group goes to the rank that holds most of its samples (greedy on the overlap counts), the
      rest to the remaining ranks in rank order; the bands run in the round's shared permutation.
-NOTE [ No starving ] A rank reads only as much as its window has room for, and its window empties only when its
+NOTE [ No starving ] A rank reads only as much as its buffer has room for, and its buffer empties only when its
 samples are emitted. Were the fullest groups always chosen, a rank whose samples form low-cost groups (all short,
-say) could keep its window full of pushed-back samples round after round, read nothing, and see its whole stream
+say) could keep its buffer full of pushed-back samples round after round, read nothing, and see its whole stream
 pushed to the end of the epoch (or dropped, under non-join). So a sample carried over from an earlier round gives
 its group priority, and a tail made only of carried-over samples is not held again: what waited once goes next.
 `carried` is part of the plan's input: each rank reports how many of its buffered items it carried into the
@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from odb_core.planning.alignment import RoundKey, Slot, step_permutation
 from odb_core.planning.budget import GroupBudget, Item, build_budget
 from odb_core.planning.grouping import Group, pack_sorted, sort_longest_first, split_widest
-from odb_core.planning.planner import WindowEngine
+from odb_core.planning.planner import BufferEngine
 from odb_core.planning.termination import (Decision, PoolFacts, RankState, align_to_accumulation, build_termination,
                                            check_same_progress)
 from odb_core.settings.config import ODBConfig
@@ -151,7 +151,7 @@ def plan_pooled_round(buffers: Sequence[Sequence[Item]], request: PoolRequest, c
                        decision=decision, n_split=n_split, n_pushed_back=len(groups) - len(fullest))
 
 
-class PooledEngine(WindowEngine):
+class PooledEngine(BufferEngine):
     """One rank's buffer in global mode (the pooled counterpart of `RankEngine`). Per round: `state(active)` and
     `pool_ints()` are exchanged, then `finish_round` computes the shared plan and keeps this rank's part of the
     pool. No I/O."""

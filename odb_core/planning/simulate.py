@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from odb_core.planning.alignment import RoundKey, Slot
 from odb_core.planning.budget import Item
-from odb_core.planning.planner import RankEngine, WindowEngine
+from odb_core.planning.planner import BufferEngine, RankEngine
 from odb_core.planning.pooled import POOL_FIELDS, PooledEngine, PoolRequest, plan_pooled_round
 from odb_core.planning.termination import STATE_FIELDS, STEP_SUM_FIELDS
 from odb_core.settings.config import ODBConfig
@@ -58,7 +58,7 @@ def is_pooled(config: ODBConfig, world: int) -> bool:
     return config.planning == "global" and world > 1
 
 
-def _fill(engines: Sequence[WindowEngine], streams: Sequence[Sequence[Item]], cursors: list[int],
+def _fill(engines: Sequence[BufferEngine], streams: Sequence[Sequence[Item]], cursors: list[int],
           ended: list[bool]) -> list[bool]:
     """Top every rank's window up from its stream; returns which ranks are still active.
 

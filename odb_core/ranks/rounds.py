@@ -1,8 +1,8 @@
 """One round's plan as one rank sees it, in either planning mode: the collectives around the pure planners.
 
-`LocalRounds` (rank-local planning) exchanges the 5-int `RankState` and lets `RankEngine` decide and adjust;
-`PooledRounds` (global planning, NOTE [ Pooled rounds ]) also exchanges every buffered item, computes the shared
-pooled plan and moves the samples whose group runs on another rank (NOTE [ Moving samples ]). Both return a
+`LocalRounds` (rank-local planning) exchanges the `RankState` (`STATE_FIELDS` ints) and lets `RankEngine` decide and
+adjust; `PooledRounds` (global planning, NOTE [ Pooled rounds ]) also exchanges every buffered item, computes the
+shared pooled plan and moves the samples whose group runs on another rank (NOTE [ Moving samples ]). Both return a
 `RankRound`: this rank's ordered slots and how to get each slot's samples. Every rank makes the same collective
 calls in the same order, whatever its data.
 """
@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 from odb_core.planning.alignment import Slot
 from odb_core.planning.budget import Item
-from odb_core.planning.planner import RankEngine, WindowEngine
+from odb_core.planning.planner import BufferEngine, RankEngine
 from odb_core.planning.pooled import POOL_FIELDS, PooledEngine
 from odb_core.planning.simulate import is_pooled
 from odb_core.planning.termination import RankState
@@ -39,7 +39,7 @@ class RankRound:
     abandoned: bool = False
 
 
-def _someone_left(engine: WindowEngine, states: list[RankState]) -> RankRound | None:
+def _someone_left(engine: BufferEngine, states: list[RankState]) -> RankRound | None:
     """A round in which some rank reported `leaving` ends the epoch for every rank (NOTE [ Leaving an epoch ])."""
     if not any(s.leaving for s in states):
         return None
@@ -48,14 +48,14 @@ def _someone_left(engine: WindowEngine, states: list[RankState]) -> RankRound | 
     return RankRound(index=index, slots=(), final=True, n_split=0, n_pushed_back=0, abandoned=True)
 
 
-def leave(engine: WindowEngine, transport: Transport) -> None:
+def leave(engine: BufferEngine, transport: Transport) -> None:
     """This rank's consumer abandoned the epoch: take part in the next round's state exchange once, saying so."""
     transport.all_gather(engine.leaving_state().to_ints())
     engine.end_early()
 
 
 class Rounds(Protocol):
-    engine: WindowEngine
+    engine: BufferEngine
 
     def plan(self, active: bool, take_own: Callable[[int], Any]) -> RankRound:
         """Run the round's collectives and return this rank's part (called once per round by every rank)."""

@@ -1,8 +1,8 @@
-"""Transports: with liveness.py, the only modules that touch `torch.distributed`.
+"""Transports: with liveness.py, the only modules that touch `torch.distributed` (an import-linter contract).
 
 A `Transport` moves small int64 vectors between ranks with two collectives, always called in the same order on
 every rank (see NOTE [ Rounds and termination ]):
-  * `all_gather(values)` once per round: each rank's `RankState` (5 ints), O(W) ints per rank;
+  * `all_gather(values)` once per round: each rank's `RankState` (`STATE_FIELDS`, 10 ints), O(W) ints per rank;
   * `all_reduce_sum(values)` once per round: 6 ints per step of the round (`STEP_SUM_FIELDS`), O(T) ints;
   * under global planning, a second `all_gather` of every buffered item (3 ints each, padded to the longest
     buffer) and `all_to_all_bytes` of the samples that move to another rank (NOTE [ Moving samples ]).

@@ -154,7 +154,8 @@ def _part_from_dict(data: Any, where: str) -> RemainderPart:
     source = source_from_dict(pop_field(data, "source", dict, where), f"{where}.source")
     if not isinstance(source, RECOMPUTABLE):
         raise StateError(f"{where}.source is {source.describe()}, which a remainder cannot be built from")
-    part = RemainderPart(rank=pop_field(data, "rank", int, where), source=source, consumed=pop_field(data, "consumed", int, where),
+    part = RemainderPart(rank=pop_field(data, "rank", int, where), source=source,
+                         consumed=pop_field(data, "consumed", int, where),
                          buffer=int_list(pop_field(data, "buffer", list, where), f"{where}.buffer"),
                          emitted=int_list(pop_field(data, "emitted", list, where), f"{where}.emitted"))
     no_leftovers(data, where)

@@ -94,7 +94,8 @@ class SavedPosition:
         start = dict(pop_field(data, "start", dict, where))
         values = {name: pop_field(start, name, int, f"{where}.start") for name in
                   ("round", "steps_done", "consumed", "carry_count", "carry_tokens")}
-        values["carry_samples"] = pop_field(start, "carry_samples", int, f"{where}.start") if "carry_samples" in start else 0
+        has_samples = "carry_samples" in start
+        values["carry_samples"] = pop_field(start, "carry_samples", int, f"{where}.start") if has_samples else 0
         dummy = pop_field(start, "dummy_index", (int, type(None)), f"{where}.start")
         buffer = int_list(pop_field(start, "buffer", list, f"{where}.start"), f"{where}.start.buffer")
         no_leftovers(start, f"{where}.start")
