@@ -194,6 +194,25 @@ def test_worker_processes_exit_promptly_after_an_error(failure):
     assert time.monotonic() - start < 3.0
 
 
+
+@pytest.mark.parametrize("prefetch_steps", [0, 2])
+def test_worker_processes_exit_at_once_after_a_bad_sample_while_the_loader_lives(prefetch_steps):
+    """A sample the checks refuse (here: no input_ids) raises SampleError from the reader; the reader releases
+    the worker iterator on that path too, so the workers exit while the user still holds the loader (no GC, no
+    close). Before, they lived until the loader was collected, and torch then waited 5 s per worker."""
+    before = set(multiprocessing.active_children())
+    loader = ODBDataLoader(PatchedDataset({"labels": torch.arange(8)}), token_budget=64, num_workers=2,
+                           prefetch_steps=prefetch_steps)
+    with pytest.raises(SampleError, match=rf"^sample {BAD_INDEX}: has no 'input_ids'"):
+        list(loader)
+    start = time.monotonic()
+    while set(multiprocessing.active_children()) - before and time.monotonic() - start < 10:
+        time.sleep(0.05)
+    assert set(multiprocessing.active_children()) - before == set()
+    assert time.monotonic() - start < 3.0
+    assert loader is not None  # the loader is still referenced while the workers must be gone
+
+
 # -- oversize samples ----------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize(("num_workers", "prefetch_steps"), IN_PROCESS_MODES)

@@ -122,6 +122,30 @@ def test_a_frozen_rank_is_noticed_within_the_liveness_timeout(tmp_path):
     assert latency <= 10.0, f"PeerError came {latency:.1f}s after rank 1 froze"
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("launcher", ["env", "spawn"])
+def test_a_frozen_rank_0_that_hosts_the_store_is_named_within_the_liveness_timeout(tmp_path, launcher):
+    """Rank 0 of 3 hosts the job's c10d store (no torchrun agent: one process per rank with env://, or mp.spawn)
+    and is frozen (SIGSTOP) in the middle of the exchange. The heartbeat's store calls then block, so the beat
+    thread can report nothing; the waiting ranks watch the beat thread instead (NOTE [ A frozen store host ]) and
+    raise a PeerError naming rank 0 within liveness_timeout_s plus two beats. Before, nothing raised for 150 s."""
+    liveness_s = 4.0
+    case = Case(world_size=3, lengths=mixed_lengths(900), window=8, fault="freeze", fault_rank=0, fault_after=3,
+                sync_timeout_s=300.0, liveness_timeout_s=liveness_s, stall_s=30.0)
+    result = run_job(case, launcher, tmp_path, timeout_s=180)
+    assert not result.timed_out, f"the job hung:\n{result.output[-4000:]}"
+    faulty = result.records.get(0)
+    survivors = [result.records.get(r) for r in (1, 2)]
+    assert faulty is not None and all(survivors), result.output[-4000:]
+    bound = liveness_s + 2 * (liveness_s / 4) + 2.0  # + 2 s of scheduling slack on a loaded 2-core machine
+    for survivor in survivors:
+        assert survivor["error_type"] == PeerError.__name__, survivor
+        assert "c10d store" in survivor["message"] and "rank 0, which hosts it" in survivor["message"], survivor
+        latency = survivor["raised_at"] - faulty["left_at"]
+        assert latency <= bound, f"rank {survivor['rank']}: PeerError came {latency:.1f}s after rank 0 froze"
+
+
 # --- worker failures ----------------------------------------------------------------------------------------------
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("prefetch_steps", [0, 2])

@@ -75,12 +75,20 @@ class SampleReader:
             self.dummy_patches = count_patches(self.dummy)
 
     def fill(self, engine: BufferEngine) -> bool:
-        """Top the buffer up; returns whether this rank is still active (its stream may hold more)."""
+        """Top the buffer up; returns whether this rank is still active (its stream may hold more). On any error
+        (a bad sample, the oversize policy, a failed fetch) the worker iterator is released before raising."""
+        try:
+            return self._fill(engine)
+        except BaseException as exc:
+            self._fail(exc)
+            raise
+
+    def _fill(self, engine: BufferEngine) -> bool:
         pending, admit, put, length_fn = self.pending, engine.admit, self.payloads.put, self.length_fn
         space = engine.space()
         while space > 0:
             if not pending:
-                chunk = self._next_chunk()
+                chunk = next(self.chunks, None)
                 if chunk is None:
                     self.stream_ended = True
                     return False
@@ -96,14 +104,11 @@ class SampleReader:
             self._offer_dummy(index, sample, item.patches)
         return not (self.stream_ended and not pending)
 
-    def _next_chunk(self) -> Chunk | None:
-        try:
-            return next(self.chunks, None)
-        except BaseException as exc:
-            # Free the worker iterator now (not at the next GC), so its processes exit at once.
-            traceback.clear_frames(exc.__traceback__)
-            self.close()
-            raise
+    def _fail(self, exc: BaseException) -> None:
+        """Free the worker iterator now (not when the loader or the exception's frames are collected), so that
+        its processes exit at once: the frames of the traceback hold it too."""
+        traceback.clear_frames(exc.__traceback__)
+        self.close()
 
     def _offer_dummy(self, index: int, sample: Mapping[str, Any], patches: int) -> None:
         """NOTE [ IDLE dummy ] The dummy is the first sample this rank read, replaced once by the first one with

@@ -15,6 +15,14 @@ not iterating (paused, or stuck in the user's code) still beats: its peers wait 
 Cost per rank and beat: two small store writes and two existence checks, O(1) whatever the world size.
 Without MASTER_ADDR/MASTER_PORT (an init_method that names its own store) there is no heartbeat, and the
 collectives are bounded by `sync_timeout_s` alone.
+
+NOTE [ A frozen store host ]
+The store lives in one process: torchrun's agent, or rank 0 itself when the ranks were started without the agent
+(`env://` from a launcher of one's own, `mp.spawn`). When that process is frozen the heartbeat's own store calls
+block (`check` ignores the client's timeout), so the beat thread can neither notice nor publish anything. The
+waiting side therefore also watches the beat thread: `failure` reports a silent store once no beat completed for
+`liveness_timeout_s` plus two beat intervals, naming the process that hosts it (rank 0 without torchrun's agent).
+Every waiting rank sees this by itself, so nothing has to be published through the frozen store.
 """
 
 from __future__ import annotations
@@ -38,12 +46,28 @@ class Liveness:
 
     def __init__(self, rank: int, world_size: int, timeout_s: float) -> None:
         self.rank, self.world_size, self.timeout_s = rank, world_size, timeout_s
-        self.failure: Exception | None = None
+        self._failure: Exception | None = None
         self.prefix = f"odb/liveness/{next(_SERIAL)}"
         self._store = self._connect()
         self._stop = threading.Event()
-        if self._store is not None and world_size > 1:
+        self.last_beat = time.monotonic()  # when the beat thread last completed a beat (NOTE [ A frozen store host ])
+        self._watched = self._store is not None and world_size > 1
+        if self._watched:
             threading.Thread(target=_beat, args=(weakref.ref(self),), name="odb-liveness", daemon=True).start()
+
+    @property
+    def failure(self) -> Exception | None:
+        """The first silence found: a peer's (by the beat thread) or the store's (by whoever asks)."""
+        if self._failure is None and self._watched and not self._stop.is_set():
+            stalled = time.monotonic() - self.last_beat
+            if stalled > self.timeout_s + 2 * self.interval_s:
+                self._failure = PeerSilent(f"the job's c10d store has not answered ODB's heartbeat for "
+                                           f"{stalled:.0f}s: {_store_host()} is frozen, hung or unreachable")
+        return self._failure
+
+    @failure.setter
+    def failure(self, value: Exception) -> None:
+        self._failure = value
 
     def _connect(self) -> dist.TCPStore | None:
         host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
@@ -88,6 +112,14 @@ class PeerSilent(RuntimeError):
     """A peer's heartbeat stopped (see NOTE [ Liveness ])."""
 
 
+def _store_host() -> str:
+    """Who runs the job's c10d store: torchrun's agent (it sets TORCHELASTIC_RUN_ID), else rank 0's own process."""
+    where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+    if os.environ.get("TORCHELASTIC_RUN_ID"):
+        return f"the torchrun agent that hosts it ({where})"
+    return f"rank 0, which hosts it ({where}, a launch without torchrun's agent),"
+
+
 def _beat(ref: weakref.ref[Liveness]) -> None:
     watched: dict[str, float] = {}
     for count in itertools.count():
@@ -96,9 +128,10 @@ def _beat(ref: weakref.ref[Liveness]) -> None:
             return
         try:
             liveness.beat_once(count, watched)
+            liveness.last_beat = time.monotonic()
         except Exception as exc:  # noqa: BLE001 - the store's host (rank 0 or the launcher) is gone or frozen
-            liveness.failure = PeerSilent(f"the job's c10d store stopped answering ({type(exc).__name__}: {exc}); "
-                                          "the rank or launcher that hosts it died or is frozen")
+            liveness.failure = PeerSilent(f"the job's c10d store stopped answering ({type(exc).__name__}: {exc}): "
+                                          f"{_store_host()} died or is frozen")
             return
         interval = liveness.interval_s
         del liveness
