@@ -1,25 +1,36 @@
 """Benchmarks of odb against its peers, run from the repository root as modules: `python -m benchmarks.<module>`.
 
+Scripts (each runs as `python -m benchmarks.<module>`; none is imported by another module of benchmarks/):
   compare, mm_bench                  every peer on the same workloads (writes results/)
-  utilization, alignment,            single measures of odb's own loader
-  loader_throughput, hot_path        (hot_path: ODB against a plain DataLoader on three real dataset shapes)
+  utilization, hot_path,             single measures of odb's own loader
+  hot_path_instructions              (hot_path: ODB against a plain DataLoader on three real dataset shapes)
   pool_plan                          CPU time of one pooled (global) round's plan at W = 256
   global_scale, move_modes           global against rank-local planning (odb plan at scale), send against fetch
   demo                               `make demo`: CPU fine-tuning, Standard against ODB
   gpu.train_throughput               training throughput and peak memory on one GPU
+  workers.*                          the torchrun ranks of the training benchmarks; `workers.training` standalone
+  reference.reference_release        `--validate`: the reference release's driver against its real loader
+  reference.ref_driver,              run inside benchmarks/.venv-ref (reference/setup_ref_env.sh), launched by
+  data.sharegpt_qwen                 comparison/reference_peer.py and data/real_lengths.py
+Libraries (imported, never run):
+  lib/          what several benchmarks share: the offline oracle, time to quality, the hot-path loaders, the CPU
+                training launcher
   data/         the workloads: synthetic lengths, ChitChat, real-data lengths, the MM-Mix-like VLM pipeline
-  comparison/   the peers, the schedule every method produces, batch quality, the Markdown/PNG report
-  workers/      the torchrun ranks of the training benchmarks and their launcher
-  reference/    the reference release, run in its own environment (.venv-ref)
+  comparison/   the peers (the reference release among them), the schedule every method produces, batch quality,
+                the Markdown/PNG report
+  alignment     compare's exchange-cost part
+  gpu.quality   the GPU script's time-to-quality part
 
 Every module imports its siblings absolutely (`benchmarks.data.workloads`); the repository root must be on the
 path, which `python -m` from the root does. The locations below are the package's own, whatever the caller's
-working directory.
+working directory. No module imports a runnable one (one with `if __name__ == "__main__":`): what two scripts share
+moves to a library (tests/test_benchmarks_layout.py keeps it so).
 
 NOTE [ Standard-library package inits ]
 `reference/ref_driver.py` and `data/sharegpt_qwen.py` run as `python -m benchmarks.<...>` inside .venv-ref, which
 has neither odb's packages nor their dependencies, so importing them runs this file and `reference/__init__.py` or
-`data/__init__.py` there: all three import the standard library only.
+`data/__init__.py` there: all three import the standard library only, and so does `data/sharegpt_records.py`,
+which `sharegpt_qwen` imports.
 """
 
 from pathlib import Path

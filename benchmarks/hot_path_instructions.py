@@ -33,7 +33,7 @@ if collector == "nogc":
     gc.disable()
 import torch
 torch.set_num_threads(1)
-from benchmarks.hot_path import BATCH, SEQ, LengthSorted, Trivial
+from benchmarks.lib.hot_path_loaders import BATCH, SEQ, LengthSorted, Trivial
 from odb_core import ODBDataLoader, PadCollator
 dataset = Trivial(n)
 if loader == "plain":
@@ -63,7 +63,7 @@ def native_plain_us(n: int, repeats: int = 9) -> float:
     """The plain loader's trainer CPU per sample, best of `repeats` epochs, in this process."""
     import torch
 
-    from benchmarks.hot_path import BATCH, Trivial, epoch_rate
+    from benchmarks.lib.hot_path_loaders import BATCH, Trivial, epoch_rate
 
     torch.set_num_threads(1)
     plain = torch.utils.data.DataLoader(Trivial(n), batch_size=BATCH)

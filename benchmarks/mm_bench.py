@@ -46,13 +46,13 @@ import numpy as np
 import torch
 
 from benchmarks import CACHE, REPO_ROOT, RESULTS
-from benchmarks.comparison import peers
+from benchmarks.comparison import peers, reference_peer
 from benchmarks.comparison.schedule import CostModel, Schedule, deal_round_robin, measure
 from benchmarks.data import mm_mix
-from benchmarks.reference import reference_release
-from odb_core.cli import shard
+from benchmarks.lib.oracle import oracle_groups
+from benchmarks.lib.time_to_quality import time_to_quality
+from odb_core.data.sharding import shard
 from odb_core.planning.budget import Item, build_budget
-from odb_core.planning.grouping import oracle_groups
 from odb_core.planning.simulate import simulate_epoch
 from odb_core.settings.config import ODBConfig
 
@@ -133,7 +133,7 @@ def reference(buffer_size: int | None, capped: bool) -> Callable[[np.ndarray, in
         setting = peers.Setting(lengths=facts[:, 0].tolist(), world_size=world, token_budget=token_budget,
                                 attention_alpha=0.0)
         patches = facts[:, 1].tolist() if capped else None
-        return reference_release.run(setting, buffer_size, patches, max_patches)[0]
+        return reference_peer.run(setting, buffer_size, patches, max_patches)[0]
 
     return run
 
@@ -230,10 +230,8 @@ def run_training(args: argparse.Namespace, log: Callable[[str], None]) -> dict:
 def run_time_to_quality(args: argparse.Namespace, log: Callable[[str], None]) -> dict:
     """Standard and ODB on 2 gloo ranks at the same optimizer step (`--ttq-samples-per-step`, rounded to Standard's
     B x W x GA; Standard by gradient accumulation, ODB by `samples_per_step`), evaluated on the held-out samples
-    every `--ttq-eval-every` steps: `benchmarks.demo.time_to_quality` of the two eval curves (training seconds,
+    every `--ttq-eval-every` steps: `benchmarks.lib.time_to_quality` of the two eval curves (training seconds,
     evaluation excluded)."""
-    from benchmarks.demo import time_to_quality
-
     with tempfile.TemporaryDirectory(prefix="mm_ttq_") as tmp:
         work = Path(tmp)
         samples, _, batch = _training_set(args, work)
@@ -353,7 +351,7 @@ def main(argv: list[str] | None = None) -> dict:
     if set(parts) - set(PARTS):
         raise SystemExit(f"unknown parts {sorted(set(parts) - set(PARTS))}; choose from {PARTS}")
     if not args.no_reference:
-        missing = reference_release.ensure_env(create=True)
+        missing = reference_peer.ensure_env(create=True)
         if missing is not None:
             raise SystemExit(f"reference release unavailable ({missing.reason}); pass --no-reference")
     given = argv if argv is not None else sys.argv[1:]

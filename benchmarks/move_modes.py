@@ -87,7 +87,7 @@ def save_pretokenized(folder: Path, samples: int) -> int:
 def _epoch(loader: ODBDataLoader, epoch: int) -> dict:
     """One timed epoch; the batches' index lists are digested to check that both modes emit the same."""
     loader.set_epoch(epoch)
-    before = (loader.metrics.moved_samples, loader.metrics.moved_bytes, loader.metrics.local_samples)
+    before = (loader.metrics.moved_samples, loader.metrics.moved_bytes, loader.metrics.counts.local_samples)
     digest = hashlib.sha256()
     dist.barrier()
     wall, cpu = time.perf_counter(), time.process_time()
@@ -96,7 +96,7 @@ def _epoch(loader: ODBDataLoader, epoch: int) -> dict:
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     m = loader.metrics
     return {"wall": wall, "cpu": cpu, "moved_samples": m.moved_samples - before[0],
-            "moved_bytes": m.moved_bytes - before[1], "samples": m.local_samples - before[2],
+            "moved_bytes": m.moved_bytes - before[1], "samples": m.counts.local_samples - before[2],
             "digest": digest.hexdigest()}
 
 

@@ -14,40 +14,27 @@ from __future__ import annotations
 
 import argparse
 import json
-import threading
 from pathlib import Path
 
 from torch.utils.data import DistributedSampler
 
 from benchmarks.data.workloads import LengthsDataset, lognormal
-from odb_core import ODBConfig, ODBDataLoader, VirtualHub, VirtualTransport
-from odb_core.planning.budget import Item, build_budget
-from odb_core.planning.grouping import oracle_groups
+from benchmarks.lib.oracle import oracle_steps
+from odb_core import ODBDataLoader, run_virtual_ranks
 
 L_MAX = 16384
 
 
-def oracle_steps(lengths: list[int]) -> int:
-    budget = build_budget(ODBConfig(token_budget=L_MAX))
-    return len(oracle_groups([Item(i, n) for i, n in enumerate(lengths)], budget))
-
-
 def run_loaders(dataset: LengthsDataset, world: int, samplers: list | None) -> int:
     """Steps per rank of one epoch of W real loaders (threads over a VirtualHub); asserts equal counts."""
-    hub = VirtualHub(world, timeout_s=600)
-    steps = [0] * world
 
-    def rank_main(rank: int) -> None:
-        loader = ODBDataLoader(dataset, token_budget=L_MAX, transport=VirtualTransport(hub, rank),
+    def rank_main(rank: int, transport) -> int:
+        loader = ODBDataLoader(dataset, token_budget=L_MAX, transport=transport,
                                sampler=samplers[rank] if samplers else None, prefetch_steps=0,
                                collate_fn=lambda samples: {"input_ids": [s["input_ids"] for s in samples]})
-        steps[rank] = sum(1 for _ in loader)
+        return sum(1 for _ in loader)
 
-    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    steps = run_virtual_ranks(rank_main, world, timeout_s=600)
     assert len(set(steps)) == 1, f"unequal step counts {steps}"
     return steps[0]
 
@@ -58,11 +45,11 @@ def measure(name: str, lengths: list[int], world: int, skewed: bool) -> dict:
         order = sorted(range(len(lengths)), key=lambda i: lengths[i])
         shards = [order[r * len(order) // world : (r + 1) * len(order) // world] for r in range(world)]
         samplers = [shard for shard in shards]  # a list of indices is a valid sampler
-        bound_steps = max(oracle_steps([lengths[i] for i in shard]) for shard in shards)
+        bound_steps = max(oracle_steps([lengths[i] for i in shard], L_MAX) for shard in shards)
     else:
         samplers = [DistributedSampler(range(len(lengths)), num_replicas=world, rank=r, shuffle=True, seed=0)
                     for r in range(world)] if world > 1 else None
-        bound_steps = oracle_steps(lengths) / world
+        bound_steps = oracle_steps(lengths, L_MAX) / world
     steps = run_loaders(LengthsDataset(lengths), world, samplers)
     odb = total / (steps * world * L_MAX)
     bound = total / (bound_steps * world * L_MAX)

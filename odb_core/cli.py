@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from odb_core.data.sources import ShardedSampler
+from odb_core.data.sharding import shard
 from odb_core.planning.budget import Item
 from odb_core.planning.simulate import EpochPlan, is_pooled, simulate_epoch
 from odb_core.settings.config import COST_NAMES, ODBConfig
@@ -87,13 +87,6 @@ def read_lengths(path: Path, field: str) -> list[int]:
             out.append(value if isinstance(value, int) else len(value))
         return out
     return [int(tok) for tok in path.read_text().split()]
-
-
-def shard(lengths: Sequence[int], world: int, seed: int, epoch: int = 0) -> list[list[Item]]:
-    """Each rank's stream exactly as the loader's own sampler (`shuffle=True`) deals it."""
-    return [[Item(i, int(lengths[i])) for i in ShardedSampler(len(lengths), rank=r, world_size=world, shuffle=True,
-                                                              seed=seed).with_epoch(epoch)]
-            for r in range(world)]
 
 
 def standard_time(streams: list[list[Item]], batch: int, model: StepTimeModel) -> tuple[int, float]:

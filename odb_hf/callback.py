@@ -22,7 +22,7 @@ from odb_hf import ds_config
 from odb_hf.arguments import CALLBACK, EPOCH_LENGTH_DEFAULTS, ODBSetupError
 from odb_hf.attach import attach_odb, initialising_trainer
 from odb_hf.checks import check_training_start
-from odb_hf.run import RunState
+from odb_hf.run import ODBRun, RunState
 
 
 def _when_on(event: Any) -> Any:
@@ -76,6 +76,12 @@ class ODBCallback(TrainerCallback):
     def settings(self) -> ODBSettings:
         """The settings: once attached, those the Trainer runs with (completed by a DeepSpeed `odb` section)."""
         return self._odb.settings if self._odb is not None else self._settings
+
+    @property
+    def run(self) -> ODBRun | None:
+        """The attached Trainer's live run (`trainer.odb.run`): its loader, epoch view and log meter; None before
+        the first `get_train_dataloader()`."""
+        return self._odb.run if self._odb is not None else None
 
     @property
     def enabled(self) -> bool:

@@ -4,7 +4,8 @@ A refactor that must not change behaviour (same seed, world size, data and confi
 checked against digests recorded before it (tests/test_recorded_batches.py). A digest covers, for every yielded
 batch in order and on every rank: the full `StepInfo`, every key of the batch and every tensor's dtype, shape and
 bytes; cases with a resume point also cover the saved states' continuation in a fresh loader, and the loader's
-metrics counters at the end (without the metadata traffic, which is not a property of the batches). Ranks W > 1 run as threads over a `VirtualHub` (the loader's own collectives).
+metrics counters at the end (without the metadata traffic, which is not a property of the batches). Ranks W > 1
+run as threads over a `VirtualHub` (`run_virtual_ranks`: the loader's own collectives).
 
     python tests/batch_record.py            # print the digests of every case (to re-record after a deliberate change)
 """
@@ -14,8 +15,6 @@ from __future__ import annotations
 import hashlib
 import json
 import sys
-import threading
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,7 +26,7 @@ if str(TESTS_DIR) not in sys.path:
     sys.path.insert(0, str(TESTS_DIR))
 
 from conftest import LengthDataset, lognormal_lengths  # noqa: E402
-from odb_core import ODBDataLoader, StepInfo, VirtualHub, VirtualTransport  # noqa: E402
+from odb_core import ODBDataLoader, StepInfo, run_virtual_ranks  # noqa: E402
 from odb_core.resume.resume import merge_states  # noqa: E402
 
 DATA = LengthDataset(lognormal_lengths(260, cv=1.0, mean=96, seed=11, hi=900))
@@ -136,26 +135,6 @@ def _counters(loader: ODBDataLoader) -> dict[str, Any]:
     return {k: summary[k] for k in COUNTERS}
 
 
-def _on_ranks(world: int, fn: Callable[[int, Any], Any]) -> list[Any]:
-    """fn(rank, transport) on `world` threads over one VirtualHub, results in rank order."""
-    hub, results, errors = VirtualHub(world, timeout_s=120), [None] * world, []
-
-    def target(rank: int) -> None:
-        try:
-            results[rank] = fn(rank, VirtualTransport(hub, rank))
-        except BaseException as exc:  # noqa: BLE001 - re-raised below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=target, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(300)
-    if errors:
-        raise errors[0]
-    return results
-
-
 def _loader(case: Case, transport: Any) -> ODBDataLoader:
     return ODBDataLoader(_dataset(case.dataset), transport=transport, num_workers=case.workers,
                          **case.options, **case.loader_kw)
@@ -173,7 +152,7 @@ def _run_full(case: Case) -> list[str]:
         h.update(json.dumps(_counters(loader), sort_keys=True).encode())
         loader.close()
         return h.hexdigest()
-    return _on_ranks(case.world, rank_main)
+    return run_virtual_ranks(rank_main, case.world, timeout_s=120)
 
 
 def _run_resumed(case: Case) -> list[str]:
@@ -185,7 +164,7 @@ def _run_resumed(case: Case) -> list[str]:
         state = json.loads(json.dumps(loader.state_dict()))
         loader.close()
         return state
-    states = _on_ranks(case.world, stop)
+    states = run_virtual_ranks(stop, case.world, timeout_s=120)
     new_world = case.resume_world or case.world
     merged = merge_states(states) if (case.merged or new_world != case.world) else None
 
@@ -199,7 +178,7 @@ def _run_resumed(case: Case) -> list[str]:
         h.update(json.dumps(_counters(loader), sort_keys=True).encode())
         loader.close()
         return h.hexdigest()
-    return _on_ranks(new_world, resume)
+    return run_virtual_ranks(resume, new_world, timeout_s=120)
 
 
 def digest(name: str) -> str:

@@ -1,4 +1,6 @@
-"""Unit tests of the budget constraints and the pure grouping (`odb_core.planning.budget`, `odb_core.planning.grouping`)."""
+"""Unit tests of the budget constraints and the pure grouping (`odb_core.planning.budget`,
+`odb_core.planning.grouping`), and of the benchmarks' offline oracle they are measured against
+(`benchmarks.lib.oracle`)."""
 
 from __future__ import annotations
 
@@ -6,11 +8,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from benchmarks.lib.oracle import oracle_groups  # the benchmarks' offline oracle, checked here against the planner
 from conftest import lognormal_lengths
 from odb_core import Item, ODBConfig, simulate_epoch
 from odb_core.planning.budget import AttentionBudget, CountCap, PaddedBudget, PatchCap, TokenBudget, build_budget
-from odb_core.planning.grouping import (Group, oracle_groups, pack_sorted, plan_window, sort_longest_first, split_group,
-                                        split_widest)
+from odb_core.planning.grouping import Group, pack_sorted, plan_buffer, sort_longest_first, split_group, split_widest
 
 
 def items_of(lengths, patches=None) -> list[Item]:
@@ -181,7 +183,7 @@ def test_sort_order_is_longest_then_most_patches_then_index():
 
 def test_open_window_holds_back_its_tail_group():
     budget = build_budget(ODBConfig(token_budget=100))
-    plan = plan_window(items_of([50, 50, 40, 40, 10]), budget, closing=False)
+    plan = plan_buffer(items_of([50, 50, 40, 40, 10]), budget, closing=False)
     assert lengths_of(plan.groups) == [[50, 50], [40, 40], [10]]
     assert plan.n_ready == 2
     assert lengths_of(plan.held) == [[10]]
@@ -189,7 +191,7 @@ def test_open_window_holds_back_its_tail_group():
 
 def test_closing_window_emits_its_tail_group():
     budget = build_budget(ODBConfig(token_budget=100))
-    plan = plan_window(items_of([50, 50, 40, 40, 10]), budget, closing=True)
+    plan = plan_buffer(items_of([50, 50, 40, 40, 10]), budget, closing=True)
     assert plan.n_ready == len(plan.groups) == 3
     assert plan.held == ()
 
@@ -197,9 +199,9 @@ def test_closing_window_emits_its_tail_group():
 def test_a_lone_group_is_ready_even_in_an_open_window():
     # An active rank always reports at least one ready group (NOTE [ Rounds and termination ]).
     budget = build_budget(ODBConfig(token_budget=100))
-    plan = plan_window(items_of([10, 20]), budget, closing=False)
+    plan = plan_buffer(items_of([10, 20]), budget, closing=False)
     assert plan.n_ready == 1 and plan.held == ()
-    assert plan_window([], budget, closing=True).n_ready == 0
+    assert plan_buffer([], budget, closing=True).n_ready == 0
 
 
 # -- split ---------------------------------------------------------------------------------------------------

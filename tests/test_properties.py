@@ -29,9 +29,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from batch_record import _on_ranks
 from conftest import LengthDataset, lognormal_lengths
-from odb_core import EpochPlan, Item, ODBConfig, ODBDataLoader, simulate_epoch
+from odb_core import EpochPlan, Item, ODBConfig, ODBDataLoader, run_virtual_ranks, simulate_epoch
 from odb_core.settings.config import COST_NAMES
 from odb_core.steps.accumulation import window_normalizer
 
@@ -374,7 +373,7 @@ def run_target_epoch(case: TargetCase) -> list[dict]:
         plan = loader.plan_epochs_exactly([0]) if case.unit == "samples" else None
         batches = [(b.info, supervised(b)) for b in loader]
         return dict(plan=plan, infos=[info for info, _ in batches], tokens=[tokens for _, tokens in batches])
-    return _on_ranks(len(case.shards), rank_main)
+    return run_virtual_ranks(rank_main, len(case.shards), timeout_s=120)
 
 
 def windows_of(infos) -> list[list[int]]:

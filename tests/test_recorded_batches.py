@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 import batch_record as br
+from odb_core import run_virtual_ranks
 from odb_core.resume.resume import merge_states
 
 RECORDED = {
@@ -70,7 +71,7 @@ def test_version_2_states_saved_before_the_typed_state_resume_exactly(name):
         h.update(json.dumps(br._counters(loader), sort_keys=True).encode())
         loader.close()
         return h.hexdigest()
-    per_rank = br._on_ranks(new_world, resume)
+    per_rank = run_virtual_ranks(resume, new_world, timeout_s=120)
     assert hashlib.sha256("".join(per_rank).encode()).hexdigest() == RECORDED[name]
 
 
@@ -99,4 +100,5 @@ def test_a_resumed_run_yields_the_batches_of_the_uninterrupted_run(name):
         infos = [b.info for _ in range(case.epochs) for b in again]
         again.close()
         return infos
-    assert br._on_ranks(case.world, resumed) == br._on_ranks(case.world, full)
+    assert (run_virtual_ranks(resumed, case.world, timeout_s=120)
+            == run_virtual_ranks(full, case.world, timeout_s=120))

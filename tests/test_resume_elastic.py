@@ -4,14 +4,13 @@ ranks, merged, continue the epoch at W' without losing or repeating a sample; wh
 from __future__ import annotations
 
 import json
-import threading
 from collections import Counter
 
 import pytest
 import torch
 
 from conftest import LengthDataset, lognormal_lengths
-from odb_core import ODBDataLoader, VirtualHub, VirtualTransport
+from odb_core import ODBDataLoader, run_virtual_ranks
 from odb_core.resume.resume import ElasticResumeError, merge_states
 
 N = 300
@@ -23,26 +22,6 @@ def make(transport=None, dataset=DATASET, **kw):
     return ODBDataLoader(dataset, transport=transport, **{**options, **kw})
 
 
-def run_world(world_size: int, fn):
-    """fn(rank, transport) on W threads sharing a VirtualHub; returns the results in rank order."""
-    hub, results, errors = VirtualHub(world_size, timeout_s=60), [None] * world_size, []
-
-    def target(rank: int) -> None:
-        try:
-            results[rank] = fn(rank, VirtualTransport(hub, rank))
-        except BaseException as exc:  # noqa: BLE001 - re-raised below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=target, args=(r,)) for r in range(world_size)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    if errors:
-        raise errors[0]
-    return results
-
-
 def stop_after(world_size: int, steps: int, **kw):
     """Every rank consumes `steps` steps of epoch 0 and saves its state (through JSON); returns (infos, states)."""
     def rank_main(rank, transport):
@@ -52,7 +31,7 @@ def stop_after(world_size: int, steps: int, **kw):
         state = json.loads(json.dumps(loader.state_dict()))
         loader.close()
         return infos, state
-    results = run_world(world_size, rank_main)
+    results = run_virtual_ranks(rank_main, world_size)
     return [r[0] for r in results], [r[1] for r in results]
 
 
@@ -62,11 +41,11 @@ def continue_at(world_size: int, state, epochs: int = 1, **kw):
         loader = make(transport, **kw)
         loader.load_state_dict(state)
         return [b.info for _ in range(epochs) for b in loader]
-    return run_world(world_size, rank_main)
+    return run_virtual_ranks(rank_main, world_size)
 
 
 def epoch_steps(world_size: int, **kw) -> int:
-    return run_world(world_size, lambda r, t: sum(1 for _ in make(t, **kw)))[0]
+    return run_virtual_ranks(lambda r, t: sum(1 for _ in make(t, **kw)), world_size)[0]
 
 
 def indices(infos_per_rank, epoch: int = 0) -> list[int]:
@@ -101,7 +80,7 @@ def test_elastic_resume_without_join_never_repeats_and_reports_the_rest():
         loader = make(transport, join=False)
         loader.load_state_dict(merge_states(states))
         return [b.info for b in loader], list(loader.last_report.not_emitted)
-    results = run_world(3, rank_main)
+    results = run_virtual_ranks(rank_main, 3)
     emitted = indices(before) + indices([infos for infos, _ in results])
     reported = [i for _, left in results for i in left]
     assert max(Counter(emitted).values()) == 1  # G4: no sample twice
@@ -119,7 +98,7 @@ def test_a_remainder_epoch_resumes_exactly_and_elastically_again():
         head = [next(it).info for _ in range(stop)]
         state = json.loads(json.dumps(loader.state_dict()))
         return head, state, [b.info for b in it]
-    (head, state, tail), = run_world(1, lambda r, t: remainder(r, t, 7))
+    (head, state, tail), = run_virtual_ranks(lambda r, t: remainder(r, t, 7), 1)
     assert state["plan"]["kind"] == "remainder"
     exact = continue_at(1, state)[0]
     assert [(i.step, i.indices, i.window_tokens) for i in exact] == [(i.step, i.indices, i.window_tokens) for i in tail]
@@ -135,7 +114,7 @@ def test_the_epoch_after_an_elastic_resume_is_a_normal_epoch_at_the_new_world_si
         loader = make(transport)
         loader.set_epoch(1)
         return [b.info.indices for b in loader]
-    assert [[i.indices for i in infos if i.epoch == 1] for infos in after] == run_world(2, fresh)
+    assert [[i.indices for i in infos if i.epoch == 1] for infos in after] == run_virtual_ranks(fresh, 2)
 
 
 def test_elastic_resume_keeps_gradient_accumulation_windows_whole():
@@ -180,14 +159,14 @@ def test_elastic_resume_refuses_states_of_an_iterable_dataset():
         state = loader.state_dict()
         loader.close()
         return state
-    merged = merge_states(run_world(2, rank_main))
+    merged = merge_states(run_virtual_ranks(rank_main, 2))
     with pytest.raises(ElasticResumeError, match="IterableDataset"):
         ODBDataLoader(Stream(), token_budget=1024, window=48).load_state_dict(merged)
 
 
 def test_a_merged_state_at_the_same_world_size_resumes_exactly():
     total = epoch_steps(2)
-    reference = run_world(2, lambda r, t: [b.info for b in make(t)])
+    reference = run_virtual_ranks(lambda r, t: [b.info for b in make(t)], 2)
     before, states = stop_after(2, total // 2)
     after = continue_at(2, merge_states(list(reversed(states))))
     assert [b + a for b, a in zip(before, after)] == reference

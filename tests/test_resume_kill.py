@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import random
-import threading
 from collections import Counter
 from dataclasses import replace
 from pathlib import Path
@@ -19,8 +18,8 @@ from pathlib import Path
 import pytest
 
 import resume_worker
-from odb_core import VirtualHub, VirtualTransport
-from resume_launch import LAUNCH_TIMEOUT_S, free_port, run_and_kill, run_to_end
+from odb_core import run_virtual_ranks
+from resume_launch import free_port, run_and_kill, run_to_end
 from resume_worker import N_SAMPLES, Job
 
 
@@ -91,19 +90,10 @@ def test_killed_and_restarted_run_yields_exactly_the_uninterrupted_batches(tmp_p
 
 def steps_per_epoch(job: Job, world_size: int) -> int:
     """Epoch 0's step count at `world_size`, from the same loaders on an in-process virtual cluster."""
-    hub = VirtualHub(world_size)
-    counts = [0] * world_size
+    def count(rank: int, transport) -> int:
+        return sum(1 for _ in resume_worker.build_loader(replace(job, rank=rank, world_size=world_size), transport))
 
-    def count(rank: int) -> None:
-        loader = resume_worker.build_loader(replace(job, rank=rank, world_size=world_size),
-                                            VirtualTransport(hub, rank))
-        counts[rank] = sum(1 for _ in loader)
-
-    threads = [threading.Thread(target=count, args=(r,)) for r in range(world_size)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(LAUNCH_TIMEOUT_S)
+    counts = run_virtual_ranks(count, world_size)
     assert len(set(counts)) == 1 and counts[0] > 8
     return counts[0]
 

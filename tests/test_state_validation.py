@@ -13,9 +13,8 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from batch_record import _on_ranks
 from conftest import LengthDataset, lognormal_lengths
-from odb_core import DesyncError, ODBDataLoader, VirtualHub, VirtualTransport
+from odb_core import DesyncError, ODBDataLoader, VirtualHub, VirtualTransport, run_virtual_ranks
 from odb_core.resume.fields import StateError, digest_of
 from odb_core.resume.resume import ElasticResumeError, merge_states
 
@@ -125,7 +124,7 @@ def _states_after(steps: list[int], planning: str) -> list[dict]:
                 state = json.loads(json.dumps(loader.state_dict()))
         loader.close()
         return state
-    return _on_ranks(2, rank_main)
+    return run_virtual_ranks(rank_main, 2, timeout_s=120)
 
 
 @pytest.mark.parametrize("planning", ["global", "local"])
@@ -142,7 +141,7 @@ def test_ranks_resumed_one_step_apart_fail_at_their_first_exchange(planning):
             return sum(1 for _ in loader)
         except DesyncError as exc:
             return exc
-    errors = _on_ranks(2, rank_main)
+    errors = run_virtual_ranks(rank_main, 2, timeout_s=120)
     assert len(errors) == 2 and all(isinstance(e, DesyncError) for e in errors), errors
     assert "resumed at different steps [4, 3]" in str(errors[0])
     with pytest.raises(ElasticResumeError, match="after different steps"):

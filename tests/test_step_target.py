@@ -8,9 +8,8 @@ from collections import Counter
 
 import pytest
 
-from batch_record import _on_ranks
 from conftest import LengthDataset, lognormal_lengths
-from odb_core import ODBDataLoader
+from odb_core import ODBDataLoader, run_virtual_ranks
 from odb_core.resume.fields import ElasticResumeError
 from odb_core.resume.resume import merge_states
 from odb_core.steps.accumulation import StepTarget, step_windows
@@ -24,7 +23,7 @@ def _run(world: int, epochs: int = 2, **options):
         loader = ODBDataLoader(DATA, transport=transport, **{**OPTIONS, **options})
         plan = loader.plan_epochs_exactly(range(epochs)) if "tokens_per_step" not in options else None
         return plan, [[b.info for b in loader] for _ in range(epochs)], loader.metrics.summary()
-    return _on_ranks(world, rank_main)
+    return run_virtual_ranks(rank_main, world, timeout_s=120)
 
 
 @pytest.mark.parametrize("planning", ["global", "local"])
@@ -84,13 +83,13 @@ def test_a_resumed_run_with_a_step_target_yields_the_uninterrupted_batches(stop)
         for k, _ in enumerate(loader):
             if k + 1 == stop:
                 return loader.state_dict()
-    states = _on_ranks(2, stopped)
+    states = run_virtual_ranks(stopped, 2, timeout_s=120)
 
     def resumed(rank, transport):
         loader = ODBDataLoader(DATA, transport=transport, **{**OPTIONS, **options})
         loader.load_state_dict(states[rank])
         return [b.info for b in loader]
-    rest = _on_ranks(2, resumed)
+    rest = run_virtual_ranks(resumed, 2, timeout_s=120)
     for rank in range(2):
         assert rest[rank] == full[rank][0][stop:]
 
@@ -107,7 +106,7 @@ def test_elastic_resume_continues_from_a_step_boundary_and_refuses_a_save_inside
             for k, _ in enumerate(loader):
                 if k + 1 == stop:
                     return loader.state_dict()
-        merged = merge_states(_on_ranks(2, stopped))
+        merged = merge_states(run_virtual_ranks(stopped, 2, timeout_s=120))
         loader = ODBDataLoader(DATA, **{**OPTIONS, **options})
         if not ok:
             with pytest.raises(ElasticResumeError, match="inside an optimizer step"):

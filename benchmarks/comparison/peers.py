@@ -3,7 +3,7 @@
 All methods see the same lengths, world size, budget and seed. Online methods read the same per-rank streams
 (ODB's own sampler: one seeded permutation, rank r taking positions r, r+W, ...); methods that build a global list
 of batches are sharded fairly by dealing batch k to rank k mod W. The reference release runs in its own
-environment (`reference/reference_release.py`); everything else runs here, from the installed packages:
+environment (`reference_peer`); everything else runs here, from the installed packages:
 
   standard          fixed batch B = L_max // longest sample, random order (the HF Trainer default)
   sorted            global sort by length, fixed batches of B, batch order shuffled
@@ -12,7 +12,7 @@ environment (`reference/reference_release.py`); everything else runs here, from 
   deepspeed_*       DeepSpeed data efficiency `batch_by_seqlens` (variable batch size, token-sum cap), offline
   packing           padding-free packing: random order, next-fit under sum(len) <= L_max (for
                     `DataCollatorWithFlattening`)
-  oracle_*          offline global sort + greedy fill (`odb_core.planning.grouping.oracle_groups`) under each cost model
+  oracle_*          offline global sort + greedy fill (`benchmarks.lib.oracle.oracle_groups`) under each cost model
   odb_*             ODB's own planning code on W virtual ranks (`odb_core.planning.simulate`, as `odb plan` runs it), with
                     the default config: global planning at W > 1 (NOTE [ Pooled rounds ]); `odb_*_local` the same
                     with `planning="local"` (each rank plans its own samples). Identical at W = 1.
@@ -27,10 +27,10 @@ from dataclasses import dataclass
 import torch
 
 from benchmarks.comparison.schedule import CostModel, Group, Schedule, deal_round_robin
+from benchmarks.lib.oracle import oracle_groups
 from odb_core import ODBConfig, simulate_epoch
-from odb_core.cli import shard
+from odb_core.data.sharding import shard
 from odb_core.planning.budget import Item, build_budget
-from odb_core.planning.grouping import oracle_groups
 from odb_core.planning.simulate import is_pooled
 
 DS_CHECK_SAMPLES = 600  # prefix on which our O(n) replay is checked against DeepSpeed's O(n^2) function

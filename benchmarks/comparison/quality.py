@@ -17,13 +17,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from benchmarks.comparison import peers
-from benchmarks.comparison.schedule import CostModel, measure
+from benchmarks.comparison import peers, reference_peer
+from benchmarks.comparison.schedule import measure
 from benchmarks.data.workloads import bimodal, lognormal
-from benchmarks.reference import reference_release
-from odb_core.cli import shard
-from odb_core.planning.budget import Item, build_budget
-from odb_core.planning.grouping import oracle_groups
+from benchmarks.lib.oracle import oracle_groups
+from odb_core.data.sharding import shard
+from odb_core.planning.budget import build_budget
 
 L_MAX = 16384
 ATTENTION_ALPHA = 2.0 / L_MAX  # the quadratic term equals the linear one at 8192 tokens
@@ -98,12 +97,12 @@ def run_method(workload: Workload, setting: peers.Setting, method: peers.Method,
     elif not reference:
         result = peers.Unavailable("reference release not run (--no-reference)")
     else:
-        missing = reference_release.ensure_env(create=False)
+        missing = reference_peer.ensure_env(create=False)
         if missing is not None:
             result = missing
         else:
             buffer_size = 512 if method.name == "reference_buffer512" else None
-            result, extra = reference_release.run(setting, buffer_size)
+            result, extra = reference_peer.run(setting, buffer_size)
     row = _row(workload, setting, method, result, time.perf_counter() - start)
     if extra:
         row["reference"] = {k: extra[k] for k in ("rounds", "gathered_ints_per_round", "buffer_size", "version")}

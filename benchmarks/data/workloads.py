@@ -1,4 +1,5 @@
-"""Length workloads shared by the benchmarks (synthetic, reproducible from a seed)."""
+"""Length workloads shared by the benchmarks (synthetic, reproducible from a seed) and the datasets that serve
+samples to a loader: of given lengths (`LengthsDataset`) or already processed (`Listed`)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,19 @@ class LengthsDataset(torch.utils.data.Dataset):
     def __getitem__(self, index: int) -> dict:
         ids = torch.full((self.lengths[index],), 7, dtype=torch.long)
         return {"input_ids": ids, "labels": ids}
+
+
+class Listed(torch.utils.data.Dataset):
+    """Samples already processed (a list), as a map-style dataset."""
+
+    def __init__(self, samples: list[dict]) -> None:
+        self.samples = samples
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, index: int) -> dict:
+        return self.samples[index]
 
 
 def bimodal(n: int, short_share: float = 0.8, seed: int = 0, lo: int = 16, hi: int = 8192) -> list[int]:

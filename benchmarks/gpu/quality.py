@@ -1,6 +1,6 @@
 """The GPU script's time-to-quality part: Standard against ODB at the same optimizer step, on real text.
 
-Real ChitChat conversations tokenized with the DeepSeek tokenizer (`benchmarks.demo.prepare_data`: the ids
+Real ChitChat conversations tokenized with the DeepSeek tokenizer (`benchmarks.data.chat_split`: the ids
 compacted to the 2,047 most frequent, so that every model scale can embed them), split into train and held-out.
 Both methods train the same fresh model (`build_model`, fixed seed) with AdamW at the same LR (linear warm-up over
 the first `warmup` steps, then constant), under the same memory bound L_max, with the same optimizer step of
@@ -10,7 +10,7 @@ the first `warmup` steps, then constant), under the same memory bound L_max, wit
   * odb:      `ODBDataLoader(token_budget=L_max, samples_per_step=...)`, each micro-batch's summed token loss
     divided by `StepInfo.window_tokens`, the optimizer stepping at the window's last micro-batch.
 Every `eval_every` optimizer steps (and after the last) the held-out token-mean loss is measured; training seconds
-exclude the evaluations. The figure is `benchmarks.demo.time_to_quality`'s: seconds to Standard's final eval loss.
+exclude the evaluations. The figure is `benchmarks.lib.time_to_quality`'s: seconds to Standard's final eval loss.
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader
 
+from benchmarks.data.chat_split import prepare_split
+from benchmarks.lib.time_to_quality import time_to_quality
 from odb_core import ODBDataLoader
 from odb_core.data.collate import PadCollator, supervised_tokens
 from odb_core.steps.loss import causal_lm_loss_sum
@@ -30,10 +32,7 @@ from odb_core.steps.loss import causal_lm_loss_sum
 def load_text(out: Path, train: int, held_out: int, cutoff: int) -> dict:
     import json
 
-    from benchmarks.demo import prepare_data
-
-    path = prepare_data(argparse.Namespace(out=out, train=train, eval=held_out, cutoff=cutoff))
-    return json.loads(path.read_text())
+    return json.loads(prepare_split(out, train, held_out, cutoff).read_text())
 
 
 def as_tensors(samples: list[dict]) -> list[dict[str, torch.Tensor]]:
@@ -145,8 +144,6 @@ def train_to_quality(method: str, data: dict, build_model, device: torch.device,
 
 def run_quality(build_model, device: torch.device, ns: argparse.Namespace, log=print) -> dict:
     """Both methods, then the time-to-quality figure (None where a method never reaches the target)."""
-    from benchmarks.demo import time_to_quality
-
     data = load_text(ns.data_dir, ns.train, ns.held_out, ns.cutoff)
     rows = {}
     for method in ("standard", "odb"):

@@ -36,8 +36,8 @@ import torch
 from torch.utils.data import DataLoader
 
 from benchmarks import CACHE, RESULTS
+from benchmarks.data.chat_split import VOCAB as TEXT_VOCAB
 from benchmarks.data.workloads import bimodal, lognormal
-from benchmarks.demo import VOCAB as TEXT_VOCAB
 from benchmarks.gpu.quality import run_quality
 from odb_core import ODBDataLoader
 from odb_core.data.collate import PadCollator

@@ -1,10 +1,10 @@
 """Drives the reference release's grouping (`online-dynamic-batching`, package `odb`) on W virtual ranks.
 
 Runs inside benchmarks/.venv-ref only (see setup_ref_env.sh), as `python -m benchmarks.reference.ref_driver` with
-the repository root as working directory: `reference_release.py` launches it so, with JSON on stdin, and reads JSON
-from stdout. .venv-ref has the release (package `odb`) and torch but not odb's packages, so this module imports
-only the standard library, torch and the release, and the package inits on its way are standard-library only
-(benchmarks/__init__.py NOTE [ Standard-library package inits ]).
+the repository root as working directory: `comparison/reference_peer.py` (and `reference_release.py --validate`)
+launch it so, with JSON on stdin, and read JSON from stdout. .venv-ref has the release (package `odb`) and torch
+but not odb's packages, so this module imports only the standard library, torch and the release, and the package
+inits on its way are standard-library only (benchmarks/__init__.py NOTE [ Standard-library package inits ]).
 
 Nothing of the release is copied here: its own `odb.grouping.grouping_data` forms and aligns the groups; this file
 only feeds it, the way its collate process does (`odb/collate.py`):

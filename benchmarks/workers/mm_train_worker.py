@@ -26,7 +26,8 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.data import mm_mix
-from benchmarks.workers.train_worker import Listed
+from benchmarks.data.workloads import Listed
+from benchmarks.lib.time_to_quality import eval_clock
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -125,8 +126,6 @@ def train(mode: str, spec: RunSpec, data: Data) -> dict:
         accumulation = max(spec.samples_per_step // (spec.batch_size * world), 1)
     clock = None
     if spec.eval_every:
-        from benchmarks.demo import eval_clock
-
         clock = eval_clock(odb, len(train_set))
         callbacks.append(clock)
     args = TrainingArguments(output_dir=str(spec.out / mode), per_device_train_batch_size=spec.batch_size,

@@ -1,4 +1,4 @@
-"""One rank of the CPU training-throughput benchmark (launched by `training` under torchrun, gloo).
+"""One rank of the CPU training-throughput benchmark (launched by `lib/cpu_training` under torchrun, gloo).
 
 Every method trains the same tiny Llama (from a config, fixed seed, SDPA attention) for one epoch over the same
 samples through the HF Trainer, under the same memory bound L_max, and the methods alternate within one launch
@@ -26,7 +26,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from benchmarks.data.workloads import lognormal
+from benchmarks.data.workloads import Listed, lognormal
 
 METHODS = ("standard", "odb", "packing", "odb_tokens")
 PAD = 0
@@ -59,17 +59,6 @@ def pack(samples: list[dict], budget: int, seed: int) -> list[dict[str, torch.Te
 
     flatten = DataCollatorWithFlattening(return_position_ids=True)
     return [{k: v[0] for k, v in flatten(row).items()} for row in rows]
-
-
-class Listed(torch.utils.data.Dataset):
-    def __init__(self, samples: list[dict]) -> None:
-        self.samples = samples
-
-    def __len__(self) -> int:
-        return len(self.samples)
-
-    def __getitem__(self, index: int) -> dict:
-        return self.samples[index]
 
 
 def stack_rows(rows: list[dict]) -> dict[str, torch.Tensor]:

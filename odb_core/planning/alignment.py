@@ -13,7 +13,7 @@ import random
 from dataclasses import dataclass
 
 from odb_core.planning.budget import GroupBudget, Item
-from odb_core.planning.grouping import Group, WindowPlan, split_widest
+from odb_core.planning.grouping import BufferPlan, Group, split_widest
 
 Slot = Group | None
 
@@ -28,7 +28,7 @@ class Adjustment:
     n_pushed_back: int
 
 
-def adjust(plan: WindowPlan, target: int, budget: GroupBudget) -> Adjustment:
+def adjust(plan: BufferPlan, target: int, budget: GroupBudget) -> Adjustment:
     """Choose, split or pad this rank's ready groups to exactly `target` slots. Pure and deterministic.
 
     With more ready groups than `target`, the fullest groups (highest cost) are emitted and the rest are kept:

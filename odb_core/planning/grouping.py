@@ -1,19 +1,19 @@
-"""Pure grouping: a window of buffered samples becomes groups under the budget.
+"""Pure grouping: a buffer of samples becomes groups under the budget.
 
 NOTE [ Grouping ]
-The window is sorted by observed length, longest first, and cut by a two-pointer greedy: a group takes samples
+The buffer is sorted by observed length, longest first, and cut by a two-pointer greedy: a group takes samples
 from the long end while they fit, then, for the `tokens` cost only, tops up from the short end while they fit,
 filling the gap a long sample leaves, which a plain next-fit wastes. For `padded` and `attention` costs there is
-no top-up and the result is the oracle's greedy fill applied to the window: a shorter sample costs a full padded
+no top-up and the result is the oracle's greedy fill applied to the buffer: a shorter sample costs a full padded
 row of the group's longest, so once the token cost stops the long end nothing shorter fits either, and when a
 patch cap stops it (a long sample with many patches), a short sample with few patches would fit, but only as a
 row of padding-heavy compute. On the MM-Mix-like VLM workload that top-up cut steps by 2% and raised the padding
 ratio from 0.01 to 0.17, i.e. about 19% more padded tokens for the same samples (docs/benchmarks.md).
 
 The last group formed (the *tail*) is usually under-filled. Unless the rank is closing its epoch, the tail is
-not emitted: its samples stay in the buffer and are re-planned with the next window's samples. This is what
-lets a bounded window come within a few percent of the offline global-sort oracle, where the paper's greedy
-emits every window's remainder as a small batch.
+not emitted: its samples stay in the buffer and are re-planned with the next round's samples. This is what
+lets a bounded buffer come within a few percent of the offline global-sort oracle, where the paper's greedy
+emits every buffer's remainder as a small batch.
 
 Everything here is a pure function of lengths and the budget; there is no randomness and no I/O.
 """
@@ -55,8 +55,8 @@ class Group:
 
 
 @dataclass(frozen=True, slots=True)
-class WindowPlan:
-    """Groups of one window in formation order; the first `n_ready` may be emitted this round."""
+class BufferPlan:
+    """Groups of one buffer in formation order; the first `n_ready` may be emitted this round."""
 
     groups: tuple[Group, ...]
     n_ready: int
@@ -129,13 +129,13 @@ def _pack_padded(items: Sequence[Item], token_budget: int) -> list[Group]:
     return groups
 
 
-def plan_window(items: Sequence[Item], budget: GroupBudget, *, closing: bool) -> WindowPlan:
-    """Group a window. Not closing: every group but the tail is ready (a lone group is ready, so that a
-    window too small for one full group still makes progress). Closing: every group is ready."""
+def plan_buffer(items: Sequence[Item], budget: GroupBudget, *, closing: bool) -> BufferPlan:
+    """Group a buffer. Not closing: every group but the tail is ready (a lone group is ready, so that a
+    buffer too small for one full group still makes progress). Closing: every group is ready."""
     groups = pack_sorted(sort_longest_first(items), budget)
     if closing or len(groups) <= 1:
-        return WindowPlan(groups=tuple(groups), n_ready=len(groups))
-    return WindowPlan(groups=tuple(groups), n_ready=len(groups) - 1)
+        return BufferPlan(groups=tuple(groups), n_ready=len(groups))
+    return BufferPlan(groups=tuple(groups), n_ready=len(groups) - 1)
 
 
 def split_group(group: Group, budget: GroupBudget) -> tuple[Group, Group]:
@@ -166,20 +166,3 @@ def split_widest(groups: list[Group], count: int, budget: GroupBudget) -> int:
     groups[:] = [g for _, g in done]
     return n_split
 
-
-def oracle_groups(items: Sequence[Item], budget: GroupBudget) -> list[Group]:
-    """The offline oracle used in benchmarks: a global sort of all lengths, then a greedy next-fit."""
-    groups: list[Group] = []
-    members: list[Item] = []
-    budget.reset()
-    for item in sort_longest_first(items):
-        if members and not budget.fits(item):
-            groups.append(Group(tuple(members), budget.cost()))
-            members = []
-            budget.reset()
-        budget.add(item)
-        members.append(item)
-    if members:
-        groups.append(Group(tuple(members), budget.cost()))
-    budget.reset()
-    return groups

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from odb_core.planning.alignment import Adjustment, RoundKey, adjust, order_slots
 from odb_core.planning.budget import Item, SampleError, build_budget
-from odb_core.planning.grouping import WindowPlan, plan_window
+from odb_core.planning.grouping import BufferPlan, plan_buffer
 from odb_core.planning.termination import (Decision, DesyncError, RankState, align_to_accumulation, build_termination,
                                            check_same_progress)
 from odb_core.settings.config import ODBConfig
@@ -24,7 +24,7 @@ __all__ = ["DesyncError", "LocalRound", "RankEngine", "BufferEngine"]
 class LocalRound:
     """This rank's half of a round before the exchange: its plan and the state it reports."""
 
-    plan: WindowPlan
+    plan: BufferPlan
     state: RankState
 
 
@@ -82,7 +82,7 @@ class RankEngine(BufferEngine):
 
     def start_round(self, active: bool) -> LocalRound:
         """Plan the buffer. `active` is False once this rank's stream has ended (the rank is closing)."""
-        plan = plan_window(self.items, self.budget, closing=not active)
+        plan = plan_buffer(self.items, self.budget, closing=not active)
         state = RankState(active=active, n_ready=plan.n_ready, n_groups=len(plan.groups),
                           n_samples=len(self.items), steps_done=self.steps_done, epoch=self.epoch, round=self.round,
                           resumed_at=self.resumed_at)

@@ -1,7 +1,7 @@
 """A virtual cluster: W simulated ranks run the loader's own round logic in one process, on lengths only.
 
 Used by the property tests, by the benchmarks and by `odb plan`. Each rank's stream is a list of `Item`s in
-sampler order; every round each rank tops up its window, the states are "gathered" in a list, and every rank
+sampler order; every round each rank tops up its buffer, the states are "gathered" in a list, and every rank
 applies the same decision, exactly as `RankEngine` does under Gloo. Under global planning (W > 1) the pooled
 plan (`plan_pooled_round`, the function every real rank runs) is computed once per round and applied to every
 rank's `PooledEngine`.
@@ -60,10 +60,10 @@ def is_pooled(config: ODBConfig, world: int) -> bool:
 
 def _fill(engines: Sequence[BufferEngine], streams: Sequence[Sequence[Item]], cursors: list[int],
           ended: list[bool]) -> list[bool]:
-    """Top every rank's window up from its stream; returns which ranks are still active.
+    """Top every rank's buffer up from its stream; returns which ranks are still active.
 
     As `SampleReader.fill` does, a rank learns that its stream ended only when it wants more samples than are
-    left; one whose window fills up with exactly the last sample is still active until a later fill has room."""
+    left; one whose buffer fills up with exactly the last sample is still active until a later fill has room."""
     for rank, engine in enumerate(engines):
         space, left = engine.space(), len(streams[rank]) - cursors[rank]
         for item in streams[rank][cursors[rank] : cursors[rank] + min(space, left)]:

@@ -6,7 +6,7 @@ An epoch runs in rounds. In each round every rank (1) tops its buffer up to `win
 gathered states, so every rank gets the same `Decision`, and (5) emits exactly `Decision.target` steps.
 
 A rank is *active* while its stream still has samples; an active rank always reports at least one ready group
-(the lone-group rule in `grouping.plan_window`), so every round with an active rank consumes at least one sample
+(the lone-group rule in `grouping.plan_buffer`), so every round with an active rank consumes at least one sample
 from every active rank. A rank whose stream ended is *closing*: all its buffered groups are ready.
 
 `JoinTermination` (join=True, the default), called once per round by every rank:
