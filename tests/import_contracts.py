@@ -25,7 +25,8 @@ class ExternalSubmoduleContract(Contract):
     def check(self, graph, verbose: bool) -> ContractCheck:
         root, _, rest = self.submodule.partition(".")
         # `import torch.distributed`, `from torch.distributed import x`, `from torch import distributed`
-        names = re.compile(rf"\b{re.escape(self.submodule)}\b|^\s*from\s+{re.escape(root)}\s+import\s+.*\b{re.escape(rest)}\b")
+        names = re.compile(rf"\b{re.escape(self.submodule)}\b"
+                           rf"|^\s*from\s+{re.escape(root)}\s+import\s+.*\b{re.escape(rest)}\b")
         allowed = tuple(self.allowed_importers)
         violations = []
         for importer in sorted(graph.find_modules_that_directly_import(root)):

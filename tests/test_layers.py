@@ -14,7 +14,8 @@ import textwrap
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-LINT = [sys.executable, "-c", "import sys; from importlinter.cli import lint_imports_command; sys.exit(lint_imports_command())"]
+LINT = [sys.executable, "-c",
+        "import sys; from importlinter.cli import lint_imports_command; sys.exit(lint_imports_command())"]
 
 
 def _lint(cwd: Path, config: Path) -> subprocess.CompletedProcess[str]:
