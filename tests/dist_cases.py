@@ -143,6 +143,8 @@ class Case:
     workers_by_rank: list[int] | None = None  # per-rank num_workers (overrides num_workers)
     break_after: int | None = None  # epoch 0 stops after this many steps (a `break`); the next epoch runs whole
     break_skew_s: float = 0.0  # rank 1 waits this long before it breaks
+    options_by_rank: dict[str, dict[str, Any]] | None = None  # per-rank loader options over the case's ("1": {...})
+    record_errors: bool = False  # every rank records the error its epoch ends with, as survivors do
 
     def save(self, path: Path) -> None:
         path.write_text(json.dumps(asdict(self)))
@@ -168,10 +170,11 @@ def build_loader(case: Case, rank: int) -> Any:
     worker_options: dict[str, Any] = {}
     if workers > 0:
         worker_options = {"multiprocessing_context": case.context, "persistent_workers": case.persistent_workers}
-    return ODBDataLoader(dataset, token_budget=case.token_budget, join=case.join, num_workers=workers, move=case.move,
-                         sampler=sampler, shuffle=case.shuffle, accumulation_steps=case.accumulation_steps,
-                         window=case.window, prefetch_steps=case.prefetch_steps, planning=case.planning,
-                         sync_timeout_s=case.sync_timeout_s, liveness_timeout_s=case.liveness_timeout_s, **worker_options)
+    options = dict(token_budget=case.token_budget, join=case.join, num_workers=workers, move=case.move,
+                   sampler=sampler, shuffle=case.shuffle, accumulation_steps=case.accumulation_steps,
+                   window=case.window, prefetch_steps=case.prefetch_steps, planning=case.planning,
+                   sync_timeout_s=case.sync_timeout_s, liveness_timeout_s=case.liveness_timeout_s, **worker_options)
+    return ODBDataLoader(dataset, **{**options, **(case.options_by_rank or {}).get(str(rank), {})})
 
 
 def step_record(batch: Any) -> dict[str, Any]:
@@ -266,7 +269,7 @@ def run_rank(rank: int, case: Case, out_dir: Path) -> None:
     loader = build_loader(case, rank)
     if case.fault is not None and rank == case.fault_rank:
         _leave(loader, case, rank, out_dir)
-    if case.fault is not None:
+    if case.fault is not None or case.record_errors:
         _survive(loader, rank, out_dir)
     epochs = _epochs(loader, case, rank)
     _write(out_dir, f"rank{rank}.json", {"rank": rank, "epochs": epochs})

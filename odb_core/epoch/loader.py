@@ -32,7 +32,7 @@ from odb_core.ranks.sync import Transport, default_transport
 from odb_core.resume.cursor import EpochCursor
 from odb_core.resume.resume import restore
 from odb_core.resume.round_log import RoundLog
-from odb_core.resume.source_state import RemainderSource
+from odb_core.resume.source_state import RemainderSource, ShardedSource, source_to_dict
 from odb_core.resume.state import LoaderIdentity, LoaderState
 from odb_core.settings.config import ODBConfig
 from odb_core.settings.settings import PASSED_ON, SettingsSource, split_keys
@@ -122,6 +122,7 @@ class ODBDataLoader:
         self._stream = SampleStream(dataset, stream_options, rank=self.transport.rank,
                                     world_size=self.transport.world_size)
         self.sampler = self._stream.sampler
+        self.transport.require_agreement(self._agreed_settings())
         move_mode(config, map_style=self._stream.size is not None)  # refuses move='fetch' for a stream, now
         rounds = RoundsFactory(config=config, transport=self.transport, fetch=_LoaderCall(self._stream.fetch),
                                map_style=self._stream.size is not None)
@@ -168,6 +169,16 @@ class ODBDataLoader:
                                          + self._stream.unread(report.stream_position))
         self.last_report = report
         self._length = report.steps
+
+    def _agreed_settings(self) -> dict[str, object]:
+        """What every rank must share (NOTE [ Ranks agree on their settings ]): the batching fingerprint,
+        `oversize`, `move`, and ODB's own sharded index source (size, shuffle, seed)."""
+        names = (*FINGERPRINT, "oversize", "move")
+        settings: dict[str, object] = {name: getattr(self.config, name) for name in names}
+        source = self._stream.source()
+        if isinstance(source, ShardedSource):
+            settings["sampler"] = source_to_dict(source)
+        return settings
 
     # -- state ----------------------------------------------------------------------------------------------
     def _identity(self) -> LoaderIdentity:

@@ -17,12 +17,14 @@ import queue
 import threading
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from odb_core.ranks import agreement
 from odb_core.ranks.liveness import Liveness
 
 INT64_BYTES = 8
@@ -47,12 +49,30 @@ class Transport(ABC):
 
     rank: int
     world_size: int
+    _agreement: Mapping[str, object] | None = None  # settings to check before the next collective
 
     def __init__(self) -> None:
         self.stats = TransportStats()
+        self._agreement: Mapping[str, object] | None = None
+
+    def require_agreement(self, settings: Mapping[str, object]) -> None:
+        """Settings every rank must share, checked before this transport's next collective (NOTE [ Ranks agree on
+        their settings ] in agreement.py); raises `DesyncError` there, on every rank, naming the difference."""
+        self._agreement = dict(settings)
+
+    def _check_agreement(self) -> None:
+        settings, self._agreement = self._agreement, None
+        if settings is None or self.world_size == 1:
+            return
+        names = agreement.differing(settings, self.all_gather(agreement.digests(settings)))
+        if names:
+            sent = agreement.payload(settings, names)
+            raise agreement.mismatch_error(names, self.all_to_all_bytes([sent] * self.world_size))
 
     def all_gather(self, values: list[int]) -> list[list[int]]:
         """Every rank's `values` (same length on every rank), in rank order."""
+        if self._agreement is not None:
+            self._check_agreement()
         start = time.perf_counter()
         gathered = self._all_gather(values)
         self._account(len(values), len(values) * self.world_size, start)
@@ -60,6 +80,8 @@ class Transport(ABC):
 
     def all_reduce_sum(self, values: list[int]) -> list[int]:
         """Element-wise sum of `values` over ranks (same length on every rank)."""
+        if self._agreement is not None:
+            self._check_agreement()
         start = time.perf_counter()
         reduced = self._all_reduce_sum(values) if values else []
         self._account(len(values), len(values), start)
@@ -69,6 +91,8 @@ class Transport(ABC):
         """`chunks[r]` goes to rank r; returns the chunk every rank sent to this one, in rank order."""
         if len(chunks) != self.world_size:
             raise ValueError(f"all_to_all_bytes needs one chunk per rank ({self.world_size}), got {len(chunks)}")
+        if self._agreement is not None:
+            self._check_agreement()
         start = time.perf_counter()
         received = self._all_to_all_bytes(chunks)
         self.stats.calls += 1
