@@ -5,7 +5,8 @@ model-ready batches with `StepInfo` beside them. Imports torch, numpy and the st
 """
 
 from odb_core.data.collate import CollateError, PadCollator
-from odb_core.epoch.loader import DatasetFetchError, ODBDataLoader
+from odb_core.data.sources import DatasetFetchError
+from odb_core.epoch.loader import ODBDataLoader
 from odb_core.epoch.pipeline import EpochReport
 from odb_core.planning.budget import Item, SampleError
 from odb_core.planning.planner import DesyncError

@@ -26,6 +26,11 @@ from odb_core.data.sample import ID_FIELDS, ID_KEYS, compact_ids
 PACK_LIMIT_BYTES = 1 << 20
 
 
+class DatasetFetchError(RuntimeError):
+    """`dataset[index]` raised (in a worker, or re-read by index); the message names the index and keeps the
+    original error."""
+
+
 class PackedTensor(NamedTuple):
     """A small tensor sent from a worker as a numpy array (pickled into the pipe) instead of through a shared-
     memory file descriptor, which costs far more per tensor than a small copy. Unpacked in the main process.

@@ -26,7 +26,7 @@ from odb_core.data.sample import LengthFn
 from odb_core.epoch.estimate import ExactPlan, estimate_steps, plan_epochs_exactly
 from odb_core.epoch.pipeline import EpochReport, EpochRun, RunContext
 from odb_core.epoch.prefetch import BackgroundIterator
-from odb_core.epoch.stream import DatasetFetchError, SampleStream, StreamOptions
+from odb_core.epoch.stream import SampleStream, StreamOptions
 from odb_core.ranks.rounds import RoundsFactory, move_mode
 from odb_core.ranks.sync import Transport, default_transport
 from odb_core.resume.cursor import EpochCursor
@@ -39,7 +39,7 @@ from odb_core.settings.settings import PASSED_ON, SettingsSource, split_keys
 from odb_core.steps.metrics import LoaderMetrics
 from odb_core.steps.step_info import ODBBatch, StepInfo
 
-__all__ = ["DatasetFetchError", "ODBDataLoader"]
+__all__ = ["ODBDataLoader"]
 logger = logging.getLogger(__name__)
 
 WORKER_OPTIONS = frozenset({"persistent_workers", "multiprocessing_context", "pin_memory", "prefetch_factor",
@@ -125,7 +125,7 @@ class ODBDataLoader:
         self.transport.require_agreement(self._agreed_settings())
         move_mode(config, map_style=self._stream.size is not None)  # refuses move='fetch' for a stream, now
         rounds = RoundsFactory(config=config, transport=self.transport, fetch=_LoaderCall(self._stream.fetch),
-                               map_style=self._stream.size is not None)
+                               map_style=self._stream.size is not None, length_fn=length_fn)
         self._ctx = RunContext(rounds_factory=rounds, transport=self.transport,
                                collate_fn=collate_fn,
                                length_fn=length_fn, metrics=self.metrics,

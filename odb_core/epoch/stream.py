@@ -17,9 +17,9 @@ from typing import Any
 
 from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
-from odb_core.data.sources import (ChunkSampler, Handover, IndexedDataset, IndexedIterable, IndexListSampler,
-                                   ShardedSampler, integer_columns, keep_chunk, map_style_size, unpack_sample,
-                                   worker_parts)
+from odb_core.data.sources import (ChunkSampler, DatasetFetchError, Handover, IndexedDataset, IndexedIterable,
+                                   IndexListSampler, ShardedSampler, integer_columns, keep_chunk, map_style_size,
+                                   unpack_sample, worker_parts)
 from odb_core.epoch.lifeline import Lifeline
 from odb_core.resume.fields import StateError
 from odb_core.resume.source_state import CustomSource, RemainderSource, ShardedSource, Source, StreamSource
@@ -27,10 +27,6 @@ from odb_core.resume.state import ResumePoint
 
 Chunk = list[tuple[int, Any]]
 IN_PROCESS_CHUNK = 64
-
-
-class DatasetFetchError(RuntimeError):
-    """`dataset[index]` raised inside a worker; the message names the index and keeps the original error."""
 
 
 class _CheckedDataset(IndexedDataset):

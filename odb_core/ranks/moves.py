@@ -10,6 +10,15 @@ the items of d's slots whose owner is o, and rank d expects exactly that list fr
   * `fetch` (`FetchMoves`): rank d re-reads `dataset[index]` in its trainer process (map-style datasets only, so the
     sample's processing runs a second time there), and rank o drops its copy.
 Both give the same batches (the collated samples are the same), so the choice never changes the plan.
+
+NOTE [ A re-read sample is checked ]
+`fetch` assumes that `dataset[index]` returns the same sample on every read. A dataset that augments at random or
+processes differently per rank breaks that, and the re-read sample would be collated into a group planned for
+the owner's length: over the budget, with a `StepInfo.cost` that is not the batch's. So the receiving rank checks
+each re-read sample (`inspect_sample`, the owner's own check) against the planned item and refuses a different
+length or patch count with `SampleError`, naming the index, both ranks and the fix (`move='send'`); it does not
+re-plan, since every other rank already runs the plan. A failing re-read raises `DatasetFetchError` naming the
+index and saying that the sample moved. Cost: one check per moved sample, on the receiving rank.
 """
 
 from __future__ import annotations
@@ -20,8 +29,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from odb_core.data.sources import pack_sample, unpack_sample
-from odb_core.planning.budget import Item
+from odb_core.data.sample import LengthFn, inspect_sample
+from odb_core.data.sources import DatasetFetchError, pack_sample, unpack_sample
+from odb_core.planning.budget import Item, SampleError
 from odb_core.planning.pooled import PooledRound
 from odb_core.ranks.sync import Transport
 
@@ -89,10 +99,14 @@ class SendMoves:
 
 
 class FetchMoves:
-    """`move="fetch"`: the receiving rank re-reads each moved index; the owner drops its copy."""
+    """`move="fetch"`: the receiving rank re-reads each moved index; the owner drops its copy.
 
-    def __init__(self, rank: int, fetch: Callable[[int], Mapping[str, Any]]) -> None:
-        self.rank, self.fetch = rank, fetch
+    The re-read sample is checked against what its owner read (NOTE [ A re-read sample is checked ]): its length
+    and patches must be the planned item's, or the re-read raises `SampleError`; a failing `dataset[index]`
+    raises `DatasetFetchError`; both name the index and say that the sample moved."""
+
+    def __init__(self, rank: int, fetch: Callable[[int], Mapping[str, Any]], length_fn: LengthFn | None = None) -> None:
+        self.rank, self.fetch, self.length_fn = rank, fetch, length_fn
 
     def exchange(self, plan: PooledRound, take_own: Callable[[int], Any]) -> Arrivals:
         for items in outgoing(plan, self.rank).values():
@@ -101,5 +115,22 @@ class FetchMoves:
         arrivals = Arrivals()
         for owner, items in incoming(plan, self.rank).items():
             for item in items:
-                arrivals.put((owner, item.index), self.fetch(item.index))
+                arrivals.put((owner, item.index), self._reread(item, owner))
         return arrivals
+
+    def _reread(self, item: Item, owner: int) -> Mapping[str, Any]:
+        moved = f"moved from rank {owner} to rank {self.rank} (move='fetch') and re-read there"
+        try:
+            sample = self.fetch(item.index)
+        except Exception as exc:
+            raise DatasetFetchError(f"sample {item.index}: {moved}, dataset[{item.index}] raised "
+                                    f"{type(exc).__name__}: {exc}") from exc
+        seen = inspect_sample(item.index, sample, self.length_fn)
+        if (seen.length, seen.patches) != (item.length, item.patches):
+            raise SampleError(item.index, f"{moved}, it has length {seen.length} and {seen.patches} patches where rank "
+                                          f"{owner} read length {item.length} and {item.patches} patches, so its "
+                                          "group would not be the one planned under the budget: this dataset's "
+                                          "__getitem__ does not return the same sample on every read (random "
+                                          "augmentation, rank-dependent processing); use move='send', which moves "
+                                          "the sample its owner processed")
+        return sample

@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from odb_core.data.sample import LengthFn
 from odb_core.planning.alignment import Slot
 from odb_core.planning.budget import Item
 from odb_core.planning.planner import BufferEngine, RankEngine
@@ -120,12 +121,13 @@ class RoundsFactory:
     transport: Transport
     fetch: Callable[[int], Mapping[str, Any]]
     map_style: bool
+    length_fn: LengthFn | None = None  # checks a sample re-read under move="fetch" against what its owner read
 
     def __call__(self, epoch: int) -> LocalRounds | PooledRounds:
         rank, world = self.transport.rank, self.transport.world_size
         if not is_pooled(self.config, world):
             return LocalRounds(RankEngine(self.config, epoch, rank), self.transport)
-        mover = FetchMoves(rank, self.fetch) if move_mode(self.config, self.map_style) == "fetch" \
+        mover = FetchMoves(rank, self.fetch, self.length_fn) if move_mode(self.config, self.map_style) == "fetch" \
             else SendMoves(self.transport)
         return PooledRounds(PooledEngine(self.config, epoch, rank), self.transport, mover)
 

@@ -266,7 +266,11 @@ class VirtualTransport(Transport):
         return self.hub.exchange(self.rank, values)
 
     def _all_reduce_sum(self, values: list[int]) -> list[int]:
-        return [sum(column) for column in zip(*self.hub.exchange(self.rank, values), strict=True)]
+        gathered = self.hub.exchange(self.rank, values)
+        if len({len(v) for v in gathered}) > 1:  # Gloo fails a mismatched collective too
+            raise PeerError(f"virtual rank {self.rank}: the ranks' collectives do not match (a peer called another "
+                            f"one: it failed or left the epoch); sizes {[len(v) for v in gathered]}")
+        return [sum(column) for column in zip(*gathered, strict=True)]
 
     def _all_to_all_bytes(self, chunks: list[bytes]) -> list[bytes]:
         return [sent[self.rank] for sent in self.hub.exchange(self.rank, chunks)]
