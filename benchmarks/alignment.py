@@ -41,8 +41,8 @@ import torch.multiprocessing as mp
 from benchmarks.data import real_lengths
 from benchmarks.data.workloads import LengthsDataset, lognormal
 from odb_core import ODBConfig, ODBDataLoader, VirtualTransport, run_virtual_ranks, simulate_epoch
+from odb_core.data.sendable import pack_sample
 from odb_core.data.sharding import shard
-from odb_core.data.sources import pack_sample
 from odb_core.planning.alignment import RoundKey
 from odb_core.planning.budget import Item
 from odb_core.planning.pooled import PoolRequest, plan_pooled_round

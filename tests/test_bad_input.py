@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import gc
 import multiprocessing
+import re
+import threading
 import time
 import traceback
 
@@ -21,7 +23,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import LengthDataset
-from odb_core import CollateError, DatasetFetchError, ODBDataLoader, PadCollator, SampleError
+from odb_core import (CollateError, DatasetFetchError, ODBDataLoader, PadCollator, PeerError, SampleError,
+                      run_virtual_ranks)
 
 BAD_INDEX = 5
 # (num_workers, prefetch_steps): inline, background thread, background thread over worker processes.
@@ -211,6 +214,60 @@ def test_worker_processes_exit_at_once_after_a_bad_sample_while_the_loader_lives
     assert set(multiprocessing.active_children()) - before == set()
     assert time.monotonic() - start < 3.0
     assert loader is not None  # the loader is still referenced while the workers must be gone
+
+
+
+# Samples that cannot be pickled (NOTE [ Samples that cannot travel ] in odb_core/data/sendable.py): a worker's queue
+# feeder used to print a traceback and drop the message, and the rank waited forever; a sample moving under
+# move='send' raised a raw TypeError naming no index.
+
+class LockedSample(torch.utils.data.Dataset):
+    """Twelve samples; `BAD_INDEX` (or every one, `all_locked`) carries a lock, which cannot be pickled."""
+
+    def __init__(self, all_locked: bool = False) -> None:
+        self.good, self.all_locked = LengthDataset([8 + 3 * i for i in range(12)]), all_locked
+
+    def __len__(self) -> int:
+        return len(self.good)
+
+    def __getitem__(self, index: int):
+        sample = self.good[index]
+        if self.all_locked or index == BAD_INDEX:
+            sample = {**sample, "guard": threading.Lock()}
+        return sample
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_a_sample_that_cannot_be_pickled_in_a_worker_raises_naming_the_index_instead_of_hanging(context):
+    with pytest.raises(SampleError, match=rf"^sample {BAD_INDEX}: field 'guard' \(a lock\) cannot be pickled "
+                                          r"\(TypeError: cannot pickle '_thread.lock' object\), so its DataLoader "
+                                          r"worker cannot send it"):
+        loader = ODBDataLoader(LockedSample(), token_budget=64, num_workers=2, multiprocessing_context=context)
+        try:
+            list(loader)
+        finally:
+            loader.close()
+
+
+def test_a_sample_that_cannot_be_pickled_names_its_index_when_it_moves_to_another_rank():
+    def run(rank, transport):
+        loader = ODBDataLoader(LockedSample(all_locked=True), token_budget=64, transport=transport, move="send")
+        try:
+            list(loader)
+        except (SampleError, PeerError) as exc:
+            return exc
+        finally:
+            loader.close()
+        return None
+
+    errors = run_virtual_ranks(run, 2, timeout_s=3)
+    refused = [e for e in errors if isinstance(e, SampleError)]
+    assert refused, errors
+    message = str(refused[0])
+    assert re.match(r"^sample \d+: field 'guard' \(a lock\) cannot be pickled .*, so it cannot move from rank "
+                    r"\d to rank \d \(move='send'\)", message), message
+    assert "use move='fetch'" in message
 
 
 # -- oversize samples ----------------------------------------------------------------------------------------

@@ -37,7 +37,7 @@ class RankDependent(LengthDataset):
         return super().__getitem__(index)
 
 
-def _run(grow: int | None, move: str):
+def _run(grow: int | None, move: str, timeout_s: float = 3.0):
     def rank_run(rank, transport):
         loader = ODBDataLoader(RankDependent(rank, grow), token_budget=BUDGET, transport=transport, move=move,
                                window=32)
@@ -51,7 +51,7 @@ def _run(grow: int | None, move: str):
         finally:
             loader.close()
         return costs, None
-    return run_virtual_ranks(rank_run, 2, timeout_s=3)
+    return run_virtual_ranks(rank_run, 2, timeout_s=timeout_s)  # short: a failing rank's peer waits this long
 
 
 def test_a_re_read_sample_that_changed_is_refused_naming_the_index_and_the_move():
@@ -76,6 +76,6 @@ def test_a_re_read_that_fails_names_the_index_and_the_move():
 
 
 def test_send_moves_the_sample_its_owner_processed_so_a_rank_dependent_dataset_trains_within_the_budget():
-    (costs0, error0), (costs1, error1) = _run(grow=400, move="send")
+    (costs0, error0), (costs1, error1) = _run(grow=400, move="send", timeout_s=60.0)
     assert error0 is None and error1 is None
     assert all(padded <= BUDGET for padded, _ in costs0 + costs1)

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from odb_core.data.sendable import Unsendable
 from odb_core.planning.budget import Item, SampleError
 
 IGNORE_INDEX = -100
@@ -109,6 +110,8 @@ def inspect_sample(index: int, sample: Any, length_fn: LengthFn | None) -> Item:
     and no `length_fn` is answered inline, with one shape and one dtype look per field and no call into the
     general checks below, which give every other sample (and every error) its answer."""
     if type(sample) is not dict and not isinstance(sample, Mapping):
+        if type(sample) is Unsendable:  # a worker could not send it (NOTE [ Samples that cannot travel ])
+            raise SampleError(index, sample.cause)
         raise SampleError(index, f"expected a mapping with 'input_ids', got {type(sample).__name__}")
     ids, labels = sample.get("input_ids"), sample.get("labels", _ABSENT)
     if (type(ids) is torch.Tensor and length_fn is None and (labels is _ABSENT or type(labels) is torch.Tensor)

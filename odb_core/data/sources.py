@@ -14,60 +14,19 @@ import itertools
 import math
 from collections.abc import Iterator, Sized
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset, IterableDataset, Sampler, get_worker_info
 
 from odb_core.data.sample import ID_FIELDS, ID_KEYS, compact_ids
-
-
-PACK_LIMIT_BYTES = 1 << 20
+from odb_core.data.sendable import pack_sample, sendable
 
 
 class DatasetFetchError(RuntimeError):
     """`dataset[index]` raised (in a worker, or re-read by index); the message names the index and keeps the
     original error."""
-
-
-class PackedTensor(NamedTuple):
-    """A small tensor sent from a worker as a numpy array (pickled into the pipe) instead of through a shared-
-    memory file descriptor, which costs far more per tensor than a small copy. Unpacked in the main process.
-    A named tuple, not a dataclass: the main process unpickles one per tensor, and a tuple is rebuilt in one call
-    (a frozen dataclass's state is set field by field: 1.8 µs more per two-tensor sample)."""
-
-    array: np.ndarray
-
-
-def pack_sample(sample: Any, limit_bytes: int | None = PACK_LIMIT_BYTES) -> Any:
-    """Sender side: replace numpy-compatible tensors (up to `limit_bytes` each; None: any size) at the top level
-    of a mapping by `PackedTensor`."""
-    if not isinstance(sample, dict):
-        return sample
-    packed = dict(sample)
-    for key, value in sample.items():
-        if (isinstance(value, torch.Tensor) and value.dtype in PACKABLE and not value.requires_grad
-                and (limit_bytes is None or value.numel() * value.element_size() <= limit_bytes)):
-            packed[key] = PackedTensor(value.numpy())
-    return packed
-
-
-def unpack_sample(sample: Any) -> Any:
-    """Main-process side of `pack_sample`: the same mapping type and tensors the dataset returned."""
-    if not isinstance(sample, dict):
-        return sample
-    unpacked = None
-    for key, value in sample.items():  # exact type looks: this runs per sample in the trainer process
-        if type(value) is PackedTensor:
-            if unpacked is None:
-                unpacked = dict(sample)
-            unpacked[key] = torch.from_numpy(value.array)
-    return sample if unpacked is None else unpacked
-
-
-PACKABLE = frozenset({torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool, torch.float32,
-                      torch.float64, torch.float16})
 
 
 class ShardedSampler(Sampler[int]):
@@ -138,7 +97,8 @@ class ChunkSampler(Sampler[list[int]]):
 @dataclass(frozen=True, slots=True)
 class Handover:
     """What the stream does to each sample before handing it on: `pack` small tensors for the pipe (worker
-    processes, see `PackedTensor`), `compact` lists of ids into arrays (NOTE [ Compact buffered samples ])."""
+    processes, see `PackedTensor`; a sample that cannot be pickled goes as an `Unsendable`, NOTE [ Samples that
+    cannot travel ]), `compact` lists of ids into arrays (NOTE [ Compact buffered samples ])."""
 
     pack: bool = False
     compact: bool = False
@@ -152,7 +112,7 @@ class Handover:
         tensors) is not compacted: the look at every sample would find nothing to convert."""
         if self.compact and samples and holds_id_list(samples[0]):
             samples = [compact_ids(sample, self.integer_keys) for sample in samples]
-        return [pack_sample(sample) for sample in samples] if self.pack else samples
+        return [sendable(pack_sample(sample)) for sample in samples] if self.pack else samples
 
 
 def holds_id_list(sample: Any) -> bool:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from odb_core.data.sample import LengthFn, count_patches, inspect_sample
-from odb_core.data.sources import unpack_sample
+from odb_core.data.sendable import unpack_sample
 from odb_core.epoch.stream import Chunk
 from odb_core.planning.planner import BufferEngine
 from odb_core.resume.state import RoundStart
@@ -53,7 +53,7 @@ class SampleReader:
     def __init__(self, chunks: Iterator[Chunk], length_fn: LengthFn | None,
                  fallback_dummy: Callable[[], Mapping[str, Any]], packed: bool) -> None:
         self.chunks, self.length_fn, self.fallback_dummy = chunks, length_fn, fallback_dummy
-        self.packed = packed  # worker processes send small tensors as arrays (sources.PackedTensor)
+        self.packed = packed  # worker processes send small tensors as arrays (sendable.PackedTensor)
         self.pending: deque[tuple[int, Any]] = deque()
         self.payloads = Payloads()
         self.take = self.payloads.take  # a buffered payload by dataset index (bound once: per-sample hot path)

@@ -17,9 +17,10 @@ from typing import Any
 
 from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
+from odb_core.data.sendable import unpack_sample
 from odb_core.data.sources import (ChunkSampler, DatasetFetchError, Handover, IndexedDataset, IndexedIterable,
                                    IndexListSampler, ShardedSampler, integer_columns, keep_chunk, map_style_size,
-                                   unpack_sample, worker_parts)
+                                   worker_parts)
 from odb_core.epoch.lifeline import Lifeline
 from odb_core.resume.fields import StateError
 from odb_core.resume.source_state import CustomSource, RemainderSource, ShardedSource, Source, StreamSource

@@ -30,7 +30,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from odb_core.data.sample import LengthFn, inspect_sample
-from odb_core.data.sources import DatasetFetchError, pack_sample, unpack_sample
+from odb_core.data.sendable import pack_sample, unpack_sample, unpicklable_part
+from odb_core.data.sources import DatasetFetchError
 from odb_core.planning.budget import Item, SampleError
 from odb_core.planning.pooled import PooledRound
 from odb_core.ranks.sync import Transport
@@ -88,14 +89,29 @@ class SendMoves:
         sends = outgoing(plan, rank)
         chunks = [b""] * world
         for dest, items in sends.items():
-            chunks[dest] = pickle.dumps([pack_sample(take_own(it.index), limit_bytes=None) for it in items],
-                                        protocol=pickle.HIGHEST_PROTOCOL)
+            samples = [pack_sample(take_own(it.index), limit_bytes=None) for it in items]
+            try:
+                chunks[dest] = pickle.dumps(samples, protocol=pickle.HIGHEST_PROTOCOL)
+            except Exception as exc:  # noqa: BLE001 - name the sample that cannot travel
+                raise _unsendable(items, samples, rank, dest) from exc
         received = self.transport.all_to_all_bytes(chunks)
         arrivals = Arrivals(bytes_in=sum(len(c) for c in received), bytes_out=sum(len(c) for c in chunks))
         for owner, items in incoming(plan, rank).items():
             for item, sample in zip(items, pickle.loads(received[owner]), strict=True):
                 arrivals.put((owner, item.index), unpack_sample(sample))
         return arrivals
+
+
+def _unsendable(items: list[Item], samples: list[Any], rank: int, dest: int) -> SampleError:
+    """The first of `samples` that cannot be pickled, as the error that names it (NOTE [ Samples that cannot
+    travel ])."""
+    for item, sample in zip(items, samples, strict=True):
+        failure = unpicklable_part(sample)
+        if failure is not None:
+            return SampleError(item.index, f"{failure}, so it cannot move from rank {rank} to rank {dest} "
+                                           "(move='send'); keep objects that cannot be pickled out of the samples, or "
+                                           "use move='fetch' (the receiving rank re-reads the sample)")
+    return SampleError(items[0].index, f"the samples moving from rank {rank} to rank {dest} cannot be pickled together")
 
 
 class FetchMoves:
