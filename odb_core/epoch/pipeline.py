@@ -30,6 +30,7 @@ from odb_core.planning.alignment import Slot
 from odb_core.planning.termination import STEP_SUM_FIELDS
 from odb_core.ranks.rounds import RankRound, Rounds, sample_of
 from odb_core.ranks.sync import Transport
+from odb_core.resume.fields import StateError
 from odb_core.resume.round_log import RoundLog
 from odb_core.resume.state import ResumePoint, RoundStart
 from odb_core.steps.accumulation import AccumulationWindow, StepTarget
@@ -91,7 +92,9 @@ class EpochRun(Iterator[ODBBatch]):
     from earlier rounds (its step count and supervised tokens) and the index of the sample used for IDLE dummies.
     A new process that re-fetches those indices, skips the stream to the same position and replays the round runs
     the same pure plan and the same collectives, so it yields the same batches; steps already consumed are
-    dropped. The loader's metrics are snapshotted at the same point and the replayed round records all its steps
+    dropped; the replayed round must reach the consumed step, or the position is refused (`StateError`: a
+    version-2 state has no digest, so this is what catches an edited step count there). The loader's metrics are
+    snapshotted at the same point and the replayed round records all its steps
     again, so resumed counters equal the uninterrupted ones. The epoch's step count reaches the log before the
     final round's steps are released, so the consumer can tell that it took the last step.
     """
@@ -161,6 +164,10 @@ class EpochRun(Iterator[ODBBatch]):
             self.report = self._report(abandoned=True)
             self.log.end_epoch(self.engine.steps_done, metrics.snapshot())
             return
+        if self.skip_below > self.engine.steps_done:  # the saved round was replayed: NOTE [ Exact resume ]
+            raise StateError(f"state.position.steps_consumed={self.skip_below} is past the end of the saved round, "
+                             f"which replays to step {self.engine.steps_done} of epoch {self.epoch}; the state is "
+                             "corrupt, edited, or from other data or settings: resume from another checkpoint")
         if planned.owned_by_step is not None:
             self.log.record_owned(first_step, planned.owned_by_step)
         built = [self._build(slot, planned) for slot in planned.slots]
