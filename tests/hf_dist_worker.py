@@ -14,6 +14,9 @@ writes its facts to `--out` and the tests assert on them. Scenarios:
               the progress bar's total and position at the last step, the real optimizer steps.
 `--kill` (its own torchrun launch, or plain python for one process) runs the ODB run until the checkpoint at
 STOP_AT (mid-epoch) is on disk on every rank, then every rank SIGKILLs itself, as a lost node takes a job down.
+`--positions` (its own torchrun launch): `positions-full` trains with attention dropout and G = 2, saving after every
+optimizer step; `positions-epoch-end` and `positions-dropout` resume from the checkpoint at epoch 0's last step and
+from one inside epoch 1 (G8 at every checkpoint position, tests/test_hf_resume.py on one process).
 Nothing here works around torch or transformers: a resumed multi-process CPU run needs what odb_hf does itself
 (NOTE [ Indexed CPU devices in torch.load ] in odb_core/resume/checkpoints.py).
 """
@@ -138,6 +141,34 @@ def train_chat(name: str, out: Path, data: Path, odb: bool, resume: str | None =
         torch.save({k: v.detach().clone() for k, v in trainer.model.state_dict().items()}, out / f"{name}.params.pt")
 
 
+def position_run(name: str, out: Path, data: Path, resume: Path | None = None) -> None:
+    """Attention dropout 0.1, G = 2, two epochs; saving after every optimizer step unless resumed."""
+    infos: list = []
+    args = TrainingArguments(output_dir=str(out / name), gradient_accumulation_steps=2, learning_rate=1e-2,
+                             num_train_epochs=2, report_to=[], use_cpu=True, save_strategy="no" if resume else "steps",
+                             save_steps=1, logging_steps=1, seed=0, disable_tqdm=True, lr_scheduler_type="linear")
+    odb = ODBCallback(token_budget=320, window=16, observer=lambda i: infos.append(record(i)))
+    trainer = Trainer(model=hf_support.tiny_llama(seed=0, attention_dropout=0.1), args=args,
+                      train_dataset=hf_support.ListDataset(hf_support.load_samples(data / "train.json")[:41]),
+                      data_collator=PadCollator(pad_token_id=hf_support.PAD), callbacks=[odb])
+    trainer.train(resume_from_checkpoint=str(resume) if resume else None)
+    losses = {entry["step"]: entry["loss"] for entry in trainer.state.log_history if "loss" in entry}
+    facts = {"steps": trainer.state.global_step, "epoch": trainer.state.epoch, "losses": losses, "infos": infos,
+             "resumed_from": int(resume.name.removeprefix("checkpoint-")) if resume else None}
+    (out / f"{name}.rank{rank()}.json").write_text(json.dumps(facts))
+
+
+def positions(out: Path, data: Path) -> None:
+    """The uninterrupted run, then two resumed runs: from epoch 0's last step and from a step inside epoch 1."""
+    position_run("positions-full", out, data)
+    saved = {int(p.name.removeprefix("checkpoint-")): json.loads((p / f"odb_loader_rank{rank()}.json").read_text())
+             for p in (out / "positions-full").glob("checkpoint-*")}
+    epoch_end = min(k for k, state in saved.items() if (state["position"] or {}).get("epoch_complete"))
+    inside = min(k for k, state in saved.items() if state["epoch"] == 1 and not state["position"]["epoch_complete"])
+    position_run("positions-epoch-end", out, data, out / "positions-full" / f"checkpoint-{epoch_end}")
+    position_run("positions-dropout", out, data, out / "positions-full" / f"checkpoint-{inside}")
+
+
 def schedule(name: str, out: Path, data: Path, accumulation_steps: int, **odb_options) -> None:
     infos: list = []
     args = TrainingArguments(output_dir=str(out / name), gradient_accumulation_steps=accumulation_steps,
@@ -195,11 +226,17 @@ def main() -> None:
     parser.add_argument("--kill", action="store_true", help="run `killed`: SIGKILL after the save at STOP_AT")
     parser.add_argument("--samples", type=int, default=None, help="training samples of the --kill run")
     parser.add_argument("--epochs", type=int, default=3, help="epochs of the --kill run")
+    parser.add_argument("--positions", action="store_true", help="only the resumes from every checkpoint position")
     ns = parser.parse_args()
     torch.set_num_threads(1)
     if ns.kill:
         train_chat("killed", ns.out, ns.data, odb=True, kill=True, samples=ns.samples, epochs=ns.epochs)
         raise RuntimeError(f"the run ended before its checkpoint at step {STOP_AT}")
+    if ns.positions:
+        positions(ns.out, ns.data)
+        dist.barrier()
+        dist.destroy_process_group()  # as below: Gloo groups left to interpreter teardown can abort the process
+        return
     samples = hf_support.load_samples(ns.data / "train.json")[:41]  # odd count: the ranks get 21 and 20 samples
     grads("grads-ga1", hf_support.tiny_llama(dtype=torch.float64), samples, ns.out, 1)
     grads("grads-ga3", hf_support.tiny_llama(dtype=torch.float64), samples, ns.out, 3)

@@ -69,13 +69,15 @@ def load_samples(path: Path) -> list[dict]:
     return json.loads(Path(path).read_text())
 
 
-def tiny_llama(seed: int = 0, dtype: torch.dtype = torch.float32, hidden: int = 32):
+def tiny_llama(seed: int = 0, dtype: torch.dtype = torch.float32, hidden: int = 32, attention_dropout: float = 0.0):
+    """A 2-layer Llama with eager attention; `attention_dropout` > 0 makes training draw from the global torch RNG."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
                          num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=256,
-                         pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS, tie_word_embeddings=False)
+                         pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS, tie_word_embeddings=False,
+                         attention_dropout=attention_dropout)
     config._attn_implementation = "eager"
     return LlamaForCausalLM(config).to(dtype)
 

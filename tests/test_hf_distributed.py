@@ -4,6 +4,8 @@ One launch (tests/hf_dist_worker.py, started with the CPU `accelerate launch` re
 runs every scenario, so the two processes import transformers once; each test below checks one guarantee on the
 facts it wrote. A second, shorter launch (torchrun) trains until a mid-epoch checkpoint and is SIGKILLed there;
 the main launch resumes from it. The same kill and resume runs with one process (plain python, then in this one).
+A third launch (torchrun, `--positions`) resumes a run with dropout from an epoch's last step and from inside an
+epoch.
 """
 
 from __future__ import annotations
@@ -75,6 +77,15 @@ def single_run(chat_data, tmp_path_factory) -> Path:
     hf_dist_worker.train_chat("odb", out, data, odb=True, **SINGLE)
     checkpoint = out / "killed" / f"checkpoint-{hf_dist_worker.STOP_AT}"
     hf_dist_worker.train_chat("resumed", out, data, odb=True, resume=str(checkpoint), **SINGLE)
+    return out
+
+
+@pytest.fixture(scope="module")
+def positions_run(chat_data, tmp_path_factory) -> Path:
+    out, data = tmp_path_factory.mktemp("positions"), str(chat_data.train_file.parent)
+    result = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", WORKER,
+                  "--data", data, "--out", str(out), "--positions"])
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     return out
 
 
@@ -188,6 +199,36 @@ def test_resume_after_sigkill_mid_epoch_continues_exactly_on_two_processes(dist_
 
 def test_resume_after_sigkill_mid_epoch_continues_exactly_on_one_process(single_run):
     check_resumed_run(single_run, world_size=1)
+
+
+def check_resumed_position(out: Path, name: str) -> int:
+    """The resumed run's losses after its checkpoint, batches (every rank's) and final step and epoch are the
+    uninterrupted run's; returns the checkpoint's step."""
+    for resumed, full in zip(facts(out, name), facts(out, "positions-full")):
+        step = resumed["resumed_from"]
+        assert (resumed["steps"], resumed["epoch"]) == (full["steps"], full["epoch"]), step
+        assert sorted(resumed["losses"], key=int) == sorted(full["losses"], key=int)
+        worst = max(abs(resumed["losses"][k] - full["losses"][k]) for k in resumed["losses"] if int(k) > step)
+        assert worst <= TOLERANCE, (step, worst)
+        assert resumed["infos"] and resumed["infos"] == full["infos"][-len(resumed["infos"]):]
+    return step
+
+
+def test_resume_from_the_last_step_of_an_epoch_continues_exactly_on_two_ranks(positions_run):
+    """Issue 28, case 1 at W = 2: the checkpoint's states say `epoch_complete` for epoch 0 (NOTE [ Resuming at an
+    epoch's end ]); the resumed Trainer used to find no batch and stop half-way, with exit code 0."""
+    step = check_resumed_position(positions_run, "positions-epoch-end")
+    for rank in range(2):
+        state = json.loads((positions_run / "positions-full" / f"checkpoint-{step}" / f"odb_loader_rank{rank}.json")
+                           .read_text())
+        assert state["epoch"] == 0 and state["position"]["epoch_complete"]
+
+
+def test_resume_with_dropout_continues_exactly_on_two_ranks(positions_run):
+    """Issue 28, case 2 at W = 2: attention dropout 0.1, a checkpoint inside epoch 1; every rank's resumed run
+    draws the same dropout masks (NOTE [ ODB draws nothing from the global RNG ])."""
+    step = check_resumed_position(positions_run, "positions-dropout")
+    assert 0 < step < facts(positions_run, "positions-full")[0]["steps"]
 
 
 def test_without_use_cpu_the_refusal_names_the_missing_ddp_and_not_deepspeed(dist_run):

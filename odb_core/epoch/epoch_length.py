@@ -19,6 +19,16 @@ Every rank derives U from the same cross-rank estimate, and every rank's ODB epo
 a multiple of G (G2), so all ranks run the same optimizer steps and never split a GA window.
 The Trainer's epoch number is mapped to ODB's own epoch counter, which a resumed loader restores, so the
 Trainer's `epochs_trained = global_step // (U / G)` (an underestimate under a bound) cannot replay an epoch.
+
+NOTE [ Resuming at an epoch's end ]
+A checkpoint taken at the last optimizer step of ODB epoch e (`save_steps` landing there, or the last one before
+a crash) holds a state with `epoch_complete`: the Trainer saves before it asks the exhausted iterator for more.
+Its loader's `iter()` for epoch e yields nothing, and the HF Trainer stops training at an epoch without a single
+batch. So the first Trainer epoch of a resumed run maps to epoch e + 1 (`epoch_consumed`), which every rank
+does alike (all ranks saved after the same step, and an epoch ends at the same step on every rank, G2): the
+resumed run continues with the batches of epoch e + 1, as the uninterrupted one did. At the run's last step,
+e + 1 is `stop_epoch`: the resumed run takes no batch (transformers logs that it found none) and ends at the
+same `global_step`, its epoch count whole.
 """
 
 from __future__ import annotations
@@ -128,11 +138,12 @@ class EpochView:
             self.loader.close()
         trainer_epoch = self._trainer_epoch if self._trainer_epoch is not None else self.loader.epoch
         if self._offset is None:  # a restored loader knows its epoch; otherwise the Trainer's count is used
-            self._offset = self.loader.epoch - trainer_epoch if self.resumed else 0
+            first = self.loader.epoch + int(self.loader.epoch_consumed)  # NOTE [ Resuming at an epoch's end ]
+            self._offset = first - trainer_epoch if self.resumed else 0
         epoch = trainer_epoch + self._offset
+        self.loader.set_epoch(epoch)  # past stop_epoch too: end_epoch() and done() read it
         if self.plan.stop_epoch is not None and epoch >= self.plan.stop_epoch:
             return iter(())
-        self.loader.set_epoch(epoch)
         self.finished = False
         self._running = iter(self.loader)
         return self._follow(self._running)

@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import random
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
+import torch
 from torch.utils.data import Sampler
 
 from odb_core.data.collate import CollateFn, PadCollator
@@ -66,6 +68,17 @@ def _config(token_budget: int | None, config: ODBConfig | None, fields_given: di
     return config
 
 
+def worker_seed(seed: int, epoch: int) -> int:
+    """NOTE [ ODB draws nothing from the global RNG ]
+    Each `iter()` of a torch DataLoader draws its workers' base seed (even at num_workers=0) from its `generator`,
+    else from the global torch RNG, which the model's dropout uses too. A resumed trainer restores that RNG before
+    the resumed epoch's `iter()`, while the uninterrupted run drew before the save: one draw more, other dropout
+    masks (G8a). So the worker DataLoader draws from ODB's own generator, seeded with this function of (seed,
+    epoch) at every `iter()`: iterating, resuming and planning leave the global torch, Python and numpy RNGs alone.
+    A user's `generator=` option replaces ODB's."""
+    return random.Random(f"odb-workers:{seed}:{epoch}").getrandbits(63)
+
+
 class _LoaderCall:
     """Calls a method of the loader's parts through a weak reference. The producer thread holds the epoch's
     `RunContext`; a bound method there would keep a deleted loader, and so its thread and workers, alive forever."""
@@ -99,7 +112,8 @@ class ODBDataLoader:
         shard_iterable: for an `IterableDataset`, whether ODB shards it over ranks by stream position.
         observer: optional callable receiving every yielded `StepInfo` (e.g. to log emitted indices).
         **options: `ODBConfig` fields and DataLoader worker options (persistent_workers, multiprocessing_context,
-            pin_memory, prefetch_factor, worker_init_fn).
+            pin_memory, prefetch_factor, worker_init_fn, generator: the workers' base seeds, which are otherwise
+            drawn from ODB's own generator; NOTE [ ODB draws nothing from the global RNG ]).
     """
 
     def __init__(self, dataset: Any, *, token_budget: int | None = None, config: ODBConfig | None = None,
@@ -109,6 +123,9 @@ class ODBDataLoader:
                  observer: Callable[[StepInfo], None] | None = None, **options: Any) -> None:
         config_options, worker_options = _split_options(options)
         self.config = config = _config(token_budget, config, config_options)
+        self._worker_seeds = None if "generator" in worker_options else torch.Generator()
+        if self._worker_seeds is not None:
+            worker_options = {**worker_options, "generator": self._worker_seeds}
         self.dataset = dataset
         self.transport = transport if transport is not None else default_transport(config.sync_timeout_s,
                                                                                        config.liveness_timeout_s)
@@ -143,6 +160,12 @@ class ODBDataLoader:
         """The epoch the next `iter()` will run."""
         return self._cursor.epoch
 
+    @property
+    def epoch_consumed(self) -> bool:
+        """A loaded state was taken after the last step of `epoch`: the next `iter()` yields nothing (and runs no
+        collective), and `set_epoch(epoch + 1)` moves on without dropping a step."""
+        return self._cursor.position is not None and self._cursor.position.complete
+
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch of the next `iter()` (reshuffles). Without calls, each `iter()` advances by one.
 
@@ -155,6 +178,8 @@ class ODBDataLoader:
         start = self._cursor.begin()
         if start.nothing_left:  # its last step was consumed before the save
             return iter(())
+        if self._worker_seeds is not None:  # NOTE [ ODB draws nothing from the global RNG ]
+            self._worker_seeds.manual_seed(worker_seed(self.config.seed, start.epoch))
         start_metrics = self.metrics.snapshot()
         chunks = self._stream.open(start.epoch, start.plan, start.point)
         log = RoundLog(start.position)
