@@ -51,6 +51,37 @@ class EpochReport:
     abandoned: bool = False  # a consumer left the epoch early (NOTE [ Leaving an epoch ])
 
 
+@dataclass(slots=True)
+class ReadAhead:
+    """NOTE [ Reading ahead ]
+    A round fills the buffer, plans, and releases its steps; if nothing were read while the consumer trains on
+    them, the DataLoader workers would stop after their small prefetch and the next round would wait for a
+    whole buffer of samples. So while a round's steps are taken, the reader pulls the next round's samples out of
+    the workers' queue into its `pending` samples, a share per step: after a round is planned, the next fill will
+    admit exactly `engine.space()` samples (the buffer changes only at a fill and a plan), so the reader pulls up
+    to that many, spread over the steps released now, and the workers keep processing while the accelerator
+    works. The samples wait unadmitted, so the next plan sees the buffer it would have seen (batches unchanged),
+    and a saved position still points at the round's start (they are re-read on resume). The pulls run in the
+    consumer's thread, between its steps: no thread contends for the GIL with the training loop.
+    `target` is how many samples should be pending after the next step is taken."""
+
+    space: int = 0
+    steps: int = 0
+    taken: int = 0
+
+    @property
+    def due(self) -> bool:
+        return self.taken < self.steps
+
+    def plan(self, space: int, steps: int) -> None:
+        self.space, self.steps, self.taken = space, steps, 0
+
+    def take_step(self) -> int:
+        """The pending samples wanted once one more step was taken: the next fill's share of the steps taken."""
+        self.taken += 1
+        return -(-self.space * self.taken // self.steps)
+
+
 @dataclass(frozen=True, slots=True)
 class RunContext:
     """Everything an epoch needs besides its data; shared by the epochs of one loader."""
@@ -109,6 +140,7 @@ class EpochRun(Iterator[ODBBatch]):
         target = StepTarget(*config.step_target) if config.step_target is not None else None
         self.window: AccumulationWindow[_Built] = AccumulationWindow(config.accumulation_steps, target)
         self.ready: deque[ODBBatch] = deque()
+        self.ahead = ReadAhead()  # NOTE [ Reading ahead ]
         self.skip_below = 0
         self.report: EpochReport | None = None
         if resume is not None:
@@ -121,6 +153,8 @@ class EpochRun(Iterator[ODBBatch]):
             self.engine.resumed_at = resume.steps_consumed  # checked against every rank's (check_same_progress)
 
     def __next__(self) -> ODBBatch:
+        if self.ahead.due:
+            self.reader.read_ahead(self.ahead.take_step())
         while not self.ready:
             if self.engine.finished:
                 self._close_epoch()
@@ -184,6 +218,7 @@ class EpochRun(Iterator[ODBBatch]):
             totals = reduced[k * STEP_SUM_FIELDS : (k + 1) * STEP_SUM_FIELDS]
             self._stage(b, totals, planned.index, first_step + k)
         metrics.publish_moves()
+        self.ahead.plan(0 if self.engine.finished else self.engine.space(), len(self.ready))
         if self.engine.finished:
             self._release(self.window.flush())  # a target-sized epoch may end in a short step
             self.log.end_epoch(self.engine.steps_done, metrics.snapshot())

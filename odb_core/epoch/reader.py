@@ -110,6 +110,21 @@ class SampleReader:
         traceback.clear_frames(exc.__traceback__)
         self.close()
 
+    def read_ahead(self, target: int) -> None:
+        """Pull chunks from the workers until `target` samples are pending or the stream ends (NOTE [ Reading
+        ahead ] in pipeline.py); they are admitted, in order, by the next `fill`."""
+        pending = self.pending
+        try:
+            while len(pending) < target and not self.stream_ended:
+                chunk = next(self.chunks, None)
+                if chunk is None:
+                    self.stream_ended = True
+                else:
+                    pending.extend(chunk)
+        except BaseException as exc:
+            self._fail(exc)
+            raise
+
     def _offer_dummy(self, index: int, sample: Mapping[str, Any], patches: int) -> None:
         """NOTE [ IDLE dummy ] The dummy is the first sample this rank read, replaced once by the first one with
         vision patches: a VLM's IDLE step then runs the vision tower too, as every real step does, so sharded
