@@ -50,9 +50,12 @@ $(LF_STAMP): $(LF_ENV)/requirements.txt $(LF_ENV)/torchaudio_stub/pyproject.toml
 	$(LF_VENV)/bin/pip install -q torch==2.13.0
 	$(LF_VENV)/bin/pip install -q -r $(LF_ENV)/requirements.txt
 	$(LF_VENV)/bin/pip install -q --no-deps llamafactory==0.9.5
+	# `deepspeed: ds.json` in a config: built against the pinned CPU torch (its setup.py imports torch); its runtime
+	# requirements are pinned in requirements.txt.
+	$(LF_VENV)/bin/pip install -q --no-deps --no-build-isolation deepspeed==0.19.8
 	$(LF_VENV)/bin/pip install -q --no-deps --no-build-isolation ./$(LF_ENV)/torchaudio_stub
 	$(LF_VENV)/bin/pip install -q --no-deps -e .
-	$(LF_VENV)/bin/python -c "import llamafactory.train.tuner, odb_llamafactory.launcher"
+	$(LF_VENV)/bin/python -c "import deepspeed, llamafactory.train.tuner, odb_llamafactory.launcher"
 	touch $(LF_STAMP)
 
 clean-lf:

@@ -18,9 +18,20 @@ The folder therefore ships a processor class of its own, through transformers' p
 processor. LLaMA-Factory's Qwen2VLPlugin uses only its image processor and tokenizer for images. Nothing in
 LLaMA-Factory or transformers is patched; an environment with torchvision needs none of this.
 
-Run in .venv-lf (`python tests/lf_mm_fixtures.py CONFIG.yaml RECORD_DIR [key=value ...]`): tests/lf_train.py's
-record (RECORD_DIR/rank{r}.json), where each `micro` entry also says whether the forward's rows were the observed
-micro-batch's samples and what vision inputs the model received (`VisionRecorder`).
+Run in .venv-lf (`python tests/lf_mm_fixtures.py CONFIG.yaml RECORD_DIR [key=value ...]`, or under torchrun: one
+record per rank): tests/lf_train.py's record (RECORD_DIR/rank{r}.json), where each `micro` entry also says whether
+the forward's rows were the observed micro-batch's samples and what vision inputs the model received
+(`VisionRecorder`). With `deepspeed:` in the config, DeepSpeed's CPU shared-memory comm op is not built (NOTE
+[ DeepSpeed's shm op in the tests ]).
+
+NOTE [ DeepSpeed's shm op in the tests ]
+On a CPU machine DeepSpeed 0.19.8 compiles a C++ op, `deepspeed_shm_comm`, in every process that initializes its
+communication (`deepspeed.comm.torch.build_shm_op`): measured on 2 busy cores, 60 s in one process and 109 s in a
+2-rank run the first time, 0.04 s from its cache (TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions) after.
+The op only serves DeepSpeed's inference all-reduce; ZeRO training uses torch.distributed's gloo collectives
+without it. A compile that is killed (a test timeout) leaves a lock in the cache that hangs every later run, so
+the tests do not build it: `deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False`, as tests/ds_worker.py
+and tests/hf_ds_worker.py do, and each run gets its own TORCH_EXTENSIONS_DIR.
 """
 
 from __future__ import annotations
@@ -88,20 +99,22 @@ def build_dataset(folder: Path, n: int = 40, seed: int = 0) -> int:
     return n_images
 
 
-def build_all(root: Path) -> dict:
+def build_all(root: Path, n: int = 40) -> dict:
     model, data = root / "tiny-qwen2-vl", root / "data"
     build_model(model)
-    return {"model": model, "data": data, "n_images": build_dataset(data)}
+    return {"model": model, "data": data, "n_images": build_dataset(data, n)}
 
 
 # -- recorder (runs in .venv-lf) --------------------------------------------------------------------------------
 def vision_facts(module, kwargs) -> dict:
-    """What one training forward received: images, `pixel_values` rows, grid patches and `<|image_pad|>` tokens."""
+    """What one training forward received: images, `pixel_values` rows, grid patches, `<|image_pad|>` tokens and
+    the size of its padded `input_ids`."""
     grid, pixels = kwargs.get("image_grid_thw"), kwargs.get("pixel_values")
     return {"images": 0 if grid is None else int(grid.shape[0]),
             "grid_patches": 0 if grid is None else int(grid.prod(dim=-1).sum()),
             "pixel_rows": 0 if pixels is None else int(pixels.shape[0]),
             "image_tokens": int((kwargs["input_ids"] == module.config.image_token_id).sum()),
+            "input_slots": int(kwargs["input_ids"].numel()),  # the padded input tensor the forward received
             "merge": module.config.vision_config.spatial_merge_size}
 
 
@@ -111,7 +124,9 @@ class VisionRecorder(Recorder):
     Qwen2-VL declares `accepts_loss_kwargs = False`, so ODB's trainer calls it without `labels` and computes the
     loss itself. Each training forward is therefore matched to the k-th micro-batch the observer saw: its rows
     must be that micro-batch's samples from LLaMA-Factory's dataset (`rows_match`), whose stored labels give the
-    independent float64 cross-entropy sum and supervised-token count. `vision_facts` are added to each entry.
+    independent float64 cross-entropy sum and supervised-token count. An IDLE micro-batch (a rank that ran out of
+    data under join) is one zero-weight dummy row: it runs the forward and counts 0 tokens and 0 loss. `idle` and
+    `vision_facts` are added to each entry.
     """
 
     def on_train_begin(self, args, state, control, model=None, train_dataloader=None, **kwargs):
@@ -121,9 +136,13 @@ class VisionRecorder(Recorder):
     def _forward(self, module, args, kwargs, output) -> None:
         if not module.training:
             return
-        real = [s for s in self.steps if not s["is_idle"]]
-        samples = [self.dataset[i] for i in real[len(self.micro)]["indices"]]
+        step = self.steps[len(self.micro)]
+        samples = [self.dataset[i] for i in step["indices"]]
         input_ids = kwargs["input_ids"]
+        if step["is_idle"]:
+            self.micro.append({"ce_sum": 0.0, "tokens": 0, "rows_match": input_ids.shape[0] == 1, "idle": True,
+                               **vision_facts(module, kwargs)})
+            return
         labels = torch.full_like(input_ids, -100)
         rows_match = input_ids.shape[0] == len(samples)
         for row, sample in enumerate(samples):
@@ -134,12 +153,17 @@ class VisionRecorder(Recorder):
         ce = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels.reshape(-1),
                                                ignore_index=-100, reduction="sum")
         self.micro.append({"ce_sum": float(ce), "tokens": int((labels != -100).sum()), "rows_match": rows_match,
-                           **vision_facts(module, kwargs)})
+                           "idle": False, **vision_facts(module, kwargs)})
 
 
 def main() -> None:
+    config = read_config(sys.argv[1:2] + sys.argv[3:])
+    if config.get("deepspeed"):  # NOTE [ DeepSpeed's shm op in the tests ]
+        import deepspeed
+
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     recorder = VisionRecorder(Path(sys.argv[2]))
-    train(read_config(sys.argv[1:2] + sys.argv[3:]), callbacks=[recorder], observer=recorder.observe)
+    train(config, callbacks=[recorder], observer=recorder.observe)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@ Writes RECORD_DIR/rank{r}.json with:
   * micro: for every training forward, the float64 sum of token cross-entropies and the supervised-token count,
     computed here from the model's logits and the labels it received (independent of the code under test);
   * losses: the loss the Trainer logged at each optimizer step; global_step: optimizer steps this rank ran;
-  * dataset_size: samples in the training dataset LLaMA-Factory built.
+  * dataset_size: samples in the training dataset LLaMA-Factory built;
+  * engine: the optimizer the Trainer trains with (DeepSpeed's ZeRO optimizer under `deepspeed:`) and the world size.
 """
 
 from __future__ import annotations
@@ -24,6 +25,15 @@ from transformers import TrainerCallback
 from odb_llamafactory.launcher import read_config, train
 
 
+def engine_facts(optimizer) -> dict:
+    """The optimizer class under accelerate's wrapper (`DeepSpeedZeroOptimizer` for ZeRO 1 and 2), whether it
+    partitions gradients (ZeRO-2), and the number of ranks."""
+    inner = getattr(optimizer, "optimizer", optimizer)
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    return {"optimizer": type(inner).__name__, "partition_gradients": getattr(inner, "partition_gradients", None),
+            "world_size": world}
+
+
 class Recorder(TrainerCallback):
     def __init__(self, folder: Path) -> None:
         self.folder, self.steps, self.micro, self.losses = folder, [], [], []
@@ -31,9 +41,10 @@ class Recorder(TrainerCallback):
     def observe(self, info) -> None:
         self.steps.append(asdict(info))
 
-    def on_train_begin(self, args, state, control, model=None, train_dataloader=None, **kwargs):
+    def on_train_begin(self, args, state, control, model=None, train_dataloader=None, optimizer=None, **kwargs):
         model.register_forward_hook(self._forward, with_kwargs=True)
         self.dataset_size = len(train_dataloader.dataset) if hasattr(train_dataloader.dataset, "__len__") else None
+        self.engine = engine_facts(optimizer)
 
     def _forward(self, module, args, kwargs, output) -> None:
         if not module.training or kwargs.get("labels") is None:
@@ -50,7 +61,7 @@ class Recorder(TrainerCallback):
     def on_train_end(self, args, state, control, **kwargs):
         rank = int(os.environ.get("RANK", "0"))
         record = {"rank": rank, "steps": self.steps, "micro": self.micro, "losses": self.losses,
-                  "global_step": state.global_step, "dataset_size": self.dataset_size}
+                  "global_step": state.global_step, "dataset_size": self.dataset_size, "engine": self.engine}
         self.folder.mkdir(parents=True, exist_ok=True)
         (self.folder / f"rank{rank}.json").write_text(json.dumps(record))
 

@@ -1,13 +1,20 @@
-"""The Trainer-log meter's moved-sample figures: per log, consistent across threads, no spike after a resume; the
+"""The Trainer-log meter's moved-sample figures: per log, consistent across threads, no spike after a resume; its
+rates leave the set-up before the first step out (NOTE [ The first interval starts at the first step ]); the
 per-step counters written field by field agree with the generic dataclass operations."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import fields, replace
 
+from transformers import Trainer, TrainerCallback, TrainingArguments
+
+import hf_support
+from odb_core.data.collate import PadCollator
 from odb_core.settings.config import ODBConfig
 from odb_core.steps.metrics import LoaderMetrics, StepCounts, StepMeter
 from odb_core.steps.step_info import StepInfo
+from odb_hf import ODBCallback
 
 
 def test_moves_are_reported_per_log_from_whole_rounds_and_not_as_a_restored_total():
@@ -67,3 +74,65 @@ def test_a_step_without_accumulation_is_counted_once_as_staging_and_closing_its_
         final = partial.in_window(tokens=partial.global_tokens, samples=partial.global_samples, steps=1, index=0)
         assert final.ends_window and not partial.ends_window
         assert counts.add(final) == counts.add(partial).close_window(final)
+
+
+class ManualClock:
+    """A clock the test moves by hand: `StepMeter(..., clock=ManualClock())`."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _step(samples: int, tokens: int) -> StepInfo:
+    return replace(_distinct_info(), global_samples=samples, global_input_tokens=tokens)
+
+
+def test_the_first_samples_per_second_counts_from_the_first_step_and_not_the_set_up_before_it():
+    """The report: a DeepSpeed run built its engine and compiled the shm comm op (~55 s) after the meter was
+    built, and the first interval logged 0.2 samples/s instead of ~60."""
+    clock = ManualClock()
+    meter = StepMeter(ODBConfig(token_budget=100), LoaderMetrics(token_budget=100, world_size=1), clock=clock)
+    clock.now += 55.0  # set-up after the meter: engine build, op compile, worker start
+    assert meter.flush()["odb/samples_per_second"] == 0.0  # nothing consumed yet; the clock is still not started
+    clock.now += 5.0
+    for _ in range(2):  # the first optimizer step: its micro-batches, then its compute
+        meter.add(_step(samples=30, tokens=600))
+    clock.now += 1.0
+    first = meter.flush()
+    assert first["odb/samples_per_second"] == 60.0 and first["odb/tokens_per_second"] == 1200.0
+    clock.now += 1.5  # later intervals run from flush to flush: the wait for the next batches counts
+    meter.add(_step(samples=30, tokens=600))
+    clock.now += 0.5
+    assert meter.flush()["odb/samples_per_second"] == 15.0
+
+
+class SlowSetUp(TrainerCallback):
+    """Set-up after the Trainer built its dataloader (and ODB its meter) and before the first step, as DeepSpeed's
+    engine build and shm op compile are: `on_train_begin` runs after both."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds, self.logs = seconds, []
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        time.sleep(self.seconds)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs and "odb/samples_per_second" in logs:
+            self.logs.append(logs)
+
+
+def test_the_trainer_logs_a_first_samples_per_second_without_the_set_up_time(tmp_path):
+    set_up, infos = SlowSetUp(seconds=3.0), []
+    samples = [{"input_ids": [2, 5, 6, 7], "labels": [-100, 5, 6, 7]}] * 8
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=2, logging_steps=1, report_to=[], use_cpu=True,
+                             save_strategy="no", disable_tqdm=True)
+    trainer = Trainer(model=hf_support.tiny_llama(), args=args, train_dataset=hf_support.ListDataset(samples),
+                      data_collator=PadCollator(pad_token_id=hf_support.PAD),
+                      callbacks=[ODBCallback(token_budget=16, observer=infos.append), set_up])
+    trainer.train()
+    first = set_up.logs[0]
+    seconds = infos[0].global_samples / first["odb/samples_per_second"]  # the first interval, as the meter timed it
+    assert seconds < set_up.seconds / 2, f"the first interval ({seconds:.2f} s) counted the {set_up.seconds} s set-up"

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields, replace
 
 from odb_core.settings.config import ODBConfig
@@ -202,7 +203,8 @@ def cost_cv(cost_sum: int, cost_sq_sum: int, world_size: int) -> float:
 class StepMeter:
     """What a trainer consumed, for its periodic log: `add()` once per micro-batch; `flush()` the metrics since the
     previous flush, under `odb/` keys (the HF Trainer's log, so `report_to` backends such as TensorBoard get them):
-      * `odb/samples_per_second`, `odb/tokens_per_second`: samples and real input tokens over every rank per second;
+      * `odb/samples_per_second`, `odb/tokens_per_second`: samples and real input tokens over every rank per second
+        of `clock` (NOTE [ The first interval starts at the first step ]);
       * `odb/padding_ratio`, `odb/budget_utilization`, `odb/patch_utilization` (with `max_patches`): as above;
       * `odb/idle_steps`: IDLE micro-batches on this rank; `odb/samples_per_step`: global samples per optimizer step,
         and `odb/samples_per_step_std` their standard deviation over the logged steps (how near `samples_per_step`
@@ -210,22 +212,36 @@ class StepMeter:
       * `odb/moved_fraction`, `odb/moved_bytes` (global planning, world > 1): of the samples this rank's loader
         planned since the previous log, the share read by another rank, and the bytes received for them (these two
         come from the loader's own counters, `loader_metrics`, which run up to `prefetch_steps` ahead of the trainer).
+
+    NOTE [ The first interval starts at the first step ]
+    A trainer builds its meter with its dataloader, before the rest of its set-up: the HF Trainer calls
+    `get_train_dataloader()` before it builds the DeepSpeed engine, and on a CPU machine DeepSpeed's first run also
+    compiles its shared-memory comm op (about a minute). So the clock starts at the first `add()`, the first
+    micro-batch the trainer consumed, not at construction: the first `odb/samples_per_second` is the rate of the
+    first steps, not of the set-up (which once logged 0.2 instead of ~60). Later intervals run from flush to flush
+    and include the time the trainer waits for its batches. A flush before any `add()` reports 0 per second and
+    leaves the clock unstarted. Cost: one `is None` test per `add()`.
     """
 
-    def __init__(self, config: ODBConfig, loader_metrics: LoaderMetrics) -> None:
+    def __init__(self, config: ODBConfig, loader_metrics: LoaderMetrics, *,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
         self.config, self.world_size = config, loader_metrics.world_size
         self.loader_metrics = loader_metrics
         self.moves_logged = loader_metrics.moves  # at the previous flush (a restored loader's totals so far)
         self.seen = self.logged = StepCounts()
         self.last: StepInfo | None = None  # the latest consumed micro-batch
-        self.since = time.perf_counter()
+        self.clock = clock
+        self.since: float | None = None  # start of the current interval; None until the first add() (NOTE above)
 
     def add(self, info: StepInfo) -> None:
+        if self.since is None:
+            self.since = self.clock()
         self.seen, self.last = self.seen.add(info), info
 
     def flush(self) -> dict[str, float]:
-        now = time.perf_counter()
-        seconds, delta, config = max(now - self.since, 1e-9), self.seen - self.logged, self.config
+        now = self.clock()
+        seconds = max(now - self.since, 1e-9) if self.since is not None else math.inf  # no step yet: 0 per second
+        delta, config = self.seen - self.logged, self.config
         logs = {
             "odb/samples_per_second": delta.global_samples / seconds,
             "odb/tokens_per_second": delta.global_input_tokens / seconds,
@@ -239,7 +255,9 @@ class StepMeter:
             logs["odb/patch_utilization"] = delta.patch_utilization(config.max_patches, self.world_size)
         if self.world_size > 1 and config.planning == "global":
             logs.update(self._moves())
-        self.logged, self.since = self.seen, now
+        self.logged = self.seen
+        if self.since is not None:
+            self.since = now
         return logs
 
     def _moves(self) -> dict[str, float]:
