@@ -1,10 +1,14 @@
 """`odb plan`: know the gain before you train.
 
 Simulates a whole epoch on W virtual ranks with the loader's own planning and alignment code (no GPU, no
-processes) and prints steps, budget utilization, padding, step-cost imbalance across ranks, IDLE steps, the
-fraction of samples that move between ranks, alignment traffic, the estimated speed-up over Standard fixed
-batching under a linear step-time model, and a suggested budget range. At W > 1 it prints global planning (the
-loader's default) and rank-local planning side by side; `--planning global|local` prints one.
+processes) and prints one labelled column per planning mode (at W > 1 global planning, the loader's default, and
+rank-local side by side; `--planning global|local` prints one): steps, the estimated speed-up over standard fixed
+batching under a linear step-time model, budget utilization, padding, step-cost imbalance across ranks, IDLE
+micro-batches; then one line on the baseline (its fixed batch: budget // longest sample) and one on the time
+model. `--verbose` adds the rounds, the fraction of samples that move between ranks, the metadata bytes and the
+definitions; `--suggest`, other budgets, listed while an epoch keeps >= SUGGEST_MIN_STEPS optimizer steps.
+Samples over the budget on their own get one warning line on stderr. `--json` prints every figure of every
+report (the suggested budgets unfiltered), as `PlanReport` fields.
 
     odb plan lengths.npy --world-size 8 --token-budget 16384 [--cost padded] [--no-join] [--planning local]
     odb plan lengths.txt ...        # one length per line
@@ -21,7 +25,7 @@ import argparse
 import json
 import math
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NoReturn
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -29,9 +33,11 @@ from pathlib import Path
 import numpy as np
 
 from odb_core.data.sharding import shard
-from odb_core.planning.budget import Item
+from odb_core.planning.budget import Item, build_budget
+from odb_core.planning.planner import Oversize
 from odb_core.planning.simulate import EpochPlan, is_pooled, simulate_epoch
 from odb_core.settings.config import COST_NAMES, ODBConfig
+from odb_core.settings.console import describe_oversize
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,12 +154,105 @@ def _config_fields(config: ODBConfig) -> dict:
     return {name: getattr(config, name) for name in ODBConfig.__slots__}  # type: ignore[attr-defined]
 
 
-def _print_reports(reports: Sequence[PlanReport]) -> None:
-    """One column per report (global and rank-local side by side at W > 1)."""
-    rows = [asdict(r) for r in reports]
-    for key in rows[0]:
-        cells = [f"{row[key]:.4f}" if isinstance(row[key], float) else str(row[key]) for row in rows]
-        print(f"{key:>26}: " + "".join(f"{cell:>14}" for cell in cells))
+SUGGEST_MIN_STEPS = 10  # `--suggest` lists a budget while an epoch keeps this many optimizer steps
+GOOD_UTILIZATION = 0.9  # the suggested range: listed budgets at or above this utilization
+Cell = Callable[[PlanReport], str]
+ROWS: tuple[tuple[str, Cell], ...] = (
+    ("steps per epoch", lambda r: str(r.steps)),
+    ("speed-up over standard", lambda r: f"{r.estimated_speedup:.2f}x"),
+    ("budget utilization", lambda r: f"{r.budget_utilization:.3f}"),
+    ("padding ratio", lambda r: f"{r.padding_ratio:.3f}"),
+    ("rank imbalance", lambda r: f"{r.mean_rank_imbalance:.3f}"),
+    ("IDLE micro-batches", lambda r: f"{r.idle_steps} ({r.idle_fraction:.1%})"),
+    ("samples not emitted", lambda r: str(r.not_emitted)),
+)
+VERBOSE_ROWS: tuple[tuple[str, Cell], ...] = (
+    ("rounds", lambda r: str(r.rounds)),
+    ("moved fraction", lambda r: f"{r.moved_fraction:.3f}"),
+    ("metadata bytes per rank", lambda r: str(r.alignment_bytes_per_rank)),
+)
+MULTI_RANK_ROWS = frozenset({"rank imbalance", "IDLE micro-batches", "moved fraction"})  # not printed at W = 1
+DEFINITIONS = (
+    "budget utilization: real tokens / (steps x ranks x token budget); padding ratio: pad tokens / padded tokens",
+    "rank imbalance: the mean over steps of the coefficient of variation of the ranks' step costs",
+    "IDLE micro-batches: zero-weight steps a rank runs while another still has data (every rank, every step)",
+    "rounds: plan-and-align rounds of the epoch (a round plans up to --window samples per rank)",
+    "moved fraction: the share of samples that run on another rank than the one that read them (global planning "
+    "balances the ranks so; the samples themselves travel on top of the metadata)",
+    "metadata bytes per rank: what one rank receives in the epoch's planning collectives (int64 counts and "
+    "lengths)",
+)
+
+
+def _column(report: PlanReport) -> str:
+    if report.world_size == 1:
+        return "ODB"
+    return "ODB global" if report.planning == "global" else "ODB rank-local"
+
+
+def _print_reports(reports: Sequence[PlanReport], longest: int, model: StepTimeModel, verbose: bool) -> None:
+    """One labelled column per report (global and rank-local side by side at W > 1), then what the figures mean."""
+    first = reports[0]
+    ranks = f"{first.world_size} rank{'s' if first.world_size > 1 else ''}"
+    ending = "join" if first.join else "quota (non-join)"
+    print(f"odb plan: {first.samples} samples on {ranks}, token budget {first.token_budget} ({first.cost} cost), "
+          f"{ending}; the longest sample has {longest} tokens\n")
+    rows = [(label, cell) for label, cell in ROWS + (VERBOSE_ROWS if verbose else ())
+            if first.world_size > 1 or label not in MULTI_RANK_ROWS]
+    width = max(len(label) for label, _ in rows) + 2
+    print(" " * width + "".join(f"{_column(r):>16}" for r in reports))
+    for label, cell in rows:
+        print(f"{label:<{width}}" + "".join(f"{cell(r):>16}" for r in reports))
+    print()
+    if first.world_size > 1 and len(reports) > 1:
+        print("ODB global: one plan over every rank's samples (the loader's default); rank-local: each rank its own")
+    if first.standard_batch * longest > first.token_budget:
+        why = f"the longest sample, {longest} tokens, is over the budget on its own"
+    else:
+        why = f"{first.token_budget} // {longest}: a fixed batch must fit the budget with the longest sample in it"
+    samples = f"{first.standard_batch} sample{'s' if first.standard_batch > 1 else ''}"
+    print(f"standard: fixed batches of {samples} per rank ({why}), {first.standard_steps} steps per epoch")
+    print("speed-up: modelled epoch time of standard / ODB; step time = a + b x padded tokens + c x batch x longest^2 "
+          "of the slowest")
+    overhead = "a = 0: no fixed cost per step; " if model.a == 0 else ""
+    print(f"rank, with a={model.a:g}, b={model.b:g}, c={model.c:g} ({overhead}measure yours and pass --time-model "
+          "A B C)")
+    if verbose:
+        print("\n".join(DEFINITIONS))
+
+
+def _print_suggestions(suggested: Sequence[PlanReport], config: ODBConfig, longest: int) -> None:
+    """The `--suggest` table: budgets that keep at least SUGGEST_MIN_STEPS optimizer steps per epoch."""
+    kept = [r for r in suggested if r.steps // config.accumulation_steps >= SUGGEST_MIN_STEPS]
+    mode = "one rank" if suggested[0].world_size == 1 else f"{suggested[0].planning} planning"
+    print(f"\nother budgets ({mode}): from {suggested[0].token_budget} (the longest sample, {longest}, rounded up "
+          f"to a power of two), doubling to {suggested[-1].token_budget};")
+    print(f"listed while an epoch keeps >= {SUGGEST_MIN_STEPS} optimizer steps (fewer, larger steps change training "
+          "more than a speed-up shows)")
+    if not kept:
+        print(f"none of {', '.join(str(r.token_budget) for r in suggested)} does on these {suggested[0].samples} "
+              "samples: keep the budget that fits your accelerator's memory")
+        return
+    print(f"{'token budget':>12}  {'steps':>5}  {'utilization':>11}  {'standard batch':>14}  {'speed-up':>8}")
+    for r in kept:
+        print(f"{r.token_budget:>12}  {r.steps:>5}  {r.budget_utilization:>11.3f}  {r.standard_batch:>14}  "
+              f"{r.estimated_speedup:>7.2f}x")
+    good = [r.token_budget for r in kept if r.budget_utilization >= GOOD_UTILIZATION]
+    if good:
+        print(f"suggested token_budget: {good[0]}..{good[-1]} (utilization >= {GOOD_UTILIZATION}); pick the largest "
+              "that fits your accelerator's memory")
+    else:
+        print(f"no listed budget reaches utilization {GOOD_UTILIZATION}; pick the largest that fits your "
+              "accelerator's memory")
+
+
+def oversize_of(lengths: Sequence[int], config: ODBConfig) -> Oversize:
+    """The samples over the budget on their own, as the loader counts them (`BufferEngine.admit`)."""
+    budget, oversize = build_budget(config), Oversize()
+    for item in (Item(0, length) for length in lengths):
+        if not budget.alone_fits(item):
+            oversize.add(item, budget.alone_cost(item))
+    return oversize
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -180,8 +279,10 @@ def build_parser() -> OneLineParser:
     p.add_argument("--accumulation-steps", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--time-model", type=float, nargs=3, metavar=("A", "B", "C"), default=(0.0, 1.0, 0.0))
-    p.add_argument("--suggest", action="store_true", help="also compare a range of budgets")
-    p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    p.add_argument("--suggest", action="store_true",
+                   help=f"also compare larger budgets (those that keep >= {SUGGEST_MIN_STEPS} optimizer steps)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of text (every figure, every budget)")
+    p.add_argument("--verbose", action="store_true", help="also rounds, moved fraction, metadata bytes, definitions")
     return parser
 
 
@@ -203,18 +304,15 @@ def plan(args: argparse.Namespace) -> int:
     model = StepTimeModel(*args.time_model)
     reports = [plan_report(lengths, config, args.world_size, model) for config in configs]
     suggested = suggest_budgets(lengths, configs[0], args.world_size, model) if args.suggest else []
+    oversize = oversize_of(lengths, configs[0])
+    if oversize.count:  # stderr: the --json output stays as it was
+        print(f"odb plan: warning: {describe_oversize(configs[0], oversize, f'of {len(lengths)}')}", file=sys.stderr)
     if args.json:
         print(json.dumps([asdict(r) for r in reports + suggested], indent=2))
         return 0
-    _print_reports(reports)
+    _print_reports(reports, max(lengths), model, args.verbose)
     if suggested:
-        print(f"\n token_budget  steps  utilization  speedup_vs_standard   ({configs[0].planning} planning)")
-        for r in suggested:
-            print(f" {r.token_budget:>12}  {r.steps:>5}  {r.budget_utilization:>11.3f}  {r.estimated_speedup:>19.2f}")
-        good = [r.token_budget for r in suggested if r.budget_utilization >= 0.9]
-        if good:
-            print(f"\nsuggested token_budget: {good[0]}..{good[-1]} (utilization >= 0.9); pick the largest that "
-                  "fits your accelerator's memory")
+        _print_suggestions(suggested, configs[0], max(lengths))
     return 0
 
 

@@ -2,7 +2,8 @@
 
 The config is read as `llamafactory-cli train` reads it (YAML or JSON, then OmegaConf `key=value` overrides).
 The `odb*` keys are removed and validated (odb_llamafactory.settings); everything else goes to LLaMA-Factory
-unchanged. Without `odb: true` the run is plain LLaMA-Factory.
+unchanged. Without `odb: true` the run is plain LLaMA-Factory. Without LLaMA-Factory installed (`pip install
+"odb[hf]"` installs this command too), `train` says in one line to install `odb[llamafactory]` (exit 2).
 
 NOTE [ ODB in every torchrun rank ]
 `llamafactory-cli train` re-launches multi-process runs as `torchrun .../llamafactory/launcher.py cfg.yaml`,
@@ -16,6 +17,7 @@ through environment variables and nothing is patched in the parent.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import socket
@@ -29,15 +31,31 @@ from odb_core.settings.settings import ODBSettings
 from odb_llamafactory.settings import ODBConfigError, check_compatible, pop_odb_settings
 
 USAGE = "usage: odb-llamafactory train CONFIG.yaml|CONFIG.json [key=value ...]"
+EXTRA = 'pip install "odb[llamafactory]"'  # what installs LLaMA-Factory beside odb
 HELP = f"""{USAGE}
 
 LLaMA-Factory SFT with Online Dynamic Batching: `llamafactory-cli train` plus the odb keys of the config
 (odb: true, odb_token_budget: ..., odb_<field>: ...); see docs/guides/llamafactory.md. Multi-process runs use
-LLaMA-Factory's variables (FORCE_TORCHRUN=1, NPROC_PER_NODE=N, NNODES, MASTER_ADDR, ...)."""
+LLaMA-Factory's variables (FORCE_TORCHRUN=1, NPROC_PER_NODE=N, NNODES, MASTER_ADDR, ...). Needs LLaMA-Factory:
+{EXTRA}."""
 
 
 class UsageError(ValueError):
     """A command line or config file odb-llamafactory cannot read; `main` prints it as one line (exit 2)."""
+
+
+class MissingFrameworkError(ImportError):
+    """LLaMA-Factory, or OmegaConf (its config reader), is not installed here; the message names the extra that
+    installs them. `main` prints it as one line (exit 2) instead of a traceback."""
+
+
+def require_llamafactory() -> None:
+    """Raise `MissingFrameworkError` unless LLaMA-Factory and OmegaConf can be imported. `pip install "odb[hf]"`
+    installs the `odb-llamafactory` command too (every console script comes with the package), without them."""
+    missing = [name for name in ("llamafactory", "omegaconf") if importlib.util.find_spec(name) is None]
+    if missing:
+        raise MissingFrameworkError(f"LLaMA-Factory is not installed in this environment (no module "
+                                    f"{' or '.join(repr(name) for name in missing)}): {EXTRA}")
 
 
 def read_config(argv: Sequence[str]) -> dict[str, Any]:
@@ -47,6 +65,7 @@ def read_config(argv: Sequence[str]) -> dict[str, Any]:
     path = Path(argv[0]).absolute()
     if not path.is_file():
         raise UsageError(f"{path} does not exist")
+    require_llamafactory()
     from omegaconf import OmegaConf  # LLaMA-Factory's config reader (installed with it)
 
     loaded = OmegaConf.load(path) if path.suffix != ".json" else OmegaConf.create(json.loads(path.read_text()))
@@ -116,13 +135,15 @@ def train(config: Mapping[str, Any], *, callbacks: Sequence[Any] = (),
     `TrainerCallback`s; `observer` receives every `StepInfo` the ODB loader yields (Python API only).
     """
     config, settings = prepare(config)
+    require_llamafactory()
     from odb_llamafactory.workflow import run  # imports LLaMA-Factory (heavy): only when training
 
     run(config, settings, callbacks, observer)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """`odb-llamafactory train ...`; `--help` exits 0, a usage or config error is one line on stderr (exit 2)."""
+    """`odb-llamafactory train ...`; `--help` exits 0; a usage or config error, or LLaMA-Factory missing from this
+    environment, is one line on stderr (exit 2)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] in (["-h"], ["--help"], ["help"]):
         print(HELP)
@@ -131,7 +152,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if argv[:1] != ["train"]:
             raise UsageError(f"unknown command {argv[0] if argv else '(none)'!r}; {USAGE}")
         clean, settings = prepare(read_config(argv[1:]))  # fail fast, before any process starts or LF loads
-    except (UsageError, ODBConfigError) as exc:
+    except (UsageError, ODBConfigError, MissingFrameworkError) as exc:
         print(f"odb-llamafactory: error: {exc}", file=sys.stderr)
         return 2
     env = dict(os.environ)

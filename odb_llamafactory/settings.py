@@ -15,7 +15,6 @@ imports only odb_core.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Mapping, MutableMapping
 from typing import Any
 
@@ -79,11 +78,8 @@ def check_compatible(config: Mapping[str, Any], settings: ODBSettings) -> None:
                              f"{config['train_sampling_strategy']}; keep one of them")
     if config.get("streaming"):
         check_streaming(config)
-    cutoff, budget, policy = config.get("cutoff_len", 2048), settings.config.token_budget, settings.config.oversize
-    if isinstance(cutoff, int) and cutoff > budget:  # 2048: LLaMA-Factory's default cutoff_len
-        warnings.warn(f"odb_token_budget={budget} is below cutoff_len={cutoff}: a sample longer than "
-                      f"the budget {'runs alone in its own micro-batch' if policy == 'alone' else 'raises'} "
-                      f"(odb_oversize: {policy})", stacklevel=2)
+    # a cutoff_len above odb_token_budget is not refused or warned about here: the loader warns once when a
+    # sample does run alone over the budget (odb_core NOTE [ Samples over the budget ]), as in every adapter
 
 
 def check_streaming(config: Mapping[str, Any]) -> None:

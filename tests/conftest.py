@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 
 import numpy as np
@@ -39,3 +40,29 @@ def lognormal_lengths(n: int, cv: float, mean: float = 512.0, seed: int = 0, lo:
 @pytest.fixture
 def small_dataset() -> LengthDataset:
     return LengthDataset(lognormal_lengths(300, cv=1.0, mean=128, seed=1, hi=1024))
+
+
+OVER_BUDGET = "alone, over the budget (oversize='alone')"  # in the one-time warning (odb_core/settings/console.py)
+
+
+class OdbLog:
+    """What the `odb` logger printed during a test (`odb_log`)."""
+
+    def __init__(self, caplog: pytest.LogCaptureFixture) -> None:
+        self.caplog = caplog
+
+    def over_budget(self) -> list[str]:
+        """The oversize warnings logged so far."""
+        return [r.getMessage() for r in self.caplog.records if OVER_BUDGET in r.getMessage()]
+
+
+@pytest.fixture
+def odb_log(caplog):
+    """The `odb` logger's records: it prints through a handler of its own and does not propagate to the root logger
+    that caplog listens to, so caplog's handler is added to it for the test."""
+    logger = logging.getLogger("odb")
+    logger.addHandler(caplog.handler)
+    try:
+        yield OdbLog(caplog)
+    finally:
+        logger.removeHandler(caplog.handler)

@@ -13,7 +13,9 @@ importing deepspeed and transformers costs ~20 s per process on these machines:
   4. the plain loop (`loss = engine(**batch).loss; engine.backward(loss)`, no ODB helper) checked the same way,
      for a model that takes loss kwargs and for one declared without them (NOTE [ The plain DeepSpeed loop under
      ODB ] in odb_deepspeed/engine_mixin.py);
-  5. refusals: a loss ODB did not weight, scale_wrt_gas=False, a model whose loss ignores num_items_in_batch.
+  5. refusals: a loss ODB did not weight, scale_wrt_gas=False, a model whose loss ignores num_items_in_batch;
+  6. oversize: a budget below the long samples, two epochs: the loader warns once on each rank (every run
+     before it keeps each sample within its budget and warns nothing).
 Writes OUT_DIR/rank{r}.json. The test process makes the assertions.
 """
 
@@ -242,6 +244,19 @@ def refusals() -> dict:
     return result
 
 
+def oversize(epochs: int = 2) -> dict:
+    """token_budget=32 against long samples of 40-64 tokens, built by `initialize` from the dataset (shuffled over
+    both ranks): they run alone, over the budget, and each rank's log says so once, however many epochs."""
+    model = make_model(torch.float64)
+    engine, _, loader, _ = odb_deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), 0.0),
+                                                    training_data=UnevenDataset(16), config=ds_config(2, token_budget=32))
+    for _ in range(epochs):
+        for batch in loader:
+            engine.backward(odb_deepspeed.token_weighted_loss(engine(**batch), batch, engine))
+            engine.step()
+    return {"oversize_samples": loader.odb.metrics.oversize_samples}
+
+
 def main(out_dir: Path) -> None:
     result: dict = {"rank": int(os.environ["RANK"])}
     result["passthrough"] = passthrough()
@@ -255,6 +270,7 @@ def main(out_dir: Path) -> None:
     result["plain"] = [equivalence(2, torch.float64, False, "global", plain=True, loss_kwargs=kwargs)
                        for kwargs in (True, False)]
     result["refusals"] = refusals()
+    result["oversize"] = oversize()
     (out_dir / f"rank{result['rank']}.json").write_text(json.dumps(result))
 
 

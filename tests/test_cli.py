@@ -7,6 +7,7 @@ odb_core only before `train` starts, so all of this runs in the main environment
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -65,3 +66,21 @@ def test_errors_exit_2_with_one_line_naming_the_cause(tmp_path, capsys, main, ar
     assert status == 2 and not out
     assert len(err.strip().splitlines()) == 1 and cause in err, err
     assert err.startswith(("odb: error:", "odb plan: error:", "odb-llamafactory: error:"))
+
+
+INSTALLED = Path(sys.executable).with_name("odb-llamafactory")  # the console script of this environment's install
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llamafactory") is not None, reason="LLaMA-Factory is installed here")
+@pytest.mark.parametrize("command", [ODB_LLAMAFACTORY, [str(INSTALLED)]], ids=["module", "installed-script"])
+def test_odb_llamafactory_without_llamafactory_names_the_extra_to_install(command, tmp_path):
+    """`pip install "odb[hf]"` installs the odb-llamafactory command too; without LLaMA-Factory (and OmegaConf) in
+    the environment, as here, `train` says in one line what to install (before: ModuleNotFoundError: omegaconf)."""
+    if not Path(command[0]).exists():
+        pytest.skip(f"{command[0]} is not installed")
+    config = tmp_path / "cfg.yaml"
+    config.write_text("odb: true\nodb_token_budget: 1024\n")
+    done = run([*command, "train", str(config)])
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr.splitlines() == ["odb-llamafactory: error: LLaMA-Factory is not installed in this environment "
+                                        "(no module 'llamafactory' or 'omegaconf'): pip install \"odb[llamafactory]\""]

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import OVER_BUDGET
+
 pytestmark = pytest.mark.slow
 WORKER = Path(__file__).with_name("ds_worker.py")
 WORLD_SIZE = 2
@@ -146,3 +148,14 @@ def test_odb_says_that_it_is_on_once_on_rank_zero(run):
     logs = [(run["out"] / f"log{r}.txt").read_text() for r in range(WORLD_SIZE)]
     assert "odb: on (DeepSpeed), token budget 64 (padded cost), world 2, mode " in logs[0]
     assert "odb: on" not in logs[1]
+
+
+def test_samples_over_the_budget_are_warned_once_on_each_rank_and_fitting_runs_not_at_all(run):
+    """Every run of the launch before the last keeps each sample within its budget; the last (token_budget=32,
+    samples of up to 64 tokens, two epochs) names the budget, the longest sample and the fix once per rank."""
+    for rank, result in enumerate(run["ranks"]):
+        warned = [line for line in (run["out"] / f"log{rank}.txt").read_text().splitlines() if OVER_BUDGET in line]
+        assert result["oversize"]["oversize_samples"] > 0
+        assert len(warned) == 1, warned
+        assert warned[0].startswith(f"odb: warning: rank {rank}: ") and "token_budget=32 on" in warned[0]
+        assert "Raise token_budget to at least " in warned[0] and "oversize='error'" in warned[0]

@@ -154,6 +154,24 @@ def test_logged_odb_metrics_reach_tensorboard(chat_data, tmp_path):
     assert 0 < events.Scalars("train/odb/budget_utilization")[-1].value <= 1
 
 
+def test_samples_over_the_budget_are_warned_once_per_run_and_fitting_samples_not_at_all(chat_data, tmp_path,
+                                                                                        odb_log):
+    """The budget is the user's memory bound: a sample that runs alone over it is named once, with the fix, even
+    over two epochs (before: no warning, only odb/budget_utilization > 1 in the log)."""
+    samples = chat_data.train[:24]
+    longest = max(len(s["input_ids"]) for s in samples)
+    fits = make_trainer(tmp_path / "fits", samples, [ODBCallback(token_budget=longest)])
+    fits.train()
+    assert odb_log.over_budget() == []
+    budget = longest // 2
+    over = make_trainer(tmp_path / "over", samples, [ODBCallback(token_budget=budget)], num_train_epochs=2)
+    over.train()
+    warned = odb_log.over_budget()
+    assert len(warned) == 1 and over.odb.run.loader.metrics.oversize_samples > 1, warned
+    assert f"exceed token_budget={budget} on their own (the longest has {longest} tokens)" in warned[0]
+    assert f"Raise token_budget to at least {longest}, truncate" in warned[0] and "oversize='error'" in warned[0]
+
+
 class GradRecorder(TrainerCallback):
     def __init__(self):
         self.steps = []

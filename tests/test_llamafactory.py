@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 import lf_fixtures
+from conftest import OVER_BUDGET
 from test_properties import reference_windows
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -124,6 +125,21 @@ def test_cli_trains_to_the_end_with_and_without_odb(assets):
     assert all("odb/budget_utilization" in entry for entry in full_state["log_history"] if "loss" in entry)
     assert f"odb: on (LLaMA-Factory), token budget {BUDGET}" in runs[1].output and "world 1" in runs[1].output
     assert "odb: on" not in runs[0].output
+    assert OVER_BUDGET not in runs[1].output  # cutoff_len 256 <= odb_token_budget: every sample fits
+
+
+def test_cli_warns_once_when_samples_run_alone_over_the_budget(assets):
+    """odb_token_budget=64 below cutoff_len=256: one warning in the console naming the budget and the fix, from
+    the loader (odb_llamafactory's own check of cutoff_len against the budget is gone, so it is not said twice)."""
+    done = run_lf([str(LF_BIN / "odb-llamafactory"), "train", str(LORA),
+                   *overrides(assets, "over-budget", dataset="chitchat_alpaca", max_samples=16, max_steps=2,
+                              odb_token_budget=64, lora_rank=4)],
+                  assets["root"] / "over-budget.log", timeout=400)
+    assert_ok(done)
+    warned = [line for line in done.output.splitlines() if OVER_BUDGET in line]
+    assert len(warned) == 1, warned
+    assert warned[0].startswith("odb: warning: ") and "exceed token_budget=64 on their own" in warned[0]
+    assert "Raise token_budget to at least " in warned[0] and "oversize='error'" in warned[0]
 
 
 def test_two_ranks_with_uneven_data_run_equal_steps_after_torchrun_relaunch(assets):

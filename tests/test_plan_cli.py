@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -58,3 +59,52 @@ def test_plan_cli_reads_npy_txt_and_jsonl(tmp_path, capsys):
         outputs.append(json.loads(capsys.readouterr().out))
     assert outputs[0] == outputs[1] == outputs[2]
     assert outputs[0][0]["samples"] == 300 and outputs[0][0]["estimated_speedup"] > 1.0
+
+
+DATA = Path(__file__).resolve().parent / "data"
+LENGTHS = DATA / "plan_lengths.txt"  # 400 fixed lengths, median 194, the longest 2000 (sample 17), 8 over 1024
+OLD_JSON_KEYS = ["world_size", "token_budget", "cost", "join", "planning", "samples", "steps", "idle_steps",
+                 "idle_fraction", "moved_fraction", "budget_utilization", "padding_ratio", "mean_rank_imbalance",
+                 "alignment_bytes_per_rank", "rounds", "not_emitted", "standard_batch", "standard_steps",
+                 "estimated_speedup"]
+
+
+@pytest.mark.parametrize(("args", "golden"), [
+    (["--world-size", "2", "--token-budget", "2048"], "plan_two_ranks.txt"),
+    (["--world-size", "2", "--token-budget", "2048", "--verbose", "--suggest"], "plan_two_ranks_verbose_suggest.txt"),
+    (["--token-budget", "1024", "--suggest"], "plan_one_rank_over_budget_suggest.txt"),
+], ids=["two-ranks", "two-ranks-verbose-suggest", "one-rank-over-budget-suggest"])
+def test_plan_prints_labelled_columns_the_baseline_and_only_budgets_that_keep_ten_steps(args, golden, capsys):
+    """Golden text (tests/data/<golden>): the columns are named, the baseline's fixed batch and why is one line,
+    moved fraction and metadata bytes only under --verbose, and --suggest lists 2048 and 4096 (31 and 15 steps at
+    W = 2; 62, 30 and 16 at W = 1) but not the larger budgets, whose epochs have fewer than 10 steps."""
+    assert main(["plan", str(LENGTHS), *args]) == 0
+    assert capsys.readouterr().out == (DATA / golden).read_text()
+
+
+def test_plan_warns_in_one_line_when_samples_exceed_the_budget_and_not_otherwise(capsys):
+    assert main(["plan", str(LENGTHS), "--token-budget", "1024"]) == 0
+    assert capsys.readouterr().err == (
+        "odb plan: warning: 8 samples of 400 exceed token_budget=1024 on their own (the longest has 2000 tokens) and "
+        "run alone, over the budget (oversize='alone'): the budget is the memory bound you set, so expect "
+        "out-of-memory on an accelerator. Raise token_budget to at least 2000, truncate the samples to fit, or set "
+        "oversize='error' to refuse them\n")
+    assert main(["plan", str(LENGTHS), "--token-budget", "2000", "--world-size", "2", "--suggest"]) == 0
+    assert capsys.readouterr().err == ""
+
+
+def test_plan_json_keeps_its_keys_and_every_suggested_budget(capsys):
+    """--json is the machine-readable output: the same keys as before, and all five suggested budgets (the text
+    table's 10-step rule is not applied); the oversize warning goes to stderr, so stdout stays JSON."""
+    assert main(["plan", str(LENGTHS), "--world-size", "2", "--token-budget", "1024", "--suggest", "--json"]) == 0
+    captured = capsys.readouterr()
+    reports = json.loads(captured.out)
+    assert [list(r) for r in reports] == [OLD_JSON_KEYS] * 7
+    assert [r["token_budget"] for r in reports] == [1024, 1024, 2048, 4096, 8192, 16384, 32768]
+    assert [r["planning"] for r in reports[:2]] == ["global", "local"] and captured.err.startswith("odb plan: warning")
+
+
+def test_the_readme_shows_what_odb_plan_prints():
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert "`odb plan tests/data/plan_lengths.txt --world-size 2 --token-budget 2048` prints" in readme
+    assert "```\n" + (DATA / "plan_two_ranks.txt").read_text() + "```\n" in readme

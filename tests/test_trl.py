@@ -77,6 +77,23 @@ def test_the_guides_sft_example_logs_the_exact_token_mean_of_every_step(sft_setu
     assert gap > 1e-3, "the data should tell the token mean from a mean of micro-batch means"
 
 
+def test_samples_over_the_budget_are_warned_once_and_fitting_samples_not_at_all(sft_setup, tmp_path, odb_log):
+    """The guide's example with a budget below its longest sample: one warning naming the budget, the longest
+    sample and the fix (before: none); with the guide's budget nothing is warned (the first test ran it)."""
+    model, tokenizer, dataset = sft_setup
+    options = dict(learning_rate=0.0, max_steps=2, use_cpu=True, report_to=[], save_strategy="no", disable_tqdm=True)
+    fits = guide_example()["train_sft"](model, tokenizer, dataset, str(tmp_path / "fits"), token_budget=BUDGET,
+                                        **options)
+    longest = max(len(ids) for ids in fits.train_dataset["input_ids"])
+    assert longest <= BUDGET and odb_log.over_budget() == []
+    budget = longest // 2
+    guide_example()["train_sft"](model, tokenizer, dataset, str(tmp_path / "over"), token_budget=budget, **options)
+    warned = odb_log.over_budget()
+    assert len(warned) == 1, warned
+    assert re.search(rf"token_budget={budget} on (its|their) own \(the longest has {longest} tokens\)", warned[0])
+    assert f"Raise token_budget to at least {longest}" in warned[0]
+
+
 def test_packing_is_refused_with_the_alternatives(sft_setup, tmp_path):
     from trl import SFTConfig, SFTTrainer
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from odb_core.data.collate import CollateFn, padded_tokens, run_collate, supervised_tokens
@@ -33,6 +33,7 @@ from odb_core.ranks.sync import Transport
 from odb_core.resume.fields import StateError
 from odb_core.resume.round_log import RoundLog
 from odb_core.resume.state import ResumePoint, RoundStart
+from odb_core.settings.console import warn_oversize
 from odb_core.steps.accumulation import AccumulationWindow, StepTarget
 from odb_core.steps.metrics import LoaderMetrics, cost_cv
 from odb_core.steps.step_info import ODBBatch, StepInfo
@@ -49,6 +50,13 @@ class EpochReport:
     unread_chunks_remaining: bool
     stream_position: int = 0  # samples read from this rank's stream (admitted + pending), resume offset included
     abandoned: bool = False  # a consumer left the epoch early (NOTE [ Leaving an epoch ])
+
+
+@dataclass(slots=True)
+class Once:
+    """A warning a loader gives at most once: its epochs share it through `RunContext`."""
+
+    given: bool = False
 
 
 @dataclass(slots=True)
@@ -95,6 +103,7 @@ class RunContext:
     fetch: Callable[[int], Mapping[str, Any]]
     observer: Callable[[StepInfo], None] | None = None
     packed_samples: bool = False  # worker processes send small tensors as arrays
+    oversize_warning: Once = field(default_factory=Once)  # NOTE [ Samples over the budget ]
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,6 +201,7 @@ class EpochRun(Iterator[ODBBatch]):
         stats = self.ctx.transport.stats
         bytes_before, seconds_before = stats.bytes_sent, stats.seconds
         active = self.reader.fill(self.engine)
+        self._warn_oversize()
         first_step = self.engine.steps_done
         planned = self.rounds.plan(active, self.reader.take)
         if planned.abandoned:
@@ -222,6 +232,22 @@ class EpochRun(Iterator[ODBBatch]):
         if self.engine.finished:
             self._release(self.window.flush())  # a target-sized epoch may end in a short step
             self.log.end_epoch(self.engine.steps_done, metrics.snapshot())
+
+    def _warn_oversize(self) -> None:
+        """NOTE [ Samples over the budget ]
+        A sample whose cost alone exceeds the budget (or `max_patches`) runs in a micro-batch of its own under
+        `oversize="alone"`. The budget is the user's memory bound, so that micro-batch is the out-of-memory they
+        will meet on an accelerator, while the only other trace is a budget utilization above 1. The planner counts
+        such samples as it admits them (`BufferEngine.admit`, pure: an `Oversize` tally); here, after the fill and
+        before any step of the round is released, the first round of a loader that admitted one logs one warning
+        through the `odb` logger (`warn_oversize`: the budget, the longest sample, the fix). Once per loader (its
+        epochs share the `RunContext`), on each rank that reads such a sample; the adapters add none of their own,
+        so every path (HF Trainer, TRL, DeepSpeed, LLaMA-Factory) warns once. A resumed run warns again."""
+        once = self.ctx.oversize_warning
+        if self.engine.oversize.count and not once.given:
+            once.given = True
+            warn_oversize(self.engine.config, self.engine.oversize, self.ctx.transport.rank,
+                          self.ctx.transport.world_size)
 
     def _build(self, slot: Slot, planned: RankRound) -> _Built:
         if slot is None:
@@ -279,7 +305,7 @@ class EpochRun(Iterator[ODBBatch]):
         if self.report is not None:
             return
         assert not self.window.open_count, "an epoch must end on an accumulation-window boundary"
-        self.ctx.metrics.oversize_samples += self.engine.oversize
+        self.ctx.metrics.oversize_samples += self.engine.oversize.count
         self.report = self._report(abandoned=False)
 
     def _report(self, abandoned: bool) -> EpochReport:

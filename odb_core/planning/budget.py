@@ -222,6 +222,12 @@ class GroupBudget:
         """Whether `item` fits in an otherwise empty group (False means it is oversize)."""
         return all(c.fits_alone(item) for c in self.constraints)
 
+    def alone_cost(self, item: Item) -> float:
+        """Token cost of `item` in a group of its own (never mutates): the least budget it fits under."""
+        model = self.constraints[0]
+        assert isinstance(model, _LengthStats), "the token cost model comes first"
+        return model.cost_of(1, item.length, item.length)
+
 
 def build_budget(config: ODBConfig) -> GroupBudget:
     """The constraints named by `config`, token cost model first."""

@@ -17,7 +17,7 @@ from odb_core.planning.termination import (Decision, DesyncError, RankState, ali
                                            check_same_progress)
 from odb_core.settings.config import ODBConfig
 
-__all__ = ["DesyncError", "LocalRound", "RankEngine", "BufferEngine"]
+__all__ = ["DesyncError", "LocalRound", "Oversize", "RankEngine", "BufferEngine"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,11 +28,28 @@ class LocalRound:
     state: RankState
 
 
+@dataclass(slots=True)
+class Oversize:
+    """The samples a rank admitted that exceed a limit on their own and so run alone, over it
+    (`oversize="alone"`): how many, and the largest of each cost fact among them, which the warning names
+    (NOTE [ Samples over the budget ] in odb_core/epoch/pipeline.py). Counting only: planning logs nothing."""
+
+    count: int = 0
+    cost: float = 0.0  # the largest token cost of one alone (its length under the padded and tokens costs)
+    longest: int = 0  # the most tokens of one
+    patches: int = 0  # the most vision patches of one
+
+    def add(self, item: Item, cost: float) -> None:
+        self.count += 1
+        self.cost, self.longest = max(self.cost, cost), max(self.longest, item.length)
+        self.patches = max(self.patches, item.patches)
+
+
 class BufferEngine:
     """One rank's buffer of observed-but-unemitted samples and its epoch counters (both planning modes).
 
-    `space()` and `admit()` fill the buffer before each round; `round`, `steps_done`, `oversize` and `finished`
-    count the epoch's progress. The planning itself is the subclass's."""
+    `space()` and `admit()` fill the buffer before each round; `round`, `steps_done`, `oversize` (an `Oversize`)
+    and `finished` count the epoch's progress. The planning itself is the subclass's."""
 
     def __init__(self, config: ODBConfig, epoch: int, rank: int = 0) -> None:
         self.config, self.epoch, self.rank = config, epoch, rank
@@ -43,7 +60,7 @@ class BufferEngine:
         self.resumed_at = 0  # set for the first round after a resume (RankState.resumed_at)
         self.round = 0
         self.steps_done = 0
-        self.oversize = 0
+        self.oversize = Oversize()
         self.finished = False
 
     def space(self) -> int:
@@ -59,7 +76,7 @@ class BufferEngine:
                 raise SampleError(item.index, f"cost of length {item.length} (patches {item.patches}) exceeds "
                                               f"token_budget={self.config.token_budget} on its own; raise the "
                                               "budget, truncate the sample, or set oversize='alone'")
-            self.oversize += 1
+            self.oversize.add(item, self.budget.alone_cost(item))
         self.items.append(item)
 
     def leaving_state(self) -> RankState:

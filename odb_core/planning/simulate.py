@@ -99,7 +99,7 @@ def simulate_epoch(streams: Sequence[Sequence[Item]], config: ODBConfig, epoch: 
         plan.reduced_ints += world * target * STEP_SUM_FIELDS
     for rank, engine in enumerate(engines):
         plan.not_emitted[rank] = [it.index for it in engine.items] + [it.index for it in streams[rank][cursors[rank]:]]
-        plan.oversize += engine.oversize
+        plan.oversize += engine.oversize.count
     return plan
 
 
