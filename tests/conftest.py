@@ -30,6 +30,19 @@ class LengthDataset(torch.utils.data.Dataset):
         return {"input_ids": ids, "labels": labels}
 
 
+class CountingDataset(LengthDataset):
+    """A `LengthDataset` that counts the samples read: with `num_workers=0` a sample is read when the loader pulls
+    it, so the count shows how far the loader has read ahead of its consumer."""
+
+    def __init__(self, lengths) -> None:
+        super().__init__(lengths)
+        self.reads = 0
+
+    def __getitem__(self, index: int) -> dict:
+        self.reads += 1
+        return super().__getitem__(index)
+
+
 def lognormal_lengths(n: int, cv: float, mean: float = 512.0, seed: int = 0, lo: int = 1, hi: int = 8192):
     rng = np.random.default_rng(seed)
     sigma2 = np.log(1 + cv * cv)

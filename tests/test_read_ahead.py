@@ -8,24 +8,14 @@ first round was yielded with exactly one buffer of samples read.
 
 from __future__ import annotations
 
-from conftest import LengthDataset
+from conftest import CountingDataset
 from odb_core import ODBDataLoader
 
 WINDOW = 64
 
 
-class Counting(LengthDataset):
-    def __init__(self, lengths) -> None:
-        super().__init__(lengths)
-        self.reads = 0
-
-    def __getitem__(self, index: int) -> dict:
-        self.reads += 1
-        return super().__getitem__(index)
-
-
 def test_the_next_round_is_read_while_the_current_rounds_steps_are_taken():
-    dataset = Counting([16 + (i * 37) % 240 for i in range(600)])
+    dataset = CountingDataset([16 + (i * 37) % 240 for i in range(600)])
     loader = ODBDataLoader(dataset, token_budget=1024, window=WINDOW, fetch_chunk=4)
     reads_at = [(batch.info.round, dataset.reads) for batch in loader]
     first_round = [reads for round_, reads in reads_at if round_ == 0]
@@ -37,7 +27,7 @@ def test_the_next_round_is_read_while_the_current_rounds_steps_are_taken():
 
 
 def test_reading_ahead_reads_no_more_than_the_next_fill_admits():
-    dataset = Counting([16 + (i * 37) % 240 for i in range(600)])
+    dataset = CountingDataset([16 + (i * 37) % 240 for i in range(600)])
     loader = ODBDataLoader(dataset, token_budget=1024, window=WINDOW, fetch_chunk=1)
     it = iter(loader)
     rounds: dict[int, int] = {}

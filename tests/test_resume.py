@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from conftest import LengthDataset, lognormal_lengths
+from conftest import CountingDataset, LengthDataset, lognormal_lengths
 from odb_core import ODBDataLoader
 from odb_core.resume.fields import digest_of
 
@@ -46,18 +46,6 @@ def test_resumed_loader_yields_exactly_the_uninterrupted_batches(accumulation_st
         resumed.load_state_dict(state)
         _take(resumed, iter(resumed), len(reference), got)
         assert got == reference, f"resume after {stop} steps diverged"
-
-
-class CountingDataset(LengthDataset):
-    """Counts the samples read, to see how far the background producer has run ahead of the consumer."""
-
-    def __init__(self, lengths) -> None:
-        super().__init__(lengths)
-        self.reads = 0
-
-    def __getitem__(self, index: int) -> dict:
-        self.reads += 1
-        return super().__getitem__(index)
 
 
 def test_a_state_saved_while_the_background_producer_is_rounds_ahead_resumes_exactly():
