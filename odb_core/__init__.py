@@ -8,6 +8,7 @@ from odb_core.data.collate import CollateError, PadCollator
 from odb_core.data.sources import DatasetFetchError
 from odb_core.epoch.loader import ODBDataLoader
 from odb_core.epoch.pipeline import EpochReport
+from odb_core.epoch.watch import WorkerDiedError
 from odb_core.planning.budget import Item, SampleError
 from odb_core.planning.planner import DesyncError
 from odb_core.planning.simulate import EpochPlan, simulate_epoch
@@ -19,5 +20,6 @@ from odb_core.steps.step_info import ODBBatch, StepInfo
 __all__ = [
     "CollateError", "DatasetFetchError", "DesyncError", "EpochPlan", "EpochReport", "GlooTransport", "Item",
     "LocalTransport", "ODBBatch", "ODBConfig", "ODBDataLoader", "PadCollator", "PeerError", "SampleError",
-    "StepInfo", "Transport", "VirtualHub", "VirtualTransport", "run_virtual_ranks", "simulate_epoch",
+    "StepInfo", "Transport", "VirtualHub", "VirtualTransport", "WorkerDiedError", "run_virtual_ranks",
+    "simulate_epoch",
 ]

@@ -16,13 +16,17 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
+from torch.utils.data import get_worker_info
 
 from conftest import LengthDataset
 from dist_cases import (EXIT_CODE_OF_DEAD_RANK, REPO_ROOT, TESTS_DIR, Case, KillWorkerDataset, RaisingDataset,
                         child_env, child_pids, is_alive, mixed_lengths, run_job, wait_until)
-from odb_core import DatasetFetchError, ODBDataLoader, PeerError
+from odb_core import DatasetFetchError, ODBDataLoader, PeerError, WorkerDiedError
+from odb_core.epoch import watch
+from odb_core.epoch.watch import READER_THREAD
 
 PRODUCER_THREAD = "odb-producer"
 SLACK_S = 10.0  # scheduling slack on a loaded 2-core CI machine, added to every time bound
@@ -165,6 +169,114 @@ def test_killed_worker_raises_instead_of_hanging(prefetch_steps):
     loader.close()
     del loader
     assert_no_leftovers(baseline)
+
+
+class HalfSentDataset(LengthDataset):
+    """Sample `big_index` also carries `PAYLOAD_BYTES` of bytes, so that its worker's write of the chunk outlasts
+    the pipe (64 KiB) and blocks until the rank reads. That worker returns it only once the file `go` exists in
+    `folder` and then writes its pid to `sending`; every worker leaves its pid in `folder/pids`."""
+
+    PAYLOAD_BYTES = 8 << 20
+
+    def __init__(self, lengths: list[int], big_index: int, folder: Path) -> None:
+        super().__init__(lengths)
+        self.big_index, self.folder = big_index, folder
+
+    def __getitem__(self, index: int) -> dict:
+        (self.folder / "pids" / str(os.getpid())).touch()
+        sample = super().__getitem__(index)
+        if index == self.big_index and get_worker_info() is not None:
+            wait_until((self.folder / "go").exists, timeout_s=60.0)
+            (self.folder / "sending").write_text(str(os.getpid()))
+            sample["blob"] = bytes(self.PAYLOAD_BYTES)
+        return sample
+
+
+def blocked_in_a_pipe_write(pid: int) -> bool | None:
+    """Whether a thread of `pid` sleeps in a pipe write (its kernel wait channel); None where /proc does not say."""
+    channels = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            channels.append((task / "wchan").read_text())
+        except OSError:
+            pass
+    if not channels or all(channel in ("", "0") for channel in channels):
+        return None
+    return any("pipe_write" in channel for channel in channels)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("context", ["forkserver", "fork", "spawn"])
+def test_a_worker_killed_mid_message_raises_worker_died_error_within_seconds(tmp_path, context):
+    """Issue 28, case 7: a worker SIGKILLed while it writes a multi-MiB chunk leaves half a message in the
+    DataLoader's pipe. Before, the rank blocked on the rest of it for ever: at once under forkserver (its workers
+    are not the rank's children, so no SIGCHLD comes), and under fork and spawn at the first read after torch's
+    SIGCHLD handler had raised elsewhere in the main thread. Now the next read raises a WorkerDiedError naming the
+    pid and the signal within seconds (NOTE [ A rank watches its workers ]), and no worker survives."""
+    (tmp_path / "pids").mkdir()
+    readers_before = {t for t in threading.enumerate() if t.name == READER_THREAD}
+    # 4-sample chunks: round 1 reads chunks 0-3 (the window), while the workers (4 chunks ahead each) run on;
+    # chunk 9 holds the big sample, past what even the reader thread of the forkserver case reads ahead
+    dataset = HalfSentDataset([8] * 96, big_index=36, folder=tmp_path)
+    loader = ODBDataLoader(dataset, token_budget=32, window=16, fetch_chunk=4, num_workers=2, prefetch_factor=4,
+                           multiprocessing_context=context)
+    it = iter(loader)
+    next(it)  # round 1 is read; the rank reads nothing more until the next step is taken (NOTE [ Reading ahead ])
+    time.sleep(0.5)  # let a reader thread (forkserver) park, its queue full, before chunk 9 is written
+    (tmp_path / "go").touch()
+    assert wait_until((tmp_path / "sending").exists, timeout_s=30.0), "the big sample was never fetched"
+    pid = int((tmp_path / "sending").read_text())
+    blocked = wait_until(lambda: blocked_in_a_pipe_write(pid) is not False, timeout_s=10.0)
+    assert blocked, f"worker {pid} is not blocked writing the big chunk"
+    time.sleep(0.3)  # where /proc has no wait channel: the 8 MiB write has long filled the pipe
+    torch_rescue = None
+    killed = time.monotonic()
+    try:
+        os.kill(pid, signal.SIGKILL)
+        assert wait_until(lambda: not is_alive(pid), timeout_s=10.0)
+        time.sleep(0.2)  # fork, spawn: torch's SIGCHLD handler raises in the main thread, here
+    except RuntimeError as exc:
+        torch_rescue = str(exc)
+    with pytest.raises(WorkerDiedError) as caught:
+        for _ in it:
+            pass
+    elapsed = time.monotonic() - killed
+    message = str(caught.value)
+    del caught  # its traceback holds the epoch's frames
+    assert f"(pid {pid})" in message and "killed by signal 9 (SIGKILL)" in message, message
+    assert "out-of-memory" in message and "resume from the last checkpoint" in message, message
+    assert elapsed <= 5.0, f"the dead worker was reported {elapsed:.1f}s after the kill"
+    if context == "forkserver":
+        assert torch_rescue is None, torch_rescue
+    else:
+        assert torch_rescue is not None and str(pid) in torch_rescue, "torch's SIGCHLD handler should have raised"
+    loader.close()
+    del loader, it
+    gc.collect()
+    workers = [int(path.name) for path in (tmp_path / "pids").iterdir()]
+    assert len(workers) == 2, workers
+    assert wait_until(lambda: not any(is_alive(p) for p in workers), timeout_s=10.0), (
+        f"workers still alive: {[p for p in workers if is_alive(p)]}")
+    # forkserver: the reader thread stays blocked on the half message (a daemon; no public API can release it)
+    readers = [t for t in threading.enumerate() if t.name == READER_THREAD and t not in readers_before]
+    assert all(t.daemon for t in readers) and (len(readers) <= 1 if context == "forkserver" else not readers)
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_known_by_its_pid_alone_is_still_watched(monkeypatch):
+    """Where the rank cannot find the multiprocessing Process of a reported pid (it would if torch stopped
+    starting its workers as multiprocessing children), it watches the pid itself, from a reader thread."""
+    monkeypatch.setattr(watch.multiprocessing, "active_children", list)  # finds no Process
+    loader = ODBDataLoader(KillWorkerDataset(mixed_lengths(300), kill_index=37), token_budget=1024, window=16,
+                           num_workers=2, multiprocessing_context="forkserver")
+    with pytest.raises(WorkerDiedError) as caught:
+        for _ in loader:
+            pass
+    message = str(caught.value)
+    del caught
+    assert "DataLoader worker" in message and "died while the rank was reading" in message, message
+    assert "its exit status is unknown" in message, message
+    loader.close()
 
 
 @pytest.mark.timeout(60)

@@ -1,4 +1,4 @@
-"""DataLoader workers die with their rank.
+"""DataLoader workers die with their rank, and tell their rank who they are.
 
 NOTE [ Workers die with their rank ]
 A worker started by `fork` inherits every open socket of its rank, the Gloo group's included. If the rank dies
@@ -8,7 +8,8 @@ and not while the worker is busy. So every ODB worker, whatever the start method
 the kernel kills it when its parent dies (`PR_SET_PDEATHSIG`, for fork and spawn, whose parent is the rank), and
 a daemon thread checks every `POLL_S` that the rank process itself is still running (forkserver workers are
 children of the fork server, not of the rank) and exits the worker otherwise. The user's own `worker_init_fn`
-runs after it.
+runs after it. The opposite direction, a rank noticing that a worker died, is NOTE [ A rank watches its
+workers ] in watch.py: `Lifeline` first sends the rank a `WorkerStarted` with the worker's pid.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
 
 POLL_S = 0.5
 PR_SET_PDEATHSIG = 1
@@ -48,12 +50,24 @@ def _watch(rank_pid: int) -> None:
 
 
 @dataclass(frozen=True, slots=True)
+class WorkerStarted:
+    """A worker's report to its rank (one small pickle: a single atomic pipe write, no lock to die holding)."""
+
+    generation: int  # which `iter()` of the DataLoader started the worker (`WorkerWatch.start`)
+    worker_id: int
+    pid: int
+
+
+@dataclass(frozen=True, slots=True)
 class Lifeline:
     """The `worker_init_fn` of ODB's workers (picklable for spawn/forkserver); see NOTE [ Workers die with their
-    rank ]. `user_init` is the user's own `worker_init_fn`, called afterwards."""
+    rank ]. `user_init` is the user's own `worker_init_fn`, called afterwards; `reports`, the write end of the
+    rank's `WorkerWatch` pipe, receives a `WorkerStarted` tagged `generation`."""
 
     rank_pid: int
     user_init: Callable[[int], None] | None = None
+    reports: Connection | None = None
+    generation: int = 0
 
     def __call__(self, worker_id: int) -> None:
         if sys.platform.startswith("linux"):
@@ -64,5 +78,11 @@ class Lifeline:
         if not rank_alive(self.rank_pid):
             os._exit(0)
         threading.Thread(target=_watch, args=(self.rank_pid,), name="odb-lifeline", daemon=True).start()
+        if self.reports is not None:  # before any result: the rank knows a worker before it can read from it
+            try:
+                self.reports.send(WorkerStarted(self.generation, worker_id, os.getpid()))
+                self.reports.close()  # this process's copy only
+            except OSError:
+                pass  # the rank closed its stream: nobody will read this worker's results either
         if self.user_init is not None:
             self.user_init(worker_id)

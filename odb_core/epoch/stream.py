@@ -4,7 +4,8 @@
 resumed epoch), the plain `torch.utils.data.DataLoader` whose workers produce tagged chunks (NOTE [ Workers emit
 tagged samples ] in sources.py), and the two ways to get one sample again in the trainer process: by index
 (map-style) or from the replay cache of a re-read stream (iterable). Workers start in `open()`, on the calling
-thread.
+thread, and are read through `WatchedChunks`: a worker that dies mid-epoch raises `WorkerDiedError` instead of
+blocking the rank (NOTE [ A rank watches its workers ] in watch.py).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from odb_core.data.sources import (ChunkSampler, DatasetFetchError, Handover, In
                                    IndexListSampler, ShardedSampler, integer_columns, keep_chunk, map_style_size,
                                    worker_parts)
 from odb_core.epoch.lifeline import Lifeline
+from odb_core.epoch.watch import WatchedChunks, WorkerWatch, rescued_by_sigchld
 from odb_core.resume.fields import StateError
 from odb_core.resume.source_state import CustomSource, RemainderSource, ShardedSource, Source, StreamSource
 from odb_core.resume.state import ResumePoint
@@ -105,22 +107,36 @@ class SampleStream:
         timeout = options.worker_timeout_s if options.num_workers > 0 else 0
         # In-process reads (no workers) cost a DataLoader step per chunk and nothing per byte: take larger ones.
         chunk = options.fetch_chunk if options.num_workers > 0 else max(options.fetch_chunk, IN_PROCESS_CHUNK)
-        workers = dict(options.worker_options)
-        if options.num_workers > 0:  # NOTE [ Workers die with their rank ]
-            workers["worker_init_fn"] = Lifeline(os.getpid(), workers.get("worker_init_fn"))
+        self._loader_options = {**options.worker_options, "num_workers": options.num_workers,
+                                "collate_fn": keep_chunk, "timeout": timeout}
+        self._watch: WorkerWatch | None = None
+        if options.num_workers > 0:  # NOTE [ Workers die with their rank ], NOTE [ A rank watches its workers ]
+            user_init = options.worker_options.get("worker_init_fn")
+            self._loader_options["worker_init_fn"] = Lifeline(os.getpid(), user_init)  # replaced at each open()
+            self._watch = WorkerWatch(rank=rank, rank_pid=os.getpid(), user_init=user_init)
         if self.size is None:
             self._iterable = IndexedIterable(dataset, rank=rank, world_size=world_size, shard=options.shard_iterable,
                                              chunk=chunk, compact=options.compact_ids)
-            self._workers = DataLoader(self._iterable, batch_size=None, num_workers=options.num_workers,
-                                       collate_fn=keep_chunk, timeout=timeout, **workers)
         else:
             self._chunks = ChunkSampler(self.sampler, chunk)  # type: ignore[arg-type]
             handover = Handover(pack=options.num_workers > 0, compact=options.compact_ids,
                                 integer_keys=integer_columns(dataset) if options.compact_ids else frozenset())
             self._indexed = _CheckedDataset(dataset, handover)
-            self._workers = DataLoader(self._indexed, batch_sampler=self._chunks,
-                                       num_workers=options.num_workers, collate_fn=keep_chunk, timeout=timeout,
-                                       **workers)
+        self._workers = self._build_workers()
+
+    def _build_workers(self) -> DataLoader:
+        if self.size is None:
+            return DataLoader(self._iterable, batch_size=None, **self._loader_options)
+        return DataLoader(self._indexed, batch_sampler=self._chunks, **self._loader_options)
+
+    def _start_workers(self) -> Iterator[Chunk]:
+        """`iter()` of the worker DataLoader, watched when there are workers (a new DataLoader after one died)."""
+        if self._watch is None:
+            return iter(self._workers)
+        if self._watch.failed:  # persistent workers would resume the broken iterator
+            self._workers, self._watch.failed = self._build_workers(), False
+        chunks = self._watch.start(self._workers)
+        return WatchedChunks(chunks, self._watch, direct=rescued_by_sigchld(self._workers))
 
     def _build_sampler(self, sampler: Sampler[int] | None) -> Sampler[int] | None:
         if self.size is None:
@@ -153,7 +169,7 @@ class SampleStream:
         if self.size is None:
             if hasattr(self.dataset, "set_epoch"):  # e.g. a shuffled HF IterableDataset: replay the same order
                 self.dataset.set_epoch(epoch)
-            chunks = iter(self._workers)
+            chunks = self._start_workers()
             if point is None:
                 return chunks
             start = point.start
@@ -173,7 +189,7 @@ class SampleStream:
                 self.sampler.set_epoch(epoch)
         self._chunks.start = consumed
         self._indexed.refresh()  # the dataset as it is now (NOTE [ Arrow ids read as arrays ])
-        return iter(self._workers)
+        return self._start_workers()
 
     def forget_replayed(self) -> None:
         """Drop the replay cache once the resumed epoch has re-fetched what it needs."""

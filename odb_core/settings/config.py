@@ -76,8 +76,8 @@ class ODBConfig:
             legitimately: a checkpoint save, an evaluation); then it raises. A dead peer raises at once.
         liveness_timeout_s: a peer whose heartbeat stops this long (frozen, hung, unreachable) makes a waiting
             collective raise (NOTE [ Liveness ]).
-        worker_timeout_s: timeout of one worker fetch (0 = no timeout). A dead worker is reported by the
-            DataLoader's own watchdog regardless.
+        worker_timeout_s: timeout of one worker fetch (0 = no timeout). A dead worker is reported regardless,
+            as a `WorkerDiedError` within seconds (NOTE [ A rank watches its workers ] in epoch/watch.py).
     """
 
     token_budget: int
