@@ -137,19 +137,24 @@ class ODBCallback(TrainerCallback):
     @_when_on
     def on_step_end(self, args, state, control, **kwargs):
         run = self._live().run
-        epoch = run.view.progress(run.meter.last) if run.meter.last is not None else None
-        if epoch is None:
+        if run.meter.last is None:
             return
-        state.epoch = epoch
-        if args.num_train_epochs % 1 and state.epoch >= args.num_train_epochs:
+        state.epoch = run.view.progress(run.meter.last, global_step=state.global_step, max_steps=state.max_steps)
+        fractional = run.view.plan.stop_epoch is not None and args.num_train_epochs % 1  # epoch-based runs only
+        if fractional and state.epoch >= args.num_train_epochs:
             control.should_training_stop = True
 
     @_when_on
     def on_epoch_end(self, args, state, control, **kwargs):
         view = self._live().run.view
+        if view.plan.length is None:  # step-based: whole once the epoch ran out (NOTE [ Epoch progress ])
+            if view.finished and view.loader.epoch > (state.epoch or 0):
+                state.epoch = float(view.loader.epoch)
+            return
         requested_stop = control.should_training_stop and state.global_step < state.max_steps
-        if view.plan.length is None or control.should_epoch_stop or requested_stop:
-            return  # step-based run, or a stop asked for by a callback: the epoch is left on purpose
+        cut = args.num_train_epochs % 1 and view.loader.epoch >= view.plan.stop_epoch  # the last of 1.5 epochs
+        if control.should_epoch_stop or requested_stop or cut:
+            return  # a stop asked for by a callback, or a fractional last epoch: the epoch is left on purpose
         state.epoch = view.end_epoch()  # whole, whatever the estimate said its length was; raises on an overflow
         if view.done():
             control.should_training_stop = True
@@ -160,4 +165,4 @@ class ODBCallback(TrainerCallback):
 
     @_when_on
     def on_train_end(self, args, state, control, **kwargs):
-        self._live().run.loader.close()
+        self._live().run.loader.close()  # with ODB's threads and Gloo group (NOTE [ Threads at interpreter exit ])

@@ -89,7 +89,8 @@ def position(state: dict, step: int, last: int) -> str:
 
 def assert_resumes_exactly(resumed: Run, full: Run, step: int, epoch_based: bool = True) -> None:
     """The same losses after `step`, batches and final global_step (and epoch count, in an epoch-based run: in a
-    step-based one `state.epoch` is the Trainer's own count, which restarts its fraction at a resume)."""
+    step-based one the resumed loader knows no epoch length yet, so `state.epoch` measures the epoch from the
+    resume step; NOTE [ Epoch progress ])."""
     assert resumed.global_step == full.global_step, step
     assert resumed.epoch == full.epoch or not epoch_based, (step, resumed.epoch, full.epoch)
     assert sorted(resumed.losses) == sorted(full.losses), step  # the log history up to `step` is the checkpoint's

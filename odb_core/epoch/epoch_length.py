@@ -120,6 +120,8 @@ class EpochView:
         self._offset: int | None = None
         self._running: Iterator[ODBBatch] | None = None
         self.finished = True
+        self._progress_epoch: int | None = None  # NOTE [ Epoch progress ]: the epoch whose start step is known
+        self._epoch_start_step = 0
 
     def __len__(self) -> int:
         if self.plan.length is None:
@@ -135,7 +137,7 @@ class EpochView:
 
     def __iter__(self) -> Iterator[ODBBatch]:
         if not self.finished:  # the Trainer stopped the epoch on request (should_epoch_stop)
-            self.loader.close()
+            self.loader.leave_epoch()
         trainer_epoch = self._trainer_epoch if self._trainer_epoch is not None else self.loader.epoch
         if self._offset is None:  # a restored loader knows its epoch; otherwise the Trainer's count is used
             first = self.loader.epoch + int(self.loader.epoch_consumed)  # NOTE [ Resuming at an epoch's end ]
@@ -154,12 +156,37 @@ class EpochView:
             yield item
         self.finished = True
 
-    def progress(self, info: StepInfo) -> float | None:
-        """The epoch count after the step `info`: its epoch plus the fraction of the estimated length done
-        (None without an estimate: step-based runs)."""
-        if self.plan.estimate is None:
+    def progress(self, info: StepInfo, *, global_step: int, max_steps: int) -> float:
+        """NOTE [ Epoch progress ]
+        The trainer's epoch count after the optimizer step that ends with micro-batch `info` (`global_step` of
+        `max_steps`): `info.epoch` plus the fraction of that epoch done. The Trainer's own figure, the micro-batches
+        of the epoch over `len()` (or, without a length, over max_steps x G), is wrong for ODB epochs, whose length
+        varies: under `max_steps` an epoch that ended after 10 of 14 steps read 0.71, and the next one restarted
+        from 1 + 1/14. Here the fraction is `done / length`, `done` the epoch's micro-batches so far, `length` the
+        plan's estimate (epoch-based runs), else the length of the loader's last completed epoch (`len()`), else,
+        in the first epoch of a stream, where no length exists, the share of the run's remaining optimizer steps
+        taken since the epoch began (the Trainer's own guess for a stream: its steps over max_steps). The epoch's
+        last step (`took_last_step`) makes it whole, `info.epoch + 1`; before it the fraction stays below
+        `done / (done + 1)`, since one micro-batch at least is left. So the count never goes back, reaches every
+        whole number exactly at that epoch's last step, and a run that stops inside an epoch ends below the next
+        whole number. A run resumed inside an epoch of unknown length measures from its resume step."""
+        done = info.step + 1
+        if self.loader.took_last_step:
+            return float(info.epoch + 1)
+        length = self.plan.estimate if self.plan.estimate is not None else self._completed_length()
+        if length is not None:
+            fraction = done / max(length, 1)
+        else:
+            if self._progress_epoch != info.epoch:  # the first step of this epoch that this run takes
+                self._progress_epoch, self._epoch_start_step = info.epoch, global_step - 1
+            fraction = (global_step - self._epoch_start_step) / max(max_steps - self._epoch_start_step, 1)
+        return info.epoch + min(fraction, done / (done + 1))
+
+    def _completed_length(self) -> int | None:
+        try:
+            return len(self.loader)
+        except TypeError:  # no epoch completed yet (and no estimate)
             return None
-        return info.epoch + min((info.step + 1) / self.plan.estimate, 1.0)
 
     def end_epoch(self) -> float:
         """At the trainer's epoch end: the whole epoch count, or `RuntimeError` if the ODB epoch holds more

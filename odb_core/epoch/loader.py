@@ -129,6 +129,7 @@ class ODBDataLoader:
         self.dataset = dataset
         self.transport = transport if transport is not None else default_transport(config.sync_timeout_s,
                                                                                        config.liveness_timeout_s)
+        self._owns_transport = transport is None  # close() closes it
         self.metrics = self._new_metrics()
         collate_fn = collate_fn if collate_fn is not None else PadCollator()
         stream_options = StreamOptions(sampler=sampler, shuffle=shuffle, seed=config.seed, num_workers=num_workers,
@@ -166,6 +167,12 @@ class ODBDataLoader:
         collective), and `set_epoch(epoch + 1)` moves on without dropping a step."""
         return self._cursor.position is not None and self._cursor.position.complete
 
+    @property
+    def took_last_step(self) -> bool:
+        """The consumer of the running epoch took its last step: the next `next()` raises StopIteration. Known as
+        soon as that step is taken (the epoch's step count reaches the `RoundLog` before its last steps do)."""
+        return self._current is not None and self._current.log.complete
+
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch of the next `iter()` (reshuffles). Without calls, each `iter()` advances by one.
 
@@ -174,7 +181,7 @@ class ODBDataLoader:
         self._cursor.select(epoch)
 
     def __iter__(self) -> Iterator[ODBBatch]:
-        self.close()
+        self.leave_epoch()
         start = self._cursor.begin()
         if start.nothing_left:  # its last step was consumed before the save
             return iter(())
@@ -238,7 +245,7 @@ class ODBDataLoader:
         """
         fixed = self.config.accumulation_steps if self.config.step_target is None else None  # None: a step target
         restored = restore(state, self._identity(), self._shard_order, self.config.window, fixed)
-        self.close()
+        self.leave_epoch()
         self.metrics.restore(restored.metrics if restored.metrics is not None else self._new_metrics().snapshot())
         self._cursor.load(restored.epoch, restored.position, restored.plan)
 
@@ -277,13 +284,23 @@ class ODBDataLoader:
                             "observed lengths); call estimate_steps() or iterate once")
         return self._length
 
-    def close(self) -> None:
-        """Stop the current epoch's producer thread and workers, if any. An epoch left before its end is left in
-        step with the other ranks (NOTE [ Leaving an epoch ] in pipeline.py): this waits, at most
-        `sync_timeout_s`, until every rank continued or left it too, so the next epoch starts aligned."""
+    def leave_epoch(self) -> None:
+        """Stop the current epoch's producer thread and workers, if any; the loader can run another epoch. An epoch
+        left before its end is left in step with the other ranks (NOTE [ Leaving an epoch ] in pipeline.py): this
+        waits, at most `sync_timeout_s`, until every rank continued or left it too, so the next epoch starts
+        aligned. `iter()` and `load_state_dict()` call it."""
         if self._current is not None:
             self._current.close(leave=True)
             self._current = None
+
+    def close(self) -> None:
+        """End the loader on every rank after its last step: leave the current epoch (`leave_epoch`), then close
+        the transport the loader built itself, whose threads and Gloo group must not outlive the run (NOTE [ Threads
+        at interpreter exit ] in odb_core/ranks/sync.py); a transport passed in stays the caller's. Idempotent. A
+        closed loader keeps its state, metrics and `len()`; over Gloo its next collective raises RuntimeError."""
+        self.leave_epoch()
+        if self._owns_transport:
+            self.transport.close()
 
     def __del__(self) -> None:
         if getattr(self, "_current", None) is not None:  # __init__ may have raised before setting it

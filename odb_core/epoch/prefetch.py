@@ -4,21 +4,26 @@ Messages on the queue are typed (`Produced`, `Failed`, `Exhausted`). An exceptio
 in the consumer's `next()` with its original traceback attached. `close()` (also called on garbage collection
 and on Ctrl-C in the consumer) stops the thread; the thread is a daemon, so a producer stuck in a collective
 cannot keep the process alive. `close(leave=True)` lets the producer finish what it is in and then call the
-source's `leave()` on its own thread (NOTE [ Leaving an epoch ] in pipeline.py), and waits for that.
+source's `leave()` on its own thread (NOTE [ Leaving an epoch ] in pipeline.py), and waits for that. A producer
+still running at interpreter exit is stopped by an atexit hook first: inside a torch call when the interpreter
+finalizes, it would abort the process (NOTE [ Threads at interpreter exit ] in odb_core/ranks/sync.py).
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import queue
 import sys
 import threading
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
 POLL_S = 0.1
+EXIT_TIMEOUT_S = 5.0  # at exit, how long to wait for a producer to finish the item it is producing
 logger = logging.getLogger(__name__)
 
 
@@ -47,6 +52,7 @@ class BackgroundIterator(Iterator[T]):
         self._done = False
         self._thread = threading.Thread(target=self._run, args=(source,), name=name, daemon=True)
         self._thread.start()
+        _RUNNING.add(self)
 
     def _put(self, message: Any) -> bool:
         while not self._stop.is_set():
@@ -110,6 +116,7 @@ class BackgroundIterator(Iterator[T]):
             self._leave.set()
         self._done = True
         self._stop.set()
+        _RUNNING.discard(self)
         while True:
             try:
                 self._queue.get_nowait()
@@ -124,3 +131,13 @@ class BackgroundIterator(Iterator[T]):
     def __del__(self) -> None:
         if not sys.is_finalizing():  # at interpreter exit the queue module may already be torn down
             self.close()
+
+
+_RUNNING: weakref.WeakSet[BackgroundIterator] = weakref.WeakSet()  # producers not closed yet
+
+
+@atexit.register
+def _stop_at_exit() -> None:
+    """Stop the producers still running while the interpreter is whole; none leaves its epoch (no collective)."""
+    for producer in list(_RUNNING):
+        producer.close(timeout_s=EXIT_TIMEOUT_S)

@@ -52,8 +52,11 @@ class Liveness:
         self._stop = threading.Event()
         self.last_beat = time.monotonic()  # when the beat thread last completed a beat (NOTE [ A frozen store host ])
         self._watched = self._store is not None and world_size > 1
+        self._thread: threading.Thread | None = None
         if self._watched:
-            threading.Thread(target=_beat, args=(weakref.ref(self),), name="odb-liveness", daemon=True).start()
+            self._thread = threading.Thread(target=_beat, args=(weakref.ref(self), self._stop), name="odb-liveness",
+                                            daemon=True)
+            self._thread.start()
 
     @property
     def failure(self) -> Exception | None:
@@ -85,8 +88,16 @@ class Liveness:
     def interval_s(self) -> float:
         return max(self.timeout_s / 4, 0.05)
 
-    def stop(self) -> None:
+    def stop(self, timeout_s: float) -> bool:
+        """Stop the heartbeat and wait, at most `timeout_s`, until its thread ended (NOTE [ Threads at interpreter
+        exit ] in sync.py): it wakes at once, or after its store call in flight. False if it is still running (a
+        store call that hangs on a frozen store host)."""
         self._stop.set()
+        thread = self._thread
+        if thread is None or thread is threading.current_thread():
+            return True
+        thread.join(timeout_s)
+        return not thread.is_alive()
 
     def beat_once(self, count: int, watched: dict[str, float]) -> None:
         """One beat: publish, check the shared failure key, watch the next rank's counter."""
@@ -120,11 +131,11 @@ def _store_host() -> str:
     return f"rank 0, which hosts it ({where}, a launch without torchrun's agent),"
 
 
-def _beat(ref: weakref.ref[Liveness]) -> None:
+def _beat(ref: weakref.ref[Liveness], stop: threading.Event) -> None:
     watched: dict[str, float] = {}
     for count in itertools.count():
         liveness = ref()
-        if liveness is None or liveness._stop.is_set() or liveness.failure is not None:
+        if liveness is None or stop.is_set() or liveness.failure is not None:
             return
         try:
             liveness.beat_once(count, watched)
@@ -135,4 +146,4 @@ def _beat(ref: weakref.ref[Liveness]) -> None:
             return
         interval = liveness.interval_s
         del liveness
-        time.sleep(interval)
+        stop.wait(interval)  # `stop()` wakes it at once

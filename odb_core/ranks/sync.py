@@ -9,13 +9,32 @@ every rank (see NOTE [ Rounds and termination ]):
 Three implementations: `LocalTransport` (one process), `GlooTransport` (a dedicated Gloo group, created
 collectively on the main thread with a timeout, isolated from the model's process group) and `VirtualTransport`
 (W ranks as threads of one process, for tests and simulation of the full loader).
+
+NOTE [ Threads at interpreter exit ]
+Issue 31: two-rank runs, plain Trainer runs too, aborted after training had succeeded ("terminate called without
+an active exception", SIGABRT, torchrun rc 1). The abort is torch's (pytorch/pytorch#190489), on a Gloo work thread
+(`ProcessGroupGloo::runLoop`, caught with a std::terminate handler): it releases a finished collective's Work whose
+tensors the Python caller already dropped, which needs the GIL; once the interpreter is finalizing, CPython ends
+such a thread with `pthread_exit`, whose forced unwind through the C++ frame calls std::terminate. Under the HF
+Trainer the last collective (`store_flos`' all_gather) comes about 5 ms before a script ends. Any thread that
+returns into Python from a C++ call made without the GIL dies the same way: ODB's heartbeat (a store call every
+`liveness_timeout_s / 4`) and its courier (a collective). So ODB ends its own before the interpreter does:
+`GlooTransport.close()` stops and joins the heartbeat and the courier, then destroys ODB's group and drops it,
+which joins the group's work threads (their last Work released with the interpreter alive). It runs no collective:
+every rank calls it after its last ODB collective, which the others have finished too (the collectives are
+lockstep), and destroying a Gloo group is local. `ODBDataLoader.close()` calls it, odb_hf at `on_train_end`; an
+`atexit` hook (`_close_at_exit`) closes any transport still open. The model's own group is the user's to destroy
+(docs/guides/hf-trainer.md, "Ending a run"; measured in docs/benchmarks.md, "Clean exits").
 """
 
 from __future__ import annotations
 
+import atexit
+import logging
 import queue
 import threading
 import time
+import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -28,6 +47,8 @@ from odb_core.ranks import agreement
 from odb_core.ranks.liveness import Liveness
 
 INT64_BYTES = 8
+JOIN_TIMEOUT_S = 5.0  # how long close() waits for a helper thread to end (one store call or collective in flight)
+logger = logging.getLogger(__name__)
 
 
 class PeerError(RuntimeError):
@@ -137,17 +158,26 @@ class LocalTransport(Transport):
         return list(chunks)
 
 
+@dataclass(frozen=True, slots=True)
+class _Stop:
+    """The courier's last message: end the thread (`_Courier.stop`)."""
+
+
 class _Courier:
     """Runs blocking collectives on a daemon thread so that the caller can stop waiting when the heartbeat finds a
     peer silent (NOTE [ Liveness ]); the abandoned call stays on that thread until Gloo's own timeout."""
 
     def __init__(self) -> None:
         self._jobs: queue.Queue = queue.Queue()
-        threading.Thread(target=self._work, name="odb-collective", daemon=True).start()
+        self._thread = threading.Thread(target=self._work, name="odb-collective", daemon=True)
+        self._thread.start()
 
     def _work(self) -> None:
         while True:
-            call, box, done = self._jobs.get()
+            job = self._jobs.get()
+            if isinstance(job, _Stop):
+                return
+            call, box, done = job
             try:
                 box.append((True, call()))
             except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller
@@ -165,6 +195,13 @@ class _Courier:
         if not ok:
             raise value
         return value
+
+    def stop(self, timeout_s: float) -> bool:
+        """End the thread after the call in flight, if any; False if that call did not return within `timeout_s`
+        (an abandoned collective, which ends at Gloo's own timeout)."""
+        self._jobs.put(_Stop())
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive()
 
 
 class GlooTransport(Transport):
@@ -185,12 +222,16 @@ class GlooTransport(Transport):
         self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
         self.liveness = Liveness(self.rank, self.world_size, liveness_timeout_s)
         self._courier = _Courier()
+        _OPEN.add(self)
 
     def _silent_peer(self) -> PeerError | None:
         failure = self.liveness.failure
         return None if failure is None else PeerError(f"rank {self.rank}: ODB metadata exchange abandoned: {failure}")
 
     def _collective(self, what: str, call) -> None:
+        if self.group is None:
+            raise RuntimeError(f"rank {self.rank}: ODB's transport is closed (ODBDataLoader.close()); build a new "
+                               "loader to run another epoch")
         try:
             self._courier.run(call, self._silent_peer)
         except PeerError:
@@ -229,9 +270,34 @@ class GlooTransport(Transport):
         return out
 
     def close(self) -> None:
-        # Destroying a subgroup is itself collective in some backends; leave it to destroy_process_group().
-        self.liveness.stop()
-        self.group = None
+        """End ODB's threads and Gloo group (NOTE [ Threads at interpreter exit ]); idempotent. Call it on every
+        rank after the last collective; it runs none itself. Cost: up to `JOIN_TIMEOUT_S` per thread still in a
+        call (a store call, or a collective abandoned after a peer failed), else a few milliseconds."""
+        if self.group is None:
+            return
+        _OPEN.discard(self)
+        stopped = self.liveness.stop(JOIN_TIMEOUT_S) & self._courier.stop(JOIN_TIMEOUT_S)
+        group, self.group = self.group, None
+        if not stopped:  # a call still in flight holds the group: leave it to that call's timeout
+            logger.warning("ODB: a helper thread is still in a store call or collective; ODB's Gloo group is left "
+                           "to the process's exit")
+            return
+        if dist.is_initialized():  # after destroy_process_group() of the default group, ours is gone already
+            try:
+                dist.destroy_process_group(group)
+            except ValueError:  # destroyed by the user already
+                pass
+        del group  # the last reference: its work threads are joined here
+
+
+_OPEN: weakref.WeakSet[GlooTransport] = weakref.WeakSet()  # transports not closed yet, for `_close_at_exit`
+
+
+@atexit.register
+def _close_at_exit() -> None:
+    """Close the transports still open while the interpreter is whole (NOTE [ Threads at interpreter exit ])."""
+    for transport in list(_OPEN):
+        transport.close()
 
 
 class VirtualHub:

@@ -75,3 +75,10 @@ class RoundLog:
                                                    round_emitted=tuple(self._emitted)),
                                  complete=self._position.complete, metrics=self._position.metrics,
                                  window_open=self._position.window_open)
+
+    @property
+    def complete(self) -> bool:
+        """Whether the consumer took the epoch's last step (known from that step on, before the iterator's
+        StopIteration; NOTE [ Epoch progress ] in odb_core/epoch/epoch_length.py)."""
+        with self._lock:
+            return self._position is not None and self._position.complete
