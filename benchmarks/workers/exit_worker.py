@@ -24,6 +24,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from benchmarks.data.workloads import Listed
+
 VOCAB, PAD = 256, 0
 
 
@@ -34,17 +36,6 @@ def samples(n: int, seed: int) -> list[dict[str, torch.Tensor]]:
         ids = torch.from_numpy(rng.integers(3, VOCAB, size=int(length)))
         out.append({"input_ids": ids, "labels": ids.clone()})
     return out
-
-
-class Listed(torch.utils.data.Dataset):
-    def __init__(self, rows: list[dict]) -> None:
-        self.rows = rows
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def __getitem__(self, index: int) -> dict:
-        return self.rows[index]
 
 
 def tiny_llama():
