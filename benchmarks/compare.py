@@ -38,12 +38,21 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--workloads", default="", help="keep only workloads whose name contains one of these "
                                                     "comma-separated strings")
     p.add_argument("--no-reference", action="store_true", help="skip the reference release")
+    p.add_argument("--odb-min-window", default="default",
+                   help="ODB's min_window: 'default', 'none' (every round a full window: the planner's steady quality) "
+                        "or an int")
     p.add_argument("--train-methods", default="standard,odb,packing,odb_tokens")
     p.add_argument("--train-repeats", type=int, default=3)
     p.add_argument("--train-samples", type=int, default=1200)
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("--no-figures", action="store_true")
     return p.parse_args(argv)
+
+
+def _min_window(text: str) -> int | None:
+    if text == "default":
+        return peers.Setting.min_window
+    return None if text == "none" else int(text)
 
 
 def workloads(args: argparse.Namespace) -> tuple[list[quality.Workload], list[str]]:
@@ -84,7 +93,8 @@ def main(argv: list[str] | None = None) -> dict:
         result["worlds"] = [int(w) for w in args.worlds.split(",")]
         print("batch quality:", flush=True)
         result["quality"] = quality.run_quality(chosen, result["worlds"], reference=not args.no_reference,
-                                                log=lambda line: print(line, flush=True))
+                                                log=lambda line: print(line, flush=True),
+                                                min_window=_min_window(args.odb_min_window))
     if "alignment" in parts:
         from benchmarks import alignment
 

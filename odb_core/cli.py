@@ -262,6 +262,10 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+def _min_window(text: str) -> int | None:
+    return None if text.lower() == "none" else int(text)
+
+
 def build_parser() -> OneLineParser:
     parser = OneLineParser(prog="odb", description="Online Dynamic Batching tools")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -273,6 +277,9 @@ def build_parser() -> OneLineParser:
     p.add_argument("--cost", choices=COST_NAMES, default="padded")
     p.add_argument("--attention-alpha", type=float, default=0.0)
     p.add_argument("--window", type=int, default=4096)
+    p.add_argument("--min-window", type=_min_window, default=ODBConfig.__dataclass_fields__["min_window"].default,
+                   help="the first (and last) round's samples per rank (NOTE [ Round sizes ]); 'none': every round "
+                        "a full window")
     p.add_argument("--no-join", action="store_true", help="quota closure instead of draining every rank")
     p.add_argument("--planning", choices=("both", "global", "local"), default="both",
                    help="global (the loader's default at W > 1), rank-local, or both side by side")
@@ -299,8 +306,9 @@ def plan(args: argparse.Namespace) -> int:
     plannings = ("global", "local") if args.planning == "both" and args.world_size > 1 else (
         ("global",) if args.planning == "both" else (args.planning,))
     configs = [ODBConfig(token_budget=args.token_budget, cost=args.cost, attention_alpha=args.attention_alpha,
-                         window=args.window, join=not args.no_join, accumulation_steps=args.accumulation_steps,
-                         planning=planning, seed=args.seed) for planning in plannings]
+                         window=args.window, min_window=args.min_window, join=not args.no_join,
+                         accumulation_steps=args.accumulation_steps, planning=planning, seed=args.seed)
+               for planning in plannings]
     model = StepTimeModel(*args.time_model)
     reports = [plan_report(lengths, config, args.world_size, model) for config in configs]
     suggested = suggest_budgets(lengths, configs[0], args.world_size, model) if args.suggest else []

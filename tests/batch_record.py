@@ -12,6 +12,7 @@ run as threads over a `VirtualHub` (`run_virtual_ranks`: the loader's own collec
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import sys
@@ -100,6 +101,12 @@ CASES: dict[str, Case] = {
     "global_w2_resume_stream": Case(2, dict(token_budget=1024, window=32), dataset="stream", epochs=1, stop=6),
     "global_w2_elastic_to_3": Case(2, dict(token_budget=1024, window=48, shuffle=True), stop=6, resume_world=3),
 }
+
+
+def saved_before_round_sizes(case: Case) -> Case:
+    """`case` with the settings of every state saved before `min_window` and `max_buffer_bytes` existed (the
+    version-2 states of tests/data/v2_states.json): `LEGACY_FINGERPRINT` reads their config that way."""
+    return dataclasses.replace(case, options={**case.options, "min_window": None, "max_buffer_bytes": None})
 
 
 def _dataset(name: str) -> Any:

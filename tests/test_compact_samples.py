@@ -82,7 +82,7 @@ class CountsHeldLists(torch.utils.data.Dataset):
 @pytest.mark.parametrize("pad_collator", [True, False], ids=["PadCollator", "another_collator"])
 def test_a_filling_window_holds_no_list_for_the_collector_to_walk(pad_collator):
     dataset = CountsHeldLists([700 + i for i in range(200)])  # list lengths no other object in the process has
-    loader = ODBDataLoader(dataset, token_budget=4096, window=200, prefetch_steps=0,
+    loader = ODBDataLoader(dataset, token_budget=4096, window=200, min_window=None, prefetch_steps=0,
                            collate_fn=None if pad_collator else not_pad_collator)
     next(iter(loader))  # reads the whole window (in chunks of 64) before the first batch
     loader.close()

@@ -64,6 +64,7 @@ def oversize_alone(config: ODBConfig, item: Item) -> bool:
 class Workload:
     streams: list[list[Item]]
     budget: int
+    lengths_known: bool = True  # map-style data (the last rounds shrink, NOTE [ Round sizes ]) or a stream
 
     @property
     def all_indices(self) -> list[int]:
@@ -118,7 +119,7 @@ def workloads(draw) -> Workload:
         streams.append([Item(index=order[position + k], length=_length(rng, shape, budget, scale),
                              patches=rng.randint(0, 24) if with_patches else 0) for k in range(count)])
         position += count
-    return Workload(streams=streams, budget=budget)
+    return Workload(streams=streams, budget=budget, lengths_known=draw(st.booleans()))
 
 
 @st.composite
@@ -129,6 +130,7 @@ def configs(draw, budget: int, join: bool | None = None) -> ODBConfig:
         cost=cost,
         attention_alpha=draw(st.sampled_from([0.0, 0.001, 0.02])) if cost == "attention" else 0.0,
         window=draw(draw(st.sampled_from([st.integers(1, 8), st.integers(1, 64), st.just(4096)]))),
+        min_window=draw(st.one_of(st.none(), st.integers(1, 16), st.just(64))),  # NOTE [ Round sizes ]
         max_batch_size=draw(st.one_of(st.none(), st.integers(1, 8))),
         max_patches=draw(st.one_of(st.none(), st.integers(1, 32))),
         accumulation_steps=draw(st.integers(1, 4)),
@@ -176,7 +178,8 @@ def plan_signature(plan: EpochPlan) -> list[list[tuple[int, ...] | None]]:
 @given(cases())
 def test_g1_epoch_terminates_within_the_stated_round_bound(case):
     workload, config = case
-    plan = simulate_epoch(workload.streams, config)  # raises RuntimeError past the default round bound
+    # raises RuntimeError past the default round bound
+    plan = simulate_epoch(workload.streams, config, lengths_known=workload.lengths_known)
     assert plan.rounds == len(plan.targets)
     if config.planning == "local" or len(workload.streams) == 1:
         # NOTE [ Rounds and termination ] states the tighter bound max_r(n_r) + 1.
@@ -189,7 +192,7 @@ def test_g1_epoch_terminates_within_the_stated_round_bound(case):
 @given(cases())
 def test_g2_every_rank_gets_the_same_step_count_on_accumulation_boundaries(case):
     workload, config = case
-    plan = simulate_epoch(workload.streams, config)
+    plan = simulate_epoch(workload.streams, config, lengths_known=workload.lengths_known)
     counts = {len(rank_steps) for rank_steps in plan.steps}
     assert counts == {sum(plan.targets)}
     assert plan.n_steps % config.accumulation_steps == 0
@@ -204,7 +207,7 @@ def is_global(config: ODBConfig, workload: Workload) -> bool:
 def test_g3_join_emits_every_index_exactly_once(case):
     """Rank-local: on the rank that read it. Global: on one rank (samples move), as a multiset of the union."""
     workload, config = case
-    plan = simulate_epoch(workload.streams, config)
+    plan = simulate_epoch(workload.streams, config, lengths_known=workload.lengths_known)
     everything = [i for r in range(len(plan.steps)) for i in emitted_indices(plan, r)]
     assert Counter(everything) == Counter(workload.all_indices)
     assert all(left == [] for left in plan.not_emitted)
@@ -221,7 +224,7 @@ def test_g3_join_emits_every_index_exactly_once(case):
 @given(cases(join=False))
 def test_g4_non_join_emits_no_index_twice_and_reports_the_rest(case):
     workload, config = case
-    plan = simulate_epoch(workload.streams, config)
+    plan = simulate_epoch(workload.streams, config, lengths_known=workload.lengths_known)
     everything = [i for r in range(len(plan.steps)) for i in emitted_indices(plan, r)]
     assert len(everything) == len(set(everything)), "an index was emitted twice"
     left = [i for rank_left in plan.not_emitted for i in rank_left]
@@ -248,7 +251,7 @@ def test_g4_non_join_emits_no_index_twice_and_reports_the_rest(case):
 @given(cases())
 def test_g5_every_group_fits_the_budget_unless_it_is_one_oversize_sample(case):
     workload, config = case
-    plan = simulate_epoch(workload.streams, config)
+    plan = simulate_epoch(workload.streams, config, lengths_known=workload.lengths_known)
     for rank_steps in plan.steps:
         for group in filter(None, rank_steps):
             assert group.size >= 1
@@ -268,9 +271,11 @@ def test_g5_every_group_fits_the_budget_unless_it_is_one_oversize_sample(case):
 @given(cases(), st.integers(0, 2**16), st.integers(0, 5))
 def test_g7_same_inputs_give_the_same_plan_and_seed_or_epoch_only_permute_steps_within_rounds(case, seed, epoch):
     workload, config = case
-    plan = simulate_epoch(workload.streams, config)
-    assert plan_signature(simulate_epoch(workload.streams, config)) == plan_signature(plan)
-    reseeded = simulate_epoch(workload.streams, replace(config, seed=seed), epoch=epoch)
+    plan = simulate_epoch(workload.streams, config, lengths_known=workload.lengths_known)
+    again = simulate_epoch(workload.streams, config, lengths_known=workload.lengths_known)
+    assert plan_signature(again) == plan_signature(plan)
+    reseeded = simulate_epoch(workload.streams, replace(config, seed=seed), epoch=epoch,
+                              lengths_known=workload.lengths_known)
     assert reseeded.targets == plan.targets
     # Same groups in the same rounds, and the same cross-rank columns: the step permutation is shared by all
     # ranks, so the pairing of ranks' groups within a step does not depend on the seed either.
@@ -282,13 +287,15 @@ def test_g7_same_inputs_give_the_same_plan_and_seed_or_epoch_only_permute_steps_
 @given(cases())
 def test_ranks_pair_groups_by_cost_rank_within_each_round(case):
     workload, config = case
-    unshuffled = simulate_epoch(workload.streams, replace(config, shuffle_steps=False))
+    unshuffled = simulate_epoch(workload.streams, replace(config, shuffle_steps=False),
+                                lengths_known=workload.lengths_known)
     for span in round_spans(unshuffled):
         for rank_steps in unshuffled.steps:
             costs = [0.0 if rank_steps[k] is None else rank_steps[k].cost for k in span]
             assert costs == sorted(costs, reverse=True), "a round's steps are not largest-cost first"
     # The shuffle permutes whole columns: step k of every rank still holds that rank's j-th largest group.
-    shuffled = simulate_epoch(workload.streams, replace(config, shuffle_steps=True))
+    shuffled = simulate_epoch(workload.streams, replace(config, shuffle_steps=True),
+                              lengths_known=workload.lengths_known)
     assert shuffled.targets == unshuffled.targets
     for span in round_spans(unshuffled):
         assert columns(shuffled, span) == columns(unshuffled, span)
@@ -455,34 +462,49 @@ def _regression_plan_digest(config: ODBConfig) -> str:
 # the default). The `global_*` cases were recorded when global planning landed. A refactor must reproduce these plans exactly (STYLE 15); a change
 # that is meant to alter grouping must update them and say why. attention_non_join_patches re-recorded when the
 # short-end top-up became tokens-only (NOTE [ Grouping ]): under a patch cap it used to pad short samples into
-# groups whose long end the cap had stopped.
+# groups whose long end the cap had stopped. Rounds of the full window only (`min_window=None`), as recorded; the
+# `rounds_*` cases have the rounds of NOTE [ Round sizes ] (recorded when they landed).
 REGRESSION_CASES = {
     "padded_default": (
-        ODBConfig(token_budget=8192, seed=3, planning="local"),
+        ODBConfig(min_window=None, token_budget=8192, seed=3, planning="local"),
         "73e4ec940753ed94cc727f84a3f622b4e9fa8cf9eff05e53a7070d21e195b1f4",
     ),
     "tokens_small_window_accumulation": (
-        ODBConfig(token_budget=4096, cost="tokens", window=96, accumulation_steps=3, max_batch_size=6, seed=11,
+        ODBConfig(min_window=None, token_budget=4096, cost="tokens", window=96, accumulation_steps=3,
+                  max_batch_size=6, seed=11,
                   planning="local"),
         "55a2363a379a3925c36d1d51675d3de3206c2c1c634e85028d0ac7b23fa1a94d",
     ),
     "attention_non_join_patches": (
-        ODBConfig(token_budget=8192, cost="attention", attention_alpha=1e-4, window=200, join=False,
+        ODBConfig(min_window=None, token_budget=8192, cost="attention", attention_alpha=1e-4, window=200, join=False,
                   max_patches=20, seed=5, planning="local"),
         "a0cb80e76017c8e286a2ee8870dfb321bc788638904db665ed328c6ad7d575dc",
     ),
     "global_padded": (
-        ODBConfig(token_budget=8192, seed=3),
+        ODBConfig(min_window=None, token_budget=8192, seed=3),
         "8005df1df01242090e3150dedd8936eba12f737886bf927d51870ba3ef7aa26d",
     ),
     "global_tokens_small_window_accumulation": (
-        ODBConfig(token_budget=4096, cost="tokens", window=96, accumulation_steps=3, max_batch_size=6, seed=11),
+        ODBConfig(min_window=None, token_budget=4096, cost="tokens", window=96, accumulation_steps=3,
+                  max_batch_size=6, seed=11),
         "c8393ab33883cdd10c281485eb5a7b496c68035d79110d8c0b9636e17a9119da",
     ),
     "global_attention_non_join_patches": (
-        ODBConfig(token_budget=8192, cost="attention", attention_alpha=1e-4, window=200, join=False,
+        ODBConfig(min_window=None, token_budget=8192, cost="attention", attention_alpha=1e-4, window=200, join=False,
                   max_patches=20, seed=5),
         "748d29c5010b3635436ce99789ec2edb7aac4fa10ab1ed2fdfa0c22f7524020b",
+    ),
+    "rounds_padded_default": (
+        ODBConfig(token_budget=8192, seed=3, planning="local"),
+        "0ec2dc3a2f3b5a4cf1700fae2f5f91e2a3d8244af9d047664818d66ee52cfd61",
+    ),
+    "rounds_global_padded_default": (
+        ODBConfig(token_budget=8192, seed=3),
+        "e277c4447a93fe7efa19b498dd0939c3e9f7f72f60718be6872f492b91459c32",
+    ),
+    "rounds_global_tokens_accumulation": (
+        ODBConfig(token_budget=4096, cost="tokens", window=1024, min_window=16, accumulation_steps=3, seed=11),
+        "ef2674ce4ddd2acfcb9fe7e145f399db8ee2a07d8ae80cfa2048e6a0cebf8dbf",
     ),
 }
 

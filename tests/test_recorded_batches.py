@@ -61,9 +61,11 @@ def test_version_2_states_saved_before_the_typed_state_resume_exactly(name):
     new_world = case.resume_world or case.world
     merged = merge_states(states) if new_world != case.world else None
 
+    legacy = br.saved_before_round_sizes(case)
+
     def resume(rank, transport):
         h = hashlib.sha256()
-        loader = br._loader(case, transport)
+        loader = br._loader(legacy, transport)
         loader.load_state_dict(merged if merged is not None else states[rank])
         for _ in range(case.epochs):
             for batch in loader:
@@ -73,6 +75,21 @@ def test_version_2_states_saved_before_the_typed_state_resume_exactly(name):
         return h.hexdigest()
     per_rank = run_virtual_ranks(resume, new_world, timeout_s=120)
     assert hashlib.sha256("".join(per_rank).encode()).hexdigest() == RECORDED[name]
+
+
+def test_a_state_saved_before_max_buffer_bytes_is_refused_by_default_naming_the_setting_to_resume_it():
+    name = "w2_resume_ga2"
+    case, states = br.CASES[name], V2_STATES[name]
+
+    def load(rank, transport):
+        loader = br._loader(case, transport)
+        try:
+            with pytest.raises(ValueError, match=r"max_buffer_bytes=None \(this loader: 1073741824\).*build the "
+                                                 r"loader with max_buffer_bytes=None"):
+                loader.load_state_dict(states[rank])
+        finally:
+            loader.close()
+    run_virtual_ranks(load, case.world, timeout_s=60)
 
 
 EXACT_STOPS = sorted(name for name, case in br.CASES.items() if case.stop and not case.merged and not case.resume_world)

@@ -175,7 +175,7 @@ def test_a_version_2_state_whose_consumed_step_is_past_its_round_is_refused_at_t
         state["position"]["steps_consumed"] = 10**6
 
     def resume(rank, transport):
-        loader = br._loader(br.CASES[name], transport)
+        loader = br._loader(br.saved_before_round_sizes(br.CASES[name]), transport)
         loader.load_state_dict(edited[rank])  # no digest to refuse it here
         with pytest.raises(StateError, match=r"^state.position.steps_consumed=1000000 is past the end of the saved "
                                              r"round, which replays to step \d+ of epoch 0"):

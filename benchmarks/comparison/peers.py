@@ -45,6 +45,8 @@ class Setting:
     token_budget: int
     attention_alpha: float
     seed: int = 0
+    # ODB's smallest round (NOTE [ Round sizes ]): its default, or None for rounds of the full window only
+    min_window: int | None = ODBConfig.__dataclass_fields__["min_window"].default
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,7 +168,8 @@ def packing(s: Setting) -> Schedule:
 
 def odb_config(s: Setting, cost: str, planning: str = "global") -> ODBConfig:
     alpha = s.attention_alpha if cost == "attention" else 0.0
-    return ODBConfig(token_budget=s.token_budget, cost=cost, attention_alpha=alpha, seed=s.seed, planning=planning)
+    return ODBConfig(token_budget=s.token_budget, cost=cost, attention_alpha=alpha, seed=s.seed, planning=planning,
+                     min_window=s.min_window)
 
 
 def oracle(cost: str) -> Callable[[Setting], Schedule]:

@@ -125,13 +125,14 @@ def add_ratios(rows: list[dict], bounds: dict[tuple[str, int, str], float]) -> N
             r["vs_rank_bound"] = r["budget_utilization"] / bound
 
 
-def run_quality(workloads: Sequence[Workload], worlds: Sequence[int], reference: bool, log=print) -> list[dict]:
+def run_quality(workloads: Sequence[Workload], worlds: Sequence[int], reference: bool, log=print,
+                min_window: int | None = peers.Setting.min_window) -> list[dict]:
     rows: list[dict] = []
     bounds: dict[tuple[str, int, str], float] = {}
     for workload in workloads:
         for world in worlds:
             setting = peers.Setting(lengths=workload.lengths, world_size=world, token_budget=L_MAX,
-                                    attention_alpha=ATTENTION_ALPHA)
+                                    attention_alpha=ATTENTION_ALPHA, min_window=min_window)
             for cost in ("padded", "tokens", "attention"):
                 bounds[(workload.name, world, cost)] = rank_local_bound(setting, cost)
             for method in peers.METHODS:

@@ -112,3 +112,29 @@ def sendable(sample: Any) -> Any:
     return Unsendable(f"{failure}, so its DataLoader worker cannot send it to the rank; keep objects that cannot be "
                       "pickled (locks, open files, generators, lambdas) out of the samples, or read with "
                       "num_workers=0")
+
+
+def payload_bytes(sample: Any) -> int:
+    """The bytes of a sample's tensor payloads: the tensors and arrays (packed or not) among a mapping's values,
+    and those in a list or tuple value. What `max_buffer_bytes` counts (NOTE [ Round sizes ]); ids and labels of
+    text weigh a few kB, a VLM sample's `pixel_values` megabytes. Python scalars, strings and lists of numbers are
+    not counted (`compact_ids` turns lists of ids into arrays first, under the default collator)."""
+    if not isinstance(sample, Mapping):
+        return 0
+    total = 0
+    for value in sample.values():
+        if isinstance(value, list | tuple) and type(value) is not PackedTensor:
+            total += sum(_array_bytes(v) for v in value)
+        else:
+            total += _array_bytes(value)
+    return total
+
+
+def _array_bytes(value: Any) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if type(value) is PackedTensor:
+        return value.array.nbytes
+    if isinstance(value, np.ndarray):
+        return value.nbytes
+    return 0

@@ -36,7 +36,7 @@ from odb_core.resume.resume import restore
 from odb_core.resume.round_log import RoundLog
 from odb_core.resume.source_state import RemainderSource, ShardedSource, source_to_dict
 from odb_core.resume.state import LoaderIdentity, LoaderState
-from odb_core.settings.config import ODBConfig
+from odb_core.settings.config import ODBConfig, fingerprint
 from odb_core.settings.settings import PASSED_ON, SettingsSource, split_keys
 from odb_core.steps.metrics import LoaderMetrics
 from odb_core.steps.step_info import ODBBatch, StepInfo
@@ -48,8 +48,6 @@ WORKER_OPTIONS = frozenset({"persistent_workers", "multiprocessing_context", "pi
                             "worker_init_fn", "generator"})
 OPTIONS = SettingsSource(where="ODBDataLoader", noun="argument", key_error=TypeError,
                          keys=dict.fromkeys(sorted(WORKER_OPTIONS), PASSED_ON))  # its **options: fields, workers
-FINGERPRINT = ("token_budget", "cost", "attention_alpha", "max_patches", "max_batch_size", "window", "join",
-               "accumulation_steps", "samples_per_step", "tokens_per_step", "planning", "seed", "shuffle_steps")
 
 
 def _split_options(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -190,7 +188,8 @@ class ODBDataLoader:
         start_metrics = self.metrics.snapshot()
         chunks = self._stream.open(start.epoch, start.plan, start.point)
         log = RoundLog(start.position)
-        run = EpochRun(self._ctx, start.epoch, chunks, log, start.point)  # re-fetches the resume point's samples
+        # re-fetches the resume point's samples
+        run = EpochRun(self._ctx, start.epoch, chunks, log, start.point, stream_length=self._stream.length())
         self._stream.forget_replayed()
         self._current = _EpochIterator(self, run, log, epoch=start.epoch, plan=start.plan, start_metrics=start_metrics)
         return self._current
@@ -205,8 +204,8 @@ class ODBDataLoader:
     def _agreed_settings(self) -> dict[str, object]:
         """What every rank must share (NOTE [ Ranks agree on their settings ]): the batching fingerprint,
         `oversize`, `move`, and ODB's own sharded index source (size, shuffle, seed)."""
-        names = (*FINGERPRINT, "oversize", "move")
-        settings: dict[str, object] = {name: getattr(self.config, name) for name in names}
+        settings: dict[str, object] = {**fingerprint(self.config), "oversize": self.config.oversize,
+                                       "move": self.config.move}
         source = self._stream.source()
         if isinstance(source, ShardedSource):
             settings["sampler"] = source_to_dict(source)
@@ -215,7 +214,7 @@ class ODBDataLoader:
     # -- state ----------------------------------------------------------------------------------------------
     def _identity(self) -> LoaderIdentity:
         return LoaderIdentity(world_size=self.transport.world_size, rank=self.transport.rank,
-                              config={name: getattr(self.config, name) for name in FINGERPRINT},
+                              config=fingerprint(self.config),
                               source=self._stream.source())
 
     def state_dict(self) -> dict[str, Any]:

@@ -70,10 +70,12 @@ class ReadAhead:
     to that many, spread over the steps released now, and the workers keep processing while the accelerator
     works. The samples wait unadmitted, so the next plan sees the buffer it would have seen (batches unchanged),
     and a saved position still points at the round's start (they are re-read on resume). The pulls run in the
-    consumer's thread, between its steps: no thread contends for the GIL with the training loop.
-    `target` is how many samples should be pending after the next step is taken."""
+    consumer's thread, between its steps: no thread contends for the GIL with the training loop. Under
+    `max_buffer_bytes` the next fill may stop before `space` samples: the pulls stop at the same share of the
+    bytes it may add (`byte_space`), so pending samples never hold more than one fill's bytes."""
 
     space: int = 0
+    byte_space: int | None = None
     steps: int = 0
     taken: int = 0
 
@@ -81,13 +83,15 @@ class ReadAhead:
     def due(self) -> bool:
         return self.taken < self.steps
 
-    def plan(self, space: int, steps: int) -> None:
-        self.space, self.steps, self.taken = space, steps, 0
+    def plan(self, space: int, byte_space: int | None, steps: int) -> None:
+        self.space, self.byte_space, self.steps, self.taken = space, byte_space, steps, 0
 
-    def take_step(self) -> int:
-        """The pending samples wanted once one more step was taken: the next fill's share of the steps taken."""
+    def take_step(self) -> tuple[int, int | None]:
+        """The pending samples (and payload bytes) wanted once one more step was taken: the next fill's share of
+        the steps taken."""
         self.taken += 1
-        return -(-self.space * self.taken // self.steps)
+        share_bytes = None if self.byte_space is None else -(-self.byte_space * self.taken // self.steps)
+        return -(-self.space * self.taken // self.steps), share_bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,11 +144,11 @@ class EpochRun(Iterator[ODBBatch]):
     """
 
     def __init__(self, ctx: RunContext, epoch: int, chunks: Iterator[Chunk], log: RoundLog,
-                 resume: ResumePoint | None = None) -> None:
+                 resume: ResumePoint | None = None, stream_length: int | None = None) -> None:
         self.ctx, self.epoch, self.log = ctx, epoch, log
         self.rounds = ctx.rounds_factory(epoch)
         self.engine = self.rounds.engine
-        self.reader = SampleReader(chunks, ctx.length_fn, ctx.fallback_dummy, ctx.packed_samples)
+        self.reader = SampleReader(chunks, ctx.length_fn, ctx.fallback_dummy, ctx.packed_samples, stream_length)
         config = self.engine.config
         target = StepTarget(*config.step_target) if config.step_target is not None else None
         self.window: AccumulationWindow[_Built] = AccumulationWindow(config.accumulation_steps, target)
@@ -163,7 +167,7 @@ class EpochRun(Iterator[ODBBatch]):
 
     def __next__(self) -> ODBBatch:
         if self.ahead.due:
-            self.reader.read_ahead(self.ahead.take_step())
+            self.reader.read_ahead(*self.ahead.take_step())
         while not self.ready:
             if self.engine.finished:
                 self._close_epoch()
@@ -228,7 +232,8 @@ class EpochRun(Iterator[ODBBatch]):
             totals = reduced[k * STEP_SUM_FIELDS : (k + 1) * STEP_SUM_FIELDS]
             self._stage(b, totals, planned.index, first_step + k)
         metrics.publish_moves()
-        self.ahead.plan(0 if self.engine.finished else self.engine.space(), len(self.ready))
+        finished, reader = self.engine.finished, self.reader
+        self.ahead.plan(0 if finished else reader.space(self.engine), reader.byte_space(self.engine), len(self.ready))
         if self.engine.finished:
             self._release(self.window.flush())  # a target-sized epoch may end in a short step
             self.log.end_epoch(self.engine.steps_done, metrics.snapshot())

@@ -14,21 +14,25 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from odb_core.data.sample import LengthFn, count_patches, inspect_sample
-from odb_core.data.sendable import unpack_sample
+from odb_core.data.sendable import payload_bytes, unpack_sample
 from odb_core.epoch.stream import Chunk
 from odb_core.planning.planner import BufferEngine
+from odb_core.planning.round_sizes import fill_more
 from odb_core.resume.state import RoundStart
 
 
 @dataclass(slots=True)
 class Payloads:
     """Buffered sample payloads by dataset index, first in first out per index (a multiset: samplers may repeat
-    an index). The common case, one payload per index, is a plain dict entry; repeats wait in `more`."""
+    an index). The common case, one payload per index, is a plain dict entry; repeats wait in `more`. `bytes` is
+    the `payload_bytes` of the samples held (what `max_buffer_bytes` bounds)."""
 
     first: dict[int, Any] = field(default_factory=dict)
     more: dict[int, deque[Any]] = field(default_factory=dict)
+    bytes: int = 0
 
-    def put(self, index: int, sample: Any) -> None:
+    def put(self, index: int, sample: Any, nbytes: int) -> None:
+        self.bytes += nbytes
         if index in self.first:
             self.more.setdefault(index, deque()).append(sample)
         else:
@@ -36,6 +40,7 @@ class Payloads:
 
     def take(self, index: int) -> Any:
         sample = self.first.pop(index)
+        self.bytes -= payload_bytes(sample)
         waiting = self.more.get(index)
         if waiting:
             self.first[index] = waiting.popleft()
@@ -47,14 +52,17 @@ class Payloads:
 class SampleReader:
     """This rank's stream of one epoch, read into a `RankEngine`'s buffer.
 
-    `consumed` counts the samples admitted so far (the resume offset included); `pending` holds samples of the
-    last fetched chunk that the buffer had no room for."""
+    `consumed` counts the samples admitted so far (the resume offset included); `pending` holds samples read from
+    the workers that no fill admitted yet (`pending_bytes` their payloads); `stream_length` is the number of samples
+    of this rank's epoch, resume offset included, or None when unknown (NOTE [ Round sizes ])."""
 
     def __init__(self, chunks: Iterator[Chunk], length_fn: LengthFn | None,
-                 fallback_dummy: Callable[[], Mapping[str, Any]], packed: bool) -> None:
+                 fallback_dummy: Callable[[], Mapping[str, Any]], packed: bool, stream_length: int | None) -> None:
         self.chunks, self.length_fn, self.fallback_dummy = chunks, length_fn, fallback_dummy
         self.packed = packed  # worker processes send small tensors as arrays (sendable.PackedTensor)
+        self.stream_length = stream_length
         self.pending: deque[tuple[int, Any]] = deque()
+        self.pending_bytes = 0
         self.payloads = Payloads()
         self.take = self.payloads.take  # a buffered payload by dataset index (bound once: per-sample hot path)
         self.stream_ended = False
@@ -69,7 +77,7 @@ class SampleReader:
         for index in start.buffer:
             sample = fetch(index)
             engine.admit(inspect_sample(index, sample, self.length_fn))
-            self.payloads.put(index, sample)
+            self.payloads.put(index, sample, payload_bytes(sample))
         if start.dummy_index is not None:
             self.dummy_index, self.dummy = start.dummy_index, fetch(start.dummy_index)
             self.dummy_patches = count_patches(self.dummy)
@@ -83,22 +91,36 @@ class SampleReader:
             self._fail(exc)
             raise
 
+    def space(self, engine: BufferEngine) -> int:
+        """How many samples the next fill admits at most (NOTE [ Round sizes ]): the round's target less the
+        buffered samples; `max_buffer_bytes` may stop it earlier."""
+        left = None if self.stream_length is None else max(self.stream_length - self.consumed, 0)
+        return engine.space(left)
+
+    def byte_space(self, engine: BufferEngine) -> int | None:
+        """The payload bytes the next fill may add before `max_buffer_bytes` stops it (None: no bound)."""
+        bound = engine.config.max_buffer_bytes
+        return None if bound is None else max(bound - self.payloads.bytes, 0)
+
     def _fill(self, engine: BufferEngine) -> bool:
         pending, admit, put, length_fn = self.pending, engine.admit, self.payloads.put, self.length_fn
-        space = engine.space()
-        while space > 0:
+        config, payloads = engine.config, self.payloads
+        space = self.space(engine)
+        while space > 0 and fill_more(config, payloads.bytes):
             if not pending:
                 chunk = next(self.chunks, None)
                 if chunk is None:
                     self.stream_ended = True
                     return False
-                pending.extend(chunk)
+                self._extend(chunk)
             index, sample = pending.popleft()
             if self.packed:
                 sample = unpack_sample(sample)
+            nbytes = payload_bytes(sample)
+            self.pending_bytes -= nbytes
             item = inspect_sample(index, sample, length_fn)
             admit(item)
-            put(index, sample)
+            put(index, sample, nbytes)
             self.consumed += 1
             space -= 1
             self._offer_dummy(index, sample, item.patches)
@@ -110,20 +132,25 @@ class SampleReader:
         traceback.clear_frames(exc.__traceback__)
         self.close()
 
-    def read_ahead(self, target: int) -> None:
-        """Pull chunks from the workers until `target` samples are pending or the stream ends (NOTE [ Reading
-        ahead ] in pipeline.py); they are admitted, in order, by the next `fill`."""
+    def read_ahead(self, target: int, target_bytes: int | None) -> None:
+        """Pull chunks from the workers until `target` samples (or `target_bytes` of payloads) are pending or the
+        stream ends (NOTE [ Reading ahead ] in pipeline.py); they are admitted, in order, by the next `fill`."""
         pending = self.pending
         try:
-            while len(pending) < target and not self.stream_ended:
+            while (len(pending) < target and not self.stream_ended
+                   and (target_bytes is None or self.pending_bytes < target_bytes)):
                 chunk = next(self.chunks, None)
                 if chunk is None:
                     self.stream_ended = True
                 else:
-                    pending.extend(chunk)
+                    self._extend(chunk)
         except BaseException as exc:
             self._fail(exc)
             raise
+
+    def _extend(self, chunk: Chunk) -> None:
+        self.pending.extend(chunk)
+        self.pending_bytes += sum(payload_bytes(sample) for _, sample in chunk)
 
     def _offer_dummy(self, index: int, sample: Mapping[str, Any], patches: int) -> None:
         """NOTE [ IDLE dummy ] The dummy is the first sample this rank read, replaced once by the first one with

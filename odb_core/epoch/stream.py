@@ -191,6 +191,16 @@ class SampleStream:
         self._indexed.refresh()  # the dataset as it is now (NOTE [ Arrow ids read as arrays ])
         return self._start_workers()
 
+    def length(self) -> int | None:
+        """Samples of the open epoch's index source on this rank (resume offset included); None for a stream or a
+        sampler without a length (NOTE [ Round sizes ]: the rounds shrink toward a known end)."""
+        if self.size is None:
+            return None
+        try:
+            return len(self._chunks.sampler)  # type: ignore[arg-type]
+        except TypeError:
+            return None
+
     def forget_replayed(self) -> None:
         """Drop the replay cache once the resumed epoch has re-fetched what it needs."""
         self._replayed = {}

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from odb_core.planning.alignment import Adjustment, RoundKey, adjust, order_slots
 from odb_core.planning.budget import Item, SampleError, build_budget
 from odb_core.planning.grouping import BufferPlan, plan_buffer
+from odb_core.planning.round_sizes import round_target
 from odb_core.planning.termination import (Decision, DesyncError, RankState, align_to_accumulation, build_termination,
                                            check_same_progress)
 from odb_core.settings.config import ODBConfig
@@ -63,9 +64,10 @@ class BufferEngine:
         self.oversize = Oversize()
         self.finished = False
 
-    def space(self) -> int:
-        """How many more samples the buffer takes before this round's plan."""
-        return max(self.config.window - len(self.items), 0)
+    def space(self, left: int | None) -> int:
+        """How many more samples the buffer takes before this round's plan (NOTE [ Round sizes ]); `left`: samples
+        of this rank's stream not yet admitted, None when its length is unknown."""
+        return max(round_target(self.config, self.round, len(self.items), left) - len(self.items), 0)
 
     def admit(self, item: Item) -> None:
         """Add one observed sample to the buffer, applying the oversize policy."""

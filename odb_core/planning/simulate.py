@@ -59,13 +59,14 @@ def is_pooled(config: ODBConfig, world: int) -> bool:
 
 
 def _fill(engines: Sequence[BufferEngine], streams: Sequence[Sequence[Item]], cursors: list[int],
-          ended: list[bool]) -> list[bool]:
+          ended: list[bool], lengths_known: bool) -> list[bool]:
     """Top every rank's buffer up from its stream; returns which ranks are still active.
 
     As `SampleReader.fill` does, a rank learns that its stream ended only when it wants more samples than are
     left; one whose buffer fills up with exactly the last sample is still active until a later fill has room."""
     for rank, engine in enumerate(engines):
-        space, left = engine.space(), len(streams[rank]) - cursors[rank]
+        left = len(streams[rank]) - cursors[rank]
+        space = engine.space(left if lengths_known else None)
         for item in streams[rank][cursors[rank] : cursors[rank] + min(space, left)]:
             engine.admit(item)
         cursors[rank] += min(space, left)
@@ -74,8 +75,11 @@ def _fill(engines: Sequence[BufferEngine], streams: Sequence[Sequence[Item]], cu
 
 
 def simulate_epoch(streams: Sequence[Sequence[Item]], config: ODBConfig, epoch: int = 0,
-                   max_rounds: int | None = None) -> EpochPlan:
+                   max_rounds: int | None = None, lengths_known: bool = True) -> EpochPlan:
     """Run one epoch on `len(streams)` virtual ranks. Raises RuntimeError past `max_rounds` (a bound check).
+
+    `lengths_known`: each rank knows how many samples its stream holds, as the loader does for map-style data
+    (the last rounds shrink: NOTE [ Round sizes ]); False models an `IterableDataset`.
 
     `max_rounds` defaults to the bound stated in NOTE [ Rounds and termination ]: max stream length + 2 (rank-
     local) or all samples + 2 (global).
@@ -92,7 +96,7 @@ def simulate_epoch(streams: Sequence[Sequence[Item]], config: ODBConfig, epoch: 
     while not engines[0].finished:
         if plan.rounds >= bound:
             raise RuntimeError(f"epoch did not terminate within {bound} rounds")
-        active = _fill(engines, streams, cursors, ended)
+        active = _fill(engines, streams, cursors, ended, lengths_known)
         target = _pooled_round(engines, active, plan) if pooled else _local_round(engines, active, plan)
         plan.rounds += 1
         plan.targets.append(target)

@@ -38,7 +38,8 @@ STATE_VERSION = 3
 READABLE_VERSIONS = (1, 2, 3)
 MERGED_FORMAT = "merged"
 # Fingerprint fields added after states were first written, with the behaviour those states had.
-LEGACY_FINGERPRINT = {"planning": "local", "samples_per_step": None, "tokens_per_step": None}
+LEGACY_FINGERPRINT = {"planning": "local", "samples_per_step": None, "tokens_per_step": None, "min_window": None,
+                      "max_buffer_bytes": None}
 
 
 # -- positions ------------------------------------------------------------------------------------------------
@@ -249,10 +250,22 @@ class LoaderState:
                 f"reads it in {mine.parts}: a stream that splits itself over workers (an HF datasets stream with "
                 f"shards) has an order fixed by num_workers, so resume with num_workers="
                 f"{saved.parts if saved.parts > 1 else '0 or 1'}")
-        checks = [("rank", self.rank, loader.rank), ("config", dict(self.config), dict(loader.config))]
+        _check_same_config(self.config, loader.config)
+        checks = [("rank", self.rank, loader.rank)]
         if self.source is not None:
             checks.append(("sampler", source_to_dict(self.source), source_to_dict(loader.source)))
         for key, saved, mine in checks:
             if saved != mine:
                 raise ValueError(f"loader state was saved with {key}={saved!r} but this loader has {mine!r}; "
                                  "exact resume needs the same world size, rank, dataset, sampler and batching config")
+
+
+def _check_same_config(saved: Mapping[str, Any], mine: Mapping[str, Any]) -> None:
+    """Refuse a state saved with other batching settings, naming each field that differs (a field added later
+    reads as the value states had before it, `LEGACY_FINGERPRINT`: such a state resumes with that value)."""
+    differ = sorted(set(saved) | set(mine), key=lambda k: (k not in mine, k))
+    differ = [k for k in differ if saved.get(k) != mine.get(k)]
+    if differ:
+        fields = ", ".join(f"{k}={saved.get(k)!r} (this loader: {mine.get(k)!r})" for k in differ)
+        raise ValueError(f"loader state was saved with {fields}; exact resume needs the same batching config: "
+                         f"build the loader with {', '.join(f'{k}={saved.get(k)!r}' for k in differ)}")

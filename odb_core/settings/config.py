@@ -19,6 +19,12 @@ PLANNINGS: tuple[str, ...] = ("global", "local")
 MOVE_MODES: tuple[str, ...] = ("auto", "send", "fetch")
 
 
+# The fields that decide which samples share a step: a saved state records them, and ranks must agree on them.
+FINGERPRINT = ("token_budget", "cost", "attention_alpha", "max_patches", "max_batch_size", "window", "min_window",
+               "max_buffer_bytes", "join", "accumulation_steps", "samples_per_step", "tokens_per_step", "planning",
+               "seed", "shuffle_steps")
+
+
 def _require(ok: bool, field: str, value: object, allowed: str) -> None:
     if not ok:
         raise ValueError(f"ODBConfig.{field}={value!r} is invalid: {allowed}")
@@ -47,6 +53,16 @@ class ODBConfig:
         max_patches: optional cap on vision patches (rows of `pixel_values`) per group.
         max_batch_size: optional cap on samples per group (for collators or kernels with a hard batch limit).
         window: samples buffered per rank before grouping. Bounds memory; larger comes closer to the oracle.
+        min_window: the smallest round (NOTE [ Round sizes ] in planning/round_sizes.py). An epoch's first round
+            plans once `min_window` samples are buffered, and each round doubles it up to `window`, so the first
+            step comes after `min_window` samples are processed instead of `window`; when this rank's stream has a
+            known length (map-style data), the rounds shrink again toward `min_window` as its end nears, so the last
+            round's steps, which no reading can overlap, are short. None: every round fills `window` (the only
+            behaviour before this field; states saved then resume with min_window=None).
+        max_buffer_bytes: a bound on the bytes of the tensor payloads (tensors, arrays) of the samples buffered on
+            one rank, beside `window`: a fill stops at the sample that reaches it (docs/design.md, "Keeping the
+            accelerator fed"). The default, 1 GiB, holds ~500 samples of a VLM pipeline averaging 2 MB of
+            `pixel_values`; text samples weigh a few kB, so `window` binds first. None: no bound in bytes.
         join: True drains every rank (each sample exactly once per epoch); False stops at the shortest rank.
         oversize: a single sample whose cost exceeds the budget either runs `alone` in its own group (counted in
             metrics) or raises an `error` naming its index.
@@ -86,6 +102,8 @@ class ODBConfig:
     max_patches: int | None = None
     max_batch_size: int | None = None
     window: int = 4096
+    min_window: int | None = 256
+    max_buffer_bytes: int | None = 1 << 30
     join: bool = True
     oversize: OversizePolicy = "alone"
     accumulation_steps: int = 1
@@ -114,6 +132,12 @@ class ODBConfig:
                  "max_batch_size", self.max_batch_size, "it must be None or a positive int")
         _require(_is_int(self.window) and self.window >= 1, "window", self.window,
                  "it must be an int >= 1 (samples buffered per rank); the default 4096 is near the oracle")
+        _require(self.min_window is None or (_is_int(self.min_window) and self.min_window >= 1), "min_window",
+                 self.min_window, "it must be None (every round fills `window`) or an int >= 1 (the first round's "
+                 "samples; the default 256 starts training after 256 processed samples)")
+        _require(self.max_buffer_bytes is None or (_is_int(self.max_buffer_bytes) and self.max_buffer_bytes >= 1),
+                 "max_buffer_bytes", self.max_buffer_bytes, "it must be None (no bound) or an int >= 1 (bytes of "
+                 "buffered tensor payloads per rank, e.g. 1 << 30)")
         _require(isinstance(self.join, bool), "join", self.join, "it must be True (drain all) or False (quota)")
         _require(self.oversize in OVERSIZE_POLICIES, "oversize", self.oversize,
                  f"choose one of {OVERSIZE_POLICIES}")
@@ -150,3 +174,12 @@ class ODBConfig:
         if self.tokens_per_step is not None:
             return ("tokens", self.tokens_per_step)
         return None
+
+
+def fingerprint(config: ODBConfig) -> dict[str, object]:
+    """The `FINGERPRINT` fields of `config` as they act: `min_window` reads None when it does not shrink any round
+    (`min_window >= window`), so such a state resumes on a loader with either value."""
+    values: dict[str, object] = {name: getattr(config, name) for name in FINGERPRINT}
+    if config.min_window is not None and config.min_window >= config.window:
+        values["min_window"] = None
+    return values

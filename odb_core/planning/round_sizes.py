@@ -1,0 +1,48 @@
+"""How many samples a round plans: the round's buffer target, a pure function of where the epoch stands.
+
+NOTE [ Round sizes ]
+A round fills its buffer, plans it, and releases its steps; while they are taken the next round's samples are
+read (NOTE [ Reading ahead ] in epoch/pipeline.py). Two moments of an epoch cannot overlap like that: before the
+first step nothing has been read, and after the last read nothing is left to read while the last round trains.
+With every round of `window` samples, both cost a whole buffer: the first step waits for `window` processed samples
+(4096 by default: 6.9 s at 6 ms per sample on 4 workers) and the epoch's last round trains with idle workers.
+
+So round k's buffer target is `min(window, min_window x 2^k)`: the first round plans after `min_window` samples and
+each round doubles the next, which the workers read while the previous round (half as many samples) trains. When
+the rank's stream has a known length (`left` samples not yet admitted), the target also leaves `min_window` samples
+unread (at most buffered + left - min_window, at least min_window): the round before the last reads all but them,
+while a round of its own size or larger trains, and the last round, which trains with nothing left to read, is short.
+
+Everything here is a function of (config, round index, samples buffered, samples left), which the round's start
+records for resume (`RoundStart.round`, `.buffer`, `.consumed`), so plans stay independent of worker timing
+(G7) and a replayed round fills as the saved one did (G8). Smaller rounds cost utilization in those rounds only:
+a pool of 64 samples packs less tightly than one of 4096 (docs/benchmarks.md "Keeping the accelerator fed").
+`min_window=None` keeps every round at `window`.
+
+`max_buffer_bytes` bounds the same buffer in bytes: `fill_more` is the one rule a fill and the read-ahead follow.
+"""
+
+from __future__ import annotations
+
+from odb_core.settings.config import ODBConfig
+
+_MAX_DOUBLINGS = 62  # 2^62 samples: past any window, and keeps the shift an int64
+
+
+def round_target(config: ODBConfig, round_index: int, buffered: int, left: int | None) -> int:
+    """The buffer size round `round_index` plans at (NOTE [ Round sizes ]); `left`: samples of this rank's stream
+    not yet admitted, None when the stream's length is unknown (an iterable dataset, a sampler without len)."""
+    smallest = config.min_window
+    if smallest is None or smallest >= config.window:
+        return config.window
+    target = min(config.window, smallest << min(round_index, _MAX_DOUBLINGS))
+    if left is not None:
+        target = min(target, max(smallest, buffered + left - smallest))
+    return target
+
+
+def fill_more(config: ODBConfig, buffered_bytes: int) -> bool:
+    """Whether a fill may admit one more sample by the byte bound: until the buffer's payloads reach
+    `max_buffer_bytes`, the sample that reaches it included, so a fill always admits at least one sample."""
+    bound = config.max_buffer_bytes
+    return bound is None or buffered_bytes < bound
