@@ -1,6 +1,7 @@
-"""The overlap benchmark (`python -m benchmarks.overlap`, issue 27) on tiny
+"""The overlap benchmark (`python -m benchmarks.overlap`, issue 27) and the buffer-memory benchmark on tiny
 configurations: every loader reported with finite, positive figures at W = 1 (in this process) and W = 2 (two
-spawned Gloo ranks), ODB's ranks together train every sample exactly once under both plannings."""
+spawned Gloo ranks), ODB's ranks together train every sample exactly once under both plannings, and the memory
+benchmark reports its peaks for both loaders."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import math
 
 import pytest
 
+from benchmarks import buffer_memory
 from benchmarks.lib.accelerator import Step
 from benchmarks.lib.odb_options import parse_options
 from benchmarks.lib.overlap_runs import Setup, run_world
@@ -47,3 +49,11 @@ def test_odb_options_are_read_as_typed_values():
     with pytest.raises(SystemExit):
         parse_options(["window"])
 
+
+@pytest.mark.timeout(60)
+def test_buffer_memory_reports_the_peaks_of_both_loaders(tmp_path):
+    rows = buffer_memory.main(["--samples", "50", "--out", str(tmp_path / "buffer_memory.json")])
+    assert [r["loader"] for r in rows] == ["odb", "plain"]
+    for row in rows:
+        assert row["samples"] == 50 and row["steps"] > 0 and row["added_mib"] >= 0, row
+        assert row["peak_mib"] > 0 and row["workers_mib"] > 0, row
