@@ -4,6 +4,8 @@ Scripts (each runs as `python -m benchmarks.<module>`; none is imported by anoth
   compare, mm_bench                  every peer on the same workloads (writes results/)
   utilization, hot_path,             single measures of odb's own loader
   hot_path_instructions              (hot_path: ODB against a plain DataLoader on three real dataset shapes)
+  overlap, buffer_memory             keeping the accelerator fed: ODB against plain with a simulated device step
+                                     on 1-4 Gloo ranks; the peak memory a loader adds with 1 MiB image samples
   pool_plan                          CPU time of one pooled (global) round's plan at W = 256
   global_scale, move_modes           global against rank-local planning (odb plan at scale), send against fetch
   demo                               `make demo`: CPU fine-tuning, Standard against ODB
@@ -14,8 +16,9 @@ Scripts (each runs as `python -m benchmarks.<module>`; none is imported by anoth
   data.sharegpt_qwen                 comparison/reference_peer.py and data/real_lengths.py
 Libraries (imported, never run):
   lib/          what several benchmarks share: the offline oracle, time to quality, the hot-path loaders, the CPU
-                training launcher
-  data/         the workloads: synthetic lengths, ChitChat, real-data lengths, the MM-Mix-like VLM pipeline
+                training launcher, the simulated accelerator and the overlap runs, peak memory, --odb-option
+  data/         the workloads: synthetic lengths, ChitChat, real-data lengths, the MM-Mix-like VLM pipeline, the
+                overlap and buffer-memory datasets (feeding)
   comparison/   the peers (the reference release among them), the schedule every method produces, batch quality,
                 the Markdown/PNG report
   alignment     compare's exchange-cost part

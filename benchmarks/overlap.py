@@ -1,63 +1,115 @@
-"""Keeping the accelerator fed (issue 27): ODB against a plain padded DataLoader, one process, workers whose
-processing releases the GIL and a simulated device step (benchmarks/lib/accelerator.py).
+"""Keeping the accelerator fed (issue 27): ODB against a plain padded DataLoader on 1, 2 and 4 real Gloo ranks,
+with a simulated device step (benchmarks/lib/accelerator.py) and workers that do each workload's processing
+(benchmarks/data/feeding.py: `sleep`, a GIL-free wait of --process-ms per sample; `tokenize`, real ChitChat
+tokenization; `vlm`, the MM-Mix-like pipeline with real image processing).
 
-    python -m benchmarks.overlap                     # the table of docs/benchmarks.md
-    python -m benchmarks.overlap --process-ms 6 --samples 2000 --windows 4096 512
+    python -m benchmarks.overlap                     # the tables of docs/benchmarks.md
+    python -m benchmarks.overlap --workloads sleep --worlds 1 --process-ms 6 --samples 2000 --windows 4096 512
+    python -m benchmarks.overlap --worlds 2 --odb-option window=512 --odb-option min_window=256
 
 Plain is a padded `DataLoader` with the largest fixed batch that fits the longest sample under the budget, as a
-user without ODB would size it. Both loaders read the same samples with the same workers.
+user without ODB would size it, over a `DistributedSampler`. Both loaders read the same samples with the same
+workers per rank (--workers: one count per --worlds entry, or one for all). The seconds of processing per sample
+of `tokenize` and `vlm` (for the supply) are measured in this process before the runs (--timing-samples).
+`--odb-option key=value` (repeatable; ints, floats, true/false and none are parsed) goes to every ODBDataLoader;
+a `window` given that way replaces --windows. Writes a Markdown table to stdout and JSON to --out.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
+import tempfile
+import warnings
+from pathlib import Path
 
 import torch
 
 from benchmarks import RESULTS
-from benchmarks.lib.accelerator import SlowSamples, drive, pad_collate
-from odb_core import ODBDataLoader
+from benchmarks.data import feeding
+from benchmarks.lib.accelerator import Step
+from benchmarks.lib.odb_options import parse_options
+from benchmarks.lib.overlap_runs import Setup, run_world
 
-BUDGET = 16384
-STEP_US_PER_TOKEN = 1.5
-
-
-def run_case(samples: int, process_ms: float, workers: int, windows: list[int]) -> list[dict]:
-    dataset = SlowSamples(samples, process_ms)
-    fixed = max(BUDGET // max(dataset.lengths), 1)
-    plain = torch.utils.data.DataLoader(dataset, batch_size=fixed, num_workers=workers, collate_fn=pad_collate,
-                                        multiprocessing_context="fork", persistent_workers=False)
-    loaders = [("plain", plain, None)]
-    loaders += [(f"odb window {w}", ODBDataLoader(dataset, token_budget=BUDGET, num_workers=workers, window=w,
-                                                   multiprocessing_context="fork"), w) for w in windows]
-    rows = []
-    for name, loader, window in loaders:
-        run = drive(loader, STEP_US_PER_TOKEN, workers, process_ms, name)
-        rows.append({**run.row(), "process_ms": process_ms, "workers": workers, "fixed_batch": fixed,
-                     "window": window})
-        if window is not None:
-            loader.close()
-    return rows
+DEFAULT_WINDOWS = (4096, 512)
+COLUMNS = ("workload", "W", "planning", "loader", "samples/s", "vs plain", "busy", "efficiency", "first batch s",
+           "training CPU s", "peak RSS MB rank / worker", "supply", "demand")
 
 
-def main() -> None:
+def measured_setups(args: argparse.Namespace, folder: Path) -> list[dict]:
+    """Per workload (and per --process-ms for sleep), what the runs need to know first: plain's fixed batch (from
+    the longest processed sample) and the processing seconds per sample."""
+    out = []
+    for workload in args.workloads:
+        feeding.prepare(workload, folder)
+        for ms in args.process_ms if workload == "sleep" else [0.0]:
+            dataset = feeding.build(workload, args.samples, ms, folder)
+            longest = max(feeding.lengths(workload, dataset))
+            out.append({"workload": workload, "samples": args.samples, "process_ms": ms, "folder": str(folder),
+                        "budget": args.budget, "fixed_batch": max(args.budget // longest, 1),
+                        "process_s": feeding.process_seconds(dataset, args.timing_samples)})
+    return out
+
+
+def windows_and_options(args: argparse.Namespace) -> tuple[tuple[int, ...], dict]:
+    options = parse_options(args.odb_option)
+    if "window" in options:
+        if args.windows is not None:
+            raise SystemExit("give the window once: --windows or --odb-option window=...")
+        return (options.pop("window"),), options
+    return tuple(args.windows or DEFAULT_WINDOWS), options
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    for r in rows:
+        workload = f"sleep {r['process_ms']:g} ms" if r["workload"] == "sleep" else r["workload"]
+        lines.append(f"| {workload} | {r['world_size']} | {r['planning'] or '-'} | {r['loader']} | "
+                     f"{r['samples_per_s']:.0f} | {r['vs_plain']:.2f} | {r['busy']:.2f} | {r['efficiency']:.2f} | "
+                     f"{r['first_batch_s']:.2f} | {r['cpu_s']:.1f} | {r['rss_mb']:.0f} / {r['worker_rss_mb']:.0f} | "
+                     f"{r['supply']:.0f} | {r['demand']:.0f} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--samples", type=int, default=3000)
-    parser.add_argument("--process-ms", type=float, nargs="+", default=[2.0, 6.0])
-    parser.add_argument("--workers", type=int, default=4)
-    parser.add_argument("--windows", type=int, nargs="+", default=[4096, 512], help="ODB buffer sizes to run")
+    parser.add_argument("--workloads", nargs="+", choices=feeding.WORKLOADS, default=list(feeding.WORKLOADS))
+    parser.add_argument("--process-ms", type=float, nargs="+", default=[2.0, 6.0], help="the sleep workload's")
+    parser.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--workers", type=int, nargs="+", default=None,
+                        help="per rank: one count, or one per --worlds entry (default 4 // W, at least 1)")
+    parser.add_argument("--plannings", nargs="+", choices=["global", "local"], default=["global", "local"])
+    parser.add_argument("--windows", type=int, nargs="+", default=None, help="ODB buffer sizes (4096 512)")
+    parser.add_argument("--odb-option", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--budget", type=int, default=16384)
+    parser.add_argument("--step-us-per-token", type=float, default=1.5)
+    parser.add_argument("--no-step-sync", action="store_true", help="no per-step all_reduce between ranks")
+    parser.add_argument("--timing-samples", type=int, default=200)
     parser.add_argument("--out", default=str(RESULTS / "overlap.json"))
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    counts = args.workers or [max(4 // w, 1) for w in args.worlds]
+    if len(counts) not in (1, len(args.worlds)):
+        parser.error("--workers: one count, or one per --worlds entry")
+    workers = dict(zip(args.worlds, counts * len(args.worlds) if len(counts) == 1 else counts))
+    windows, options = windows_and_options(args)
+    warnings.filterwarnings("ignore", message="This DataLoader will create")  # more workers than cores, knowingly
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # the W = 1 runs fork workers from this process
     torch.set_num_threads(1)
-    rows = [row for ms in args.process_ms for row in run_case(args.samples, ms, args.workers, args.windows)]
-    print("| loader | process ms | samples/s | busy | efficiency | first batch s | supply | demand |")
-    print("|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['loader']} | {r['process_ms']:g} | {r['samples_per_s']:.0f} | {r['busy']:.2f} | "
-              f"{r['efficiency']:.2f} | {r['first_batch_s']:.2f} | {r['supply']:.0f} | {r['demand']:.0f} |")
-    with open(args.out, "w") as out:
-        json.dump(rows, out, indent=1)
+    step = Step(us_per_token=args.step_us_per_token, sync=not args.no_step_sync)
+    rows = []
+    with tempfile.TemporaryDirectory() as folder:
+        measured = measured_setups(args, Path(folder))
+        for world in args.worlds:
+            setups = [Setup(**m, workers=workers[world], windows=windows, plannings=tuple(args.plannings),
+                            odb_options=options, step=step) for m in measured]
+            rows += run_world(setups, world)
+            print(markdown([r for r in rows if r["world_size"] == world]) + "\n", flush=True)
+    command = " ".join(["python -m benchmarks.overlap", *(sys.argv[1:] if argv is None else argv)])
+    Path(args.out).write_text(json.dumps({"command": command, "rows": rows}, indent=1))
+    return rows
 
 
 if __name__ == "__main__":

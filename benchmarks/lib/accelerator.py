@@ -1,89 +1,127 @@
-"""What the accelerator sees of a loader: a simulated device step and worker-side processing that both release
-the GIL, and the figures of docs/benchmarks.md "Keeping the accelerator fed" (issue 27).
+"""What the accelerator sees of a loader: a simulated device step, and the figures of docs/benchmarks.md "Keeping
+the accelerator fed" (issue 27), per rank (`drive`) and over the ranks of a run (`aggregate`).
 
 A real training step launches kernels and then waits for the device without holding the GIL; real processing in
 DataLoader workers (image decoding, tokenization in native code) runs in other processes. So the device step here
-is `time.sleep(step_us_per_token x padded tokens)` in the training thread, and a sample's processing is a
-`time.sleep` in the worker's `__getitem__`. Figures per run:
-  * samples/s: samples trained per wall second, first batch included;
-  * busy: the fraction of wall time the simulated device was stepping;
-  * supply: what the workers can produce (workers / processing seconds per sample), demand: what the device can
-    consume (samples / device seconds of this loader's batches); efficiency = samples/s / min(supply, demand);
-  * first batch: seconds from `iter()` to the first batch in hand.
+is `time.sleep(step_us_per_token x padded tokens)` in the training thread (padded tokens: the rows x width of the
+batch's `input_ids`), followed at W > 1 by a one-element all_reduce on the default group when `sync_steps`: the
+gradient all_reduce that makes every rank wait for the slowest one at each step. Figures:
+  * samples/s: samples trained per wall second, first batch included (over ranks: all samples / slowest wall);
+  * busy: the fraction of wall time the simulated device was stepping (over ranks: their mean, and the least);
+  * supply: what the workers can produce (workers of every rank / processing seconds per sample), demand: what
+    the device can consume (samples / device seconds; over ranks: all samples / the largest device seconds);
+    efficiency = samples/s / min(supply, demand);
+  * first batch: seconds from `iter()` to the first batch in hand (over ranks: the slowest);
+  * training CPU s: CPU seconds of the training process (every thread, no worker) during the run (over ranks:
+    the most), what the loader takes from the cores the workers share;
+  * peak RSS: the training process's and its largest worker's (benchmarks/lib/peak_memory.py; over ranks: max).
 """
 
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from dataclasses import asdict, dataclass
 
-import numpy as np
 import torch
+import torch.distributed as dist
+
+from benchmarks.lib.peak_memory import WorkerPeaks, peak_mb, reset_peak
 
 
-class SlowSamples(torch.utils.data.Dataset):
-    """Lognormal token lengths; each `__getitem__` first waits `process_ms` with the GIL released."""
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RankRun:
+    """One rank's run of one loader; `indices` are the dataset indices it trained (ODB's `batch.info.indices`),
+    empty for a loader that does not report them."""
 
-    def __init__(self, n: int, process_ms: float, mean: float = 900.0, cv: float = 1.0, cap: int = 16384,
-                 seed: int = 0) -> None:
-        rng = np.random.default_rng(seed)
-        sigma2 = math.log(1 + cv * cv)
-        raw = rng.lognormal(math.log(mean) - sigma2 / 2, math.sqrt(sigma2), n)
-        self.lengths = np.clip(raw.round(), 8, cap).astype(int).tolist()
-        self.process_s = process_ms / 1e3
-
-    def __len__(self) -> int:
-        return len(self.lengths)
-
-    def __getitem__(self, index: int) -> dict:
-        time.sleep(self.process_s)
-        n = self.lengths[index]
-        ids = (torch.arange(n) * 7 + index) % 31000 + 3
-        return {"input_ids": ids, "labels": ids.clone()}
-
-
-@dataclass(frozen=True)
-class Run:
-    loader: str
+    rank: int
     samples: int
+    steps: int
     wall_s: float
+    cpu_s: float
     device_s: float
     first_batch_s: float
+    rss_mb: float
+    worker_rss_mb: float
+    indices: tuple[int, ...] = ()
+
+    @property
+    def busy(self) -> float:
+        return self.device_s / self.wall_s
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Step:
+    """The simulated device step: `us_per_token` per padded token, then the ranks' per-step all_reduce."""
+
+    us_per_token: float = 1.5
+    sync: bool = True
+
+    def __call__(self, batch) -> float:
+        rows, width = batch["input_ids"].shape
+        seconds = self.us_per_token * 1e-6 * rows * width
+        time.sleep(seconds)
+        if self.sync and dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(torch.zeros(1))
+        return seconds
+
+
+def drive(batches, step: Step, rank: int = 0) -> RankRun:
+    """Train on every batch of `batches` (an iterable of padded dicts) with the simulated device step."""
+    reset_peak()
+    workers = WorkerPeaks().start()
+    start, cpu = time.perf_counter(), time.process_time()
+    first, samples, steps, device, indices = None, 0, 0, 0.0, []
+    for batch in batches:
+        if first is None:
+            first = time.perf_counter() - start
+        device += step(batch)
+        steps += 1
+        info = getattr(batch, "info", None)
+        if info is not None:
+            indices += info.indices
+        samples += len(info.indices) if info is not None else batch["input_ids"].shape[0]
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu
+    worker_mb = workers.stop()
+    return RankRun(rank=rank, samples=samples, steps=steps, wall_s=wall, cpu_s=cpu, device_s=device,
+                   first_batch_s=first or 0.0, rss_mb=peak_mb(), worker_rss_mb=worker_mb,
+                   indices=tuple(indices))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Figures:
+    """A run over every rank: the row of the table (see the module docstring for each figure)."""
+
+    world_size: int
+    samples: int
+    steps: int
+    wall_s: float
     samples_per_s: float
     busy: float
+    busy_min: float
     supply: float
     demand: float
     efficiency: float
+    first_batch_s: float
+    cpu_s: float
+    rss_mb: float
+    worker_rss_mb: float
 
     def row(self) -> dict:
         return asdict(self)
 
 
-def drive(batches, step_us_per_token: float, workers: int, process_ms: float, name: str) -> Run:
-    """Train on every batch of `batches` (an iterable of padded dicts) with the simulated device step."""
-    start = time.perf_counter()
-    first, samples, device = None, 0, 0.0
-    for batch in batches:
-        if first is None:
-            first = time.perf_counter() - start
-        rows, width = batch["input_ids"].shape
-        step = step_us_per_token * 1e-6 * rows * width
-        time.sleep(step)
-        device += step
-        samples += len(batch.info.indices) if hasattr(batch, "info") else rows
-    wall = time.perf_counter() - start
-    supply = workers / (process_ms / 1e3) if process_ms > 0 else math.inf
-    demand = samples / device if device else math.inf
+def aggregate(runs: list[RankRun], workers_per_rank: int, process_s: float) -> Figures:
+    samples = sum(r.samples for r in runs)
+    wall = max(r.wall_s for r in runs)
     rate = samples / wall
-    return Run(loader=name, samples=samples, wall_s=wall, device_s=device, first_batch_s=first or 0.0,
-               samples_per_s=rate, busy=device / wall, supply=supply, demand=demand,
-               efficiency=rate / min(supply, demand))
-
-
-def pad_collate(samples: list[dict]) -> dict:
-    width = max(len(s["input_ids"]) for s in samples)
-    ids = torch.zeros(len(samples), width, dtype=torch.long)
-    for row, s in enumerate(samples):
-        ids[row, : len(s["input_ids"])] = s["input_ids"]
-    return {"input_ids": ids}
+    supply = len(runs) * workers_per_rank / process_s if process_s > 0 else math.inf
+    device = max(r.device_s for r in runs)
+    demand = samples / device if device else math.inf
+    return Figures(world_size=len(runs), samples=samples, steps=max(r.steps for r in runs), wall_s=wall,
+                   samples_per_s=rate, busy=statistics.fmean(r.busy for r in runs),
+                   busy_min=min(r.busy for r in runs), supply=supply, demand=demand,
+                   efficiency=rate / min(supply, demand), first_batch_s=max(r.first_batch_s for r in runs),
+                   cpu_s=max(r.cpu_s for r in runs), rss_mb=max(r.rss_mb for r in runs),
+                   worker_rss_mb=max(r.worker_rss_mb for r in runs))

@@ -1,0 +1,59 @@
+"""The overlap benchmark (`python -m benchmarks.overlap`, issue 27) and the buffer-memory benchmark on tiny
+configurations: every loader reported with finite, positive figures at W = 1 (in this process) and W = 2 (two
+spawned Gloo ranks), ODB's ranks together train every sample exactly once under both plannings, and the memory
+benchmark reports its peaks for both loaders."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from benchmarks import buffer_memory
+from benchmarks.lib.accelerator import Step
+from benchmarks.lib.odb_options import parse_options
+from benchmarks.lib.overlap_runs import Setup, run_world
+
+SAMPLES = 48
+POSITIVE = ("samples_per_s", "vs_plain", "busy", "busy_min", "efficiency", "first_batch_s", "rss_mb", "supply",
+            "demand", "wall_s")
+
+
+def tiny_setup(workers: int) -> Setup:
+    return Setup(workload="sleep", samples=SAMPLES, process_ms=0.5, folder="", budget=4096, fixed_batch=2,
+                 process_s=0.5e-3, workers=workers, windows=(16,), plannings=("global", "local"),
+                 step=Step(us_per_token=0.5))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("world", "workers"), [(1, 2), (2, 1)])
+def test_every_loader_is_reported_and_odb_trains_each_sample_once(world, workers):
+    rows = run_world([tiny_setup(workers)], world)
+    planned = ["global", "local"] if world > 1 else ["any"]
+    assert [(r["loader"], r["planning"]) for r in rows] == [("plain", None)] + [("odb window 16", p) for p in planned]
+    for row in rows:
+        assert row["world_size"] == world and len(row["per_rank"]) == world, row
+        for key in POSITIVE:
+            assert math.isfinite(row[key]) and row[key] > 0, (key, row)
+        # workers that live less than one poll of benchmarks/lib/peak_memory.py (50 ms) are not seen: >= 0
+        assert 0 < row["busy"] <= 1.0 and row["worker_rss_mb"] >= 0, row
+        if row["loader"] == "plain":
+            assert row["samples"] == SAMPLES and row["each_once"] is None
+        else:
+            assert row["samples"] == SAMPLES and row["each_once"] is True, row
+
+
+def test_odb_options_are_read_as_typed_values():
+    assert parse_options(["window=512", "max_buffer_bytes=1e9", "join=false", "max_patches=none", "cost=tokens"]) \
+        == {"window": 512, "max_buffer_bytes": 1e9, "join": False, "max_patches": None, "cost": "tokens"}
+    with pytest.raises(SystemExit):
+        parse_options(["window"])
+
+
+@pytest.mark.timeout(60)
+def test_buffer_memory_reports_the_peaks_of_both_loaders(tmp_path):
+    rows = buffer_memory.main(["--samples", "50", "--out", str(tmp_path / "buffer_memory.json")])
+    assert [r["loader"] for r in rows] == ["odb", "plain"]
+    for row in rows:
+        assert row["samples"] == 50 and row["steps"] > 0 and row["added_mib"] >= 0, row
+        assert row["peak_mib"] > 0 and row["workers_mib"] > 0, row
