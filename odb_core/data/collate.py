@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from itertools import chain
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
 from torch.nn.utils.rnn import pad_sequence
 from torch.utils.data import default_collate
 
-from odb_core.data.sample import IGNORE_INDEX, sequence_length
+from odb_core.data.sample import IGNORE_INDEX, INTEGER_DTYPES, sequence_length
 
 CollateFn = Callable[[list[Any]], Any]
 _IGNORE_INDEX = np.int64(IGNORE_INDEX)
@@ -43,8 +43,16 @@ class PadCollator:
     `attention_mask` is created. `pixel_values`/`image_grid_thw` are concatenated along dim 0 in sample order
     (the Qwen2-VL layout: the model assigns them to image tokens in order), so a group may mix text-only and image
     samples; a text-only sample's missing `mm_token_type_ids` are zeros (all text). Other fields must be in every
-    sample and go through `torch.utils.data.default_collate`.
+    sample and go through `torch.utils.data.default_collate`. It is label-preserving (NOTE [ Label-preserving
+    collators ]); a subclass is not unless its own body says so (it may pad or mask its own way).
     """
+
+    preserves_labels: ClassVar[bool] = True
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "preserves_labels" not in vars(cls):
+            cls.preserves_labels = False
 
     def __init__(self, pad_token_id: int = 0) -> None:
         self.pad_token_id = pad_token_id
@@ -192,3 +200,73 @@ def padded_tokens(batch: Mapping[str, Any], real_tokens: int) -> int:
     """Token slots the batch occupies (numel of `input_ids`), or the real tokens if it is not a tensor."""
     input_ids = batch.get("input_ids")
     return int(input_ids.numel()) if isinstance(input_ids, torch.Tensor) else real_tokens
+
+
+def is_label_preserving(collate_fn: CollateFn) -> bool:
+    """NOTE [ Label-preserving collators ]
+    A collator whose `preserves_labels` attribute is `True` promises the layout of `PadCollator`'s batch in the
+    two fields ODB counts: `labels` holds every sample's own labels right-padded with -100 (no `labels` when no
+    sample has any), and `input_ids` every sample's ids right-padded to the group's longest. A step's supervised
+    tokens (`supervised_tokens`) and padded tokens (`padded_tokens`) are then functions of its samples
+    (`sample_supervised_tokens`, `sample_padded_tokens`; equal on every group, tests/test_collate_on_take.py), so
+    a round counts its steps without collating them and collates each step when it is taken (NOTE [ A step is
+    collated when it is taken ] in odb_core/epoch/collation.py). `PadCollator` declares it; a subclass does not
+    inherit it (it may pad or mask its own way) unless its own body declares it; a wrapper that hands the
+    samples to such a collator and returns its labels and ids untouched may forward it (an attribute or a
+    property). Any other collator, and anything without the attribute (a function, HF's DataCollatorForSeq2Seq
+    and LLaMA-Factory's collators, which may mask, shift or pad labels to a multiple), is not: its batches are
+    counted on the batch itself. The adapters pass the framework's collator through (HF wraps it in its own
+    RemoveColumnsCollator), so only `PadCollator` and what a user declares count from the samples."""
+    return getattr(collate_fn, "preserves_labels", False) is True
+
+
+def sample_supervised_tokens(samples: Sequence[Mapping[str, Any]]) -> int:
+    """`supervised_tokens` of a label-preserving collator's batch of `samples`, without the batch: each sample's
+    `labels[1:] != -100` (padding is -100), or `len(input_ids) - 1` each when no sample has labels. A sample
+    without labels among samples with labels counts nothing: `PadCollator` refuses that group when it collates.
+
+    Hot path (once per step): equal-length tensor rows are stacked and counted as a batch is, other tensor or
+    array rows are joined end to end and counted at once, less each row's first label (~9 and ~11 µs for 16 rows
+    of 64 tokens, against ~4 for counting the collated batch; counted row by row, ~50)."""
+    rows = [s["labels"] for s in samples if "labels" in s]
+    if not rows:
+        return sum(max(len(s["input_ids"]) - 1, 0) for s in samples)
+    stacked = _stacked(rows)
+    if stacked is not None:
+        return supervised_tokens({"labels": stacked}, ())
+    flat = _joined(rows)
+    if flat is None:  # lists, or rows of several kinds
+        return sum(_supervised_in_row(row) for row in rows)
+    supervised = np.not_equal(flat, _IGNORE_INDEX)
+    lengths = np.fromiter([row.shape[0] for row in rows], dtype=np.int64, count=len(rows))
+    starts = (np.cumsum(lengths) - lengths)[lengths > 0]  # each non-empty row's first label, not shifted in
+    return int(np.count_nonzero(supervised)) - int(np.count_nonzero(supervised[starts]))
+
+
+def _joined(rows: list[Any]) -> np.ndarray | None:
+    """The rows end to end as one array, if they are all arrays or all tensors numpy can view (CPU, no grad)."""
+    kind = type(rows[0])
+    if kind is np.ndarray:
+        return np.concatenate(rows) if all(type(row) is np.ndarray for row in rows) else None
+    if kind is not torch.Tensor:
+        return None
+    try:
+        flat = torch.cat(rows)
+    except (RuntimeError, TypeError):  # not all tensors, or on several devices
+        return None
+    return flat.numpy() if flat.is_cpu and not flat.requires_grad and flat.dtype in INTEGER_DTYPES else None
+
+
+def _supervised_in_row(labels: Any) -> int:
+    """`labels[1:] != -100` of one 1-D row: a list by `list.count` (in C), anything else by torch or numpy."""
+    if type(labels) is list or type(labels) is tuple:
+        n = len(labels)
+        return n - 1 - labels.count(IGNORE_INDEX) + int(labels[0] == IGNORE_INDEX) if n else 0
+    if isinstance(labels, torch.Tensor):
+        return int((labels[1:] != IGNORE_INDEX).sum())
+    return int(np.count_nonzero(np.not_equal(np.asarray(labels)[1:], _IGNORE_INDEX)))
+
+
+def sample_padded_tokens(input_lengths: Sequence[int]) -> int:
+    """`padded_tokens` of a label-preserving collator's batch, from its samples' input lengths: rows x longest."""
+    return len(input_lengths) * max(input_lengths)

@@ -4,8 +4,9 @@ NOTE [ Observed cost ]
 A sample's cost is known only after the user's pipeline ran (tokenization, templates, truncation, image-token
 expansion). The default cost length is `len(input_ids)`; vision patches are the rows of `pixel_values`, or the
 sum of t*h*w over `image_grid_thw`, and are capped per group by `max_patches`. A user `length_fn(sample) -> int`
-replaces the default length. Supervised tokens are counted later, on the collated batch, as
-`labels[..., 1:] != -100` (the causal shift), so that whatever the collator does to labels is what is counted.
+replaces the default length. Supervised tokens are those of the collated batch, `labels[..., 1:] != -100` (the
+causal shift), so that whatever the collator does to labels is what is counted; a label-preserving collator's are
+counted from the samples, to the same number (NOTE [ Label-preserving collators ] in collate.py).
 """
 
 from __future__ import annotations

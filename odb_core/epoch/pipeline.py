@@ -5,7 +5,9 @@ NOTE [ One round ]
   2. plan (`rounds.py`): rank-local, all_gather(RankState) + decide + adjust (`RankEngine`); global, also the
      pooled items, the shared plan (`PooledEngine`, NOTE [ Pooled rounds ]) and the moved samples: exactly T
      ordered slots on every rank;
-  3. collate each slot (IDLE: the cached zero-weight dummy) and count its supervised/input tokens;
+  3. count each slot's supervised/input tokens, keeping its samples, not a collated batch (IDLE: the dummy
+     sample, zero counts); a step is collated when the consumer takes it (NOTE [ A step is collated when it is
+     taken ] in collation.py);
   4. all_reduce_sum of 6 ints per slot: global samples, supervised tokens, input tokens, cost, cost^2 and vision
      patches;
   5. release steps; with accumulation_steps = G, a step is released once its G-step window is complete, so
@@ -22,8 +24,9 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from odb_core.data.collate import CollateFn, padded_tokens, run_collate, supervised_tokens
-from odb_core.data.sample import LengthFn, as_dummy, input_tokens
+from odb_core.data.collate import CollateFn
+from odb_core.data.sample import LengthFn
+from odb_core.epoch.collation import Collation, PlannedStep
 from odb_core.epoch.reader import SampleReader
 from odb_core.epoch.stream import Chunk
 from odb_core.planning.alignment import Slot
@@ -110,23 +113,6 @@ class RunContext:
     oversize_warning: Once = field(default_factory=Once)  # NOTE [ Samples over the budget ]
 
 
-@dataclass(frozen=True, slots=True)
-class _Built:
-    """A collated slot and its local counts, before the all_reduce."""
-
-    batch: Mapping[str, Any]
-    indices: tuple[int, ...]
-    samples: int
-    tokens: int
-    input_tokens: int
-    padded: int
-    cost: int
-    patches: int
-
-    def as_ints(self) -> list[int]:
-        return [self.samples, self.tokens, self.input_tokens, self.cost, self.cost * self.cost, self.patches]
-
-
 class EpochRun(Iterator[ODBBatch]):
     """Yields this rank's steps of one epoch. Every rank's `EpochRun` yields the same number of steps.
 
@@ -151,8 +137,9 @@ class EpochRun(Iterator[ODBBatch]):
         self.reader = SampleReader(chunks, ctx.length_fn, ctx.fallback_dummy, ctx.packed_samples, stream_length)
         config = self.engine.config
         target = StepTarget(*config.step_target) if config.step_target is not None else None
-        self.window: AccumulationWindow[_Built] = AccumulationWindow(config.accumulation_steps, target)
-        self.ready: deque[ODBBatch] = deque()
+        self.window: AccumulationWindow[PlannedStep] = AccumulationWindow(config.accumulation_steps, target)
+        self.ready: deque[tuple[PlannedStep, StepInfo]] = deque()  # released, collated when taken
+        self.collation = Collation.of(ctx.collate_fn, ctx.length_fn, release=self.reader.close)
         self.ahead = ReadAhead()  # NOTE [ Reading ahead ]
         self.skip_below = 0
         self.report: EpochReport | None = None
@@ -173,7 +160,8 @@ class EpochRun(Iterator[ODBBatch]):
                 self._close_epoch()
                 raise StopIteration
             self._run_round()
-        return self.ready.popleft()
+        step, info = self.ready.popleft()
+        return ODBBatch(self.collation.take(step), info)  # NOTE [ A step is collated when it is taken ]
 
     def close(self) -> None:
         """Release the worker iterator (and with it the worker processes); called on errors and on shutdown."""
@@ -218,8 +206,8 @@ class EpochRun(Iterator[ODBBatch]):
                              "corrupt, edited, or from other data or settings: resume from another checkpoint")
         if planned.owned_by_step is not None:
             self.log.record_owned(first_step, planned.owned_by_step)
-        built = [self._build(slot, planned) for slot in planned.slots]
-        reduced = self.ctx.transport.all_reduce_sum([x for b in built for x in b.as_ints()])
+        steps = [self._plan_step(slot, planned) for slot in planned.slots]  # samples and counts, no batch
+        reduced = self.ctx.transport.all_reduce_sum([x for step in steps for x in step.counts.as_ints()])
         moved = planned.arrivals
         metrics.rounds += 1
         metrics.splits += planned.n_split
@@ -228,9 +216,9 @@ class EpochRun(Iterator[ODBBatch]):
         metrics.moved_bytes += moved.bytes_in if moved else 0
         metrics.sync_bytes += stats.bytes_sent - bytes_before - (moved.bytes_out if moved else 0)
         metrics.sync_seconds += stats.seconds - seconds_before
-        for k, b in enumerate(built):
+        for k, step in enumerate(steps):
             totals = reduced[k * STEP_SUM_FIELDS : (k + 1) * STEP_SUM_FIELDS]
-            self._stage(b, totals, planned.index, first_step + k)
+            self._stage(step, totals, planned.index, first_step + k)
         metrics.publish_moves()
         finished, reader = self.engine.finished, self.reader
         self.ahead.plan(0 if finished else reader.space(self.engine), reader.byte_space(self.engine), len(self.ready))
@@ -254,57 +242,51 @@ class EpochRun(Iterator[ODBBatch]):
             warn_oversize(self.engine.config, self.engine.oversize, self.ctx.transport.rank,
                           self.ctx.transport.world_size)
 
-    def _build(self, slot: Slot, planned: RankRound) -> _Built:
+    def _plan_step(self, slot: Slot, planned: RankRound) -> PlannedStep:
         if slot is None:
-            batch = run_collate(self.ctx.collate_fn, [as_dummy(self.reader.dummy_sample())], ())
-            return _Built(batch=batch, indices=(), samples=0, tokens=0, input_tokens=0, padded=0, cost=0, patches=0)
+            return self.collation.idle(self.reader.dummy_sample())
         if planned.arrivals is None:  # rank-local planning: every sample is this rank's own (once per step)
             take = self.reader.take
             samples = [take(item.index) for item in slot.items]
         else:
             rank = self.ctx.transport.rank
             samples = [sample_of(item, planned, rank, self.reader.take) for item in slot.items]
-        indices = slot.indices  # a property that builds the tuple: once here
-        batch = run_collate(self.ctx.collate_fn, samples, indices)
-        # without a length_fn an item's length is its input tokens, counted when it was admitted
-        real = (sum(item.length for item in slot.items) if self.ctx.length_fn is None
-                else sum(input_tokens(s) for s in samples))
-        return _Built(batch=batch, indices=indices, samples=slot.size, tokens=supervised_tokens(batch, samples),
-                      input_tokens=real, padded=padded_tokens(batch, real), cost=round(slot.cost),
-                      patches=sum(item.patches for item in slot.items))
+        return self.collation.plan(slot, samples)
 
-    def _stage(self, built: _Built, totals: list[int], round_index: int, step: int) -> None:
+    def _stage(self, planned: PlannedStep, totals: list[int], round_index: int, step: int) -> None:
         g_samples, g_tokens, g_input, g_cost, g_cost_sq, g_patches = totals
+        counts = planned.counts
         imbalance = cost_cv(g_cost, g_cost_sq, self.ctx.transport.world_size)
         # without accumulation every step is an optimizer step of its own: its window fields are its own and known
         # now, so the step is built once and `record_step` counts the optimizer step it ends, as `_release` would
         alone = self.window.size == 1 and self.window.target is None
-        info = StepInfo(epoch=self.epoch, step=step, round=round_index, indices=built.indices,
-                        is_idle=not built.indices, local_samples=built.samples, global_samples=g_samples,
-                        local_tokens=built.tokens, global_tokens=g_tokens, local_input_tokens=built.input_tokens,
-                        global_input_tokens=g_input, padded_tokens=built.padded, cost=float(built.cost),
+        info = StepInfo(epoch=self.epoch, step=step, round=round_index, indices=planned.indices,
+                        is_idle=not planned.indices, local_samples=counts.samples, global_samples=g_samples,
+                        local_tokens=counts.tokens, global_tokens=g_tokens, local_input_tokens=counts.input_tokens,
+                        global_input_tokens=g_input, padded_tokens=counts.padded, cost=float(counts.cost),
                         rank_imbalance=imbalance, window_tokens=g_tokens if alone else -1,
-                        local_patches=built.patches, global_patches=g_patches, window_steps=int(alone),
+                        local_patches=counts.patches, global_patches=g_patches, window_steps=int(alone),
                         window_samples=g_samples if alone else 0)
         self.ctx.metrics.record_step(info)  # replayed steps too: metrics resume from the round start
         if alone:
-            self._emit(built, info)
+            self._emit(planned, info)
         else:
-            self._release(self.window.stage(built, info))
+            self._release(self.window.stage(planned, info))
 
-    def _release(self, window: list[tuple[_Built, StepInfo]]) -> None:
+    def _release(self, window: list[tuple[PlannedStep, StepInfo]]) -> None:
         for released, final in window:
             if final.ends_window:
                 self.ctx.metrics.record_window(final)
             self._emit(released, final)
 
-    def _emit(self, built: _Built, info: StepInfo) -> None:
-        """Hand a step with its window fields to the consumer (unless a resume replays it)."""
+    def _emit(self, planned: PlannedStep, info: StepInfo) -> None:
+        """Hand a step with its window fields to the consumer (unless a resume replays it), to be collated when
+        it is taken."""
         if info.step < self.skip_below:
             return
         if self.ctx.observer is not None:
             self.ctx.observer(info)
-        self.ready.append(ODBBatch(built.batch, info))
+        self.ready.append((planned, info))
 
     def _close_epoch(self) -> None:
         if self.report is not None:
