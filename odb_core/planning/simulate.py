@@ -15,6 +15,7 @@ nodes. The costs are measurements, not part of the plan: two `EpochPlan`s compar
 
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -194,6 +195,28 @@ def _moves(plan: EpochPlan, start: int, layout: NodeLayout) -> Moves:
     return Moves(within=within, across=across)
 
 
+@dataclass(slots=True)
+class Stopwatch:
+    """Process-CPU seconds of the planning calls it times (`with watch: ...`, summed), with the cyclic garbage
+    collector paused inside: the simulator holds every rank's items at once, and a full collection of that heap
+    would be charged to whichever plan it interrupts, a pause no real rank (which holds its own pool) sees."""
+
+    seconds: float = 0.0
+    _start: float = 0.0
+    _collecting: bool = False
+
+    def __enter__(self) -> Stopwatch:
+        self._collecting = gc.isenabled()
+        gc.disable()
+        self._start = time.process_time()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.seconds += time.process_time() - self._start
+        if self._collecting:
+            gc.enable()
+
+
 @dataclass(frozen=True, slots=True)
 class Planned:
     """One simulated round's T and the CPU seconds of its plan on one rank."""
@@ -203,21 +226,19 @@ class Planned:
 
 
 def _local_round(engines: Sequence[RankEngine], active: list[bool], plan: EpochPlan, layout: NodeLayout) -> Planned:
-    seconds, locals_ = [], []
-    for engine, flag in zip(engines, active, strict=True):
-        start = time.process_time()
-        locals_.append(engine.start_round(active=flag))
-        seconds.append(time.process_time() - start)
+    watches, locals_ = [Stopwatch() for _ in engines], []
+    for engine, flag, watch in zip(engines, active, watches, strict=True):
+        with watch:
+            locals_.append(engine.start_round(active=flag))
     decision = engines[0].decide([local.state for local in locals_])
     for rank, engine in enumerate(engines):
-        start = time.process_time()
-        adjustment = engine.finish_round(locals_[rank], decision)
-        seconds[rank] += time.process_time() - start
+        with watches[rank]:
+            adjustment = engine.finish_round(locals_[rank], decision)
         plan.steps[rank].extend(adjustment.slots)
         plan.splits += adjustment.n_split
         plan.pushed_back += adjustment.n_pushed_back
     plan.gathered_ints += len(engines) * len(engines) * STATE_FIELDS
-    return Planned(target=decision.target, seconds=max(seconds))
+    return Planned(target=decision.target, seconds=max(w.seconds for w in watches))
 
 
 def _buffers(engines: Sequence[BufferEngine]) -> list[list[Item]]:
@@ -232,9 +253,8 @@ def _pooled_round(engines: Sequence[PooledEngine], active: list[bool], plan: Epo
     buffers = _buffers(engines)
     request = PoolRequest(active=active, steps_done=first.steps_done,
                           key=RoundKey(seed=first.config.seed, epoch=first.epoch, round=first.round))
-    start = time.process_time()
-    pooled = plan_pooled_round(buffers, request, first.config, first.budget)
-    seconds = time.process_time() - start
+    with Stopwatch() as watch:
+        pooled = plan_pooled_round(buffers, request, first.config, first.budget)
     for engine in engines:
         engine.apply(pooled)
     for rank in range(world):
@@ -243,26 +263,23 @@ def _pooled_round(engines: Sequence[PooledEngine], active: list[bool], plan: Epo
     plan.pushed_back += pooled.n_pushed_back
     widest = max(len(b) for b in buffers)
     plan.gathered_ints += world * world * (STATE_FIELDS + POOL_FIELDS * widest)
-    return Planned(target=pooled.decision.target, seconds=seconds)
+    return Planned(target=pooled.decision.target, seconds=watch.seconds)
 
 
 def _node_round(engines: Sequence[NodeEngine], active: list[bool], plan: EpochPlan, layout: NodeLayout) -> Planned:
     """Cut every node's pool, decide across nodes, deal each node's pool to its ranks (NOTE [ Node-aware rounds ])."""
     nodes = [engines[layout.per_node * n : layout.per_node * (n + 1)] for n in range(layout.n_nodes)]
-    cuts, seconds = [], []
+    cuts, watches, decided = [], [Stopwatch() for _ in nodes], Stopwatch()
     for node, members in enumerate(nodes):
-        start = time.process_time()
-        flags = [active[r] for r in layout.ranks_of(node)]
-        cuts.append(cut_pool(_buffers(members), flags, members[0].budget))
-        seconds.append(time.process_time() - start)
+        buffers = _buffers(members)
+        with watches[node]:
+            cuts.append(cut_pool(buffers, [active[r] for r in layout.ranks_of(node)], members[0].budget))
     states = [members[0].node_state(cut) for members, cut in zip(nodes, cuts, strict=True)]
-    start = time.process_time()
-    decision = engines[0].decide_nodes(states, layout.per_node)
-    decided = time.process_time() - start
+    with decided:
+        decision = engines[0].decide_nodes(states, layout.per_node)
     for node, (members, cut) in enumerate(zip(nodes, cuts, strict=True)):
-        start = time.process_time()
-        dealt = members[0].deal(cut, decision)
-        seconds[node] += time.process_time() - start + decided
+        with watches[node]:
+            dealt = members[0].deal(cut, decision)
         for engine in members:
             engine.apply(dealt)
         base = node * layout.per_node
@@ -273,7 +290,7 @@ def _node_round(engines: Sequence[NodeEngine], active: list[bool], plan: EpochPl
         widest = max(len(b) for b in cut.buffers)
         plan.gathered_ints += layout.per_node ** 2 * (STATE_FIELDS + POOL_FIELDS * widest)
     plan.gathered_ints += layout.world * layout.n_nodes * NODE_FIELDS if layout.n_nodes > 1 else 0
-    return Planned(target=decision.target, seconds=max(seconds))
+    return Planned(target=decision.target, seconds=max(w.seconds for w in watches) + decided.seconds)
 
 
 def _owned_by_rank(slot: Slot, base: int) -> Slot:
@@ -284,3 +301,24 @@ def _owned_by_rank(slot: Slot, base: int) -> Slot:
 
 
 ROUNDS = {"local": _local_round, "global": _pooled_round, "node": _node_round}
+
+
+@dataclass(frozen=True, slots=True)
+class CostSummary:
+    """An epoch's planning costs, for `odb plan --nproc-per-node`: the share of emitted samples that ran on
+    another rank of their owner's node and on another node, and per rank per round (mean over rounds) the
+    metadata received in the plan's own mode and the CPU seconds of its plan."""
+
+    moved_within_fraction: float
+    moved_across_fraction: float
+    metadata_bytes_per_round: float
+    plan_seconds_per_round: float
+
+
+def summarize_costs(plan: EpochPlan) -> CostSummary:
+    rounds, emitted = max(len(plan.costs), 1), max(plan.emitted, 1)
+    mode = {"global": "global_", "node": "node", "local": "local"}[plan.planning]
+    return CostSummary(moved_within_fraction=sum(c.moved_within for c in plan.costs) / emitted,
+                       moved_across_fraction=sum(c.moved_across for c in plan.costs) / emitted,
+                       metadata_bytes_per_round=sum(getattr(c.metadata, mode) for c in plan.costs) / rounds,
+                       plan_seconds_per_round=sum(c.plan_seconds for c in plan.costs) / rounds)
