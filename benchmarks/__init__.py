@@ -8,6 +8,7 @@ Scripts (each runs as `python -m benchmarks.<module>`; none is imported by anoth
                                      on 1-4 Gloo ranks; the peak memory a loader adds with 1 MiB image samples
   pool_plan                          CPU time of one pooled (global) round's plan at W = 256
   global_scale, move_modes           global against rank-local planning (odb plan at scale), send against fetch
+  node_plan                          node-aware against global and rank-local on nodes of 8 ranks (issue 30)
   demo                               `make demo`: CPU fine-tuning, Standard against ODB
   gpu.train_throughput               training throughput and peak memory on one GPU
   workers.*                          the torchrun ranks of the training benchmarks; `workers.training` standalone

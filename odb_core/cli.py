@@ -8,11 +8,15 @@ micro-batches; then one line on the baseline (its fixed batch: budget // longest
 model. `--verbose` adds the rounds, the fraction of samples that move between ranks, the metadata bytes and the
 definitions; `--suggest`, other budgets, listed while an epoch keeps >= SUGGEST_MIN_STEPS optimizer steps.
 Samples over the budget on their own get one warning line on stderr. `--json` prints every figure of every
-report (the suggested budgets unfiltered), as `PlanReport` fields.
+report (the suggested budgets unfiltered), as `PlanReport` fields. `--nproc-per-node P` (ranks per node)
+prints node-aware planning next to global and rank-local on nodes of P ranks, with the moved fractions within and
+across nodes and, per rank per round, the planning metadata received and the plan's CPU seconds (`--json`:
+`PlanReport` and `CostSummary` fields). The figures are computed in plan_report.py.
 
     odb plan lengths.npy --world-size 8 --token-budget 16384 [--cost padded] [--no-join] [--planning local]
     odb plan lengths.txt ...        # one length per line
     odb plan data.jsonl --field input_ids ...   # a list field (its length) or an int field per record
+    odb plan lengths.npy --world-size 256 --nproc-per-node 8 ...   # node-aware, global, rank-local on 32 nodes
 
 Step-time model: t(step) = a + b x (max over ranks of the step's padded tokens) + c x (max over ranks of
 B x max_len^2). Defaults (a=0, b=1, c=0) compare padded tokens; calibrate a, b, c from two or three measured
@@ -23,135 +27,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from collections.abc import Callable, Sequence
 from typing import NoReturn
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, replace
 from pathlib import Path
 
-import numpy as np
-
-from odb_core.data.sharding import shard
-from odb_core.planning.budget import Item, build_budget
-from odb_core.planning.planner import Oversize
-from odb_core.planning.simulate import EpochPlan, is_pooled, simulate_epoch
+from odb_core.plan_report import (PlanReport, StepTimeModel, node_columns, oversize_of, plan_report, read_lengths,
+                                  suggest_budgets)
+from odb_core.planning.nodes import NodePlanning
+from odb_core.planning.simulate import CostSummary
 from odb_core.settings.config import COST_NAMES, ODBConfig
 from odb_core.settings.console import describe_oversize
 
-
-@dataclass(frozen=True, slots=True)
-class StepTimeModel:
-    """t = a + b * padded_tokens + c * batch * max_len^2 per rank; a step lasts as long as its slowest rank."""
-
-    a: float = 0.0
-    b: float = 1.0
-    c: float = 0.0
-
-    def rank_time(self, size: int, longest: int) -> float:
-        return self.b * size * longest + self.c * size * longest * longest if size else 0.0
-
-    def step_time(self, per_rank: Sequence[tuple[int, int]]) -> float:
-        return self.a + max(self.rank_time(size, longest) for size, longest in per_rank)
-
-
-@dataclass(frozen=True, slots=True)
-class PlanReport:
-    world_size: int
-    token_budget: int
-    cost: str
-    join: bool
-    planning: str
-    samples: int
-    steps: int
-    idle_steps: int
-    idle_fraction: float
-    moved_fraction: float
-    budget_utilization: float
-    padding_ratio: float
-    mean_rank_imbalance: float
-    alignment_bytes_per_rank: int
-    rounds: int
-    not_emitted: int
-    standard_batch: int
-    standard_steps: int
-    estimated_speedup: float
-
-
-def read_lengths(path: Path, field: str) -> list[int]:
-    """Lengths from .npy, .txt (one int per line) or .jsonl (a list field's length, or an int field)."""
-    if path.suffix == ".npy":
-        return [int(x) for x in np.load(path).ravel()]
-    if path.suffix == ".jsonl":
-        out = []
-        for line_no, line in enumerate(path.read_text().splitlines(), start=1):
-            if not line.strip():
-                continue
-            value = json.loads(line)[field]
-            if not isinstance(value, int | list):
-                raise ValueError(f"{path}:{line_no}: field {field!r} must be an int or a list, got {type(value)}")
-            out.append(value if isinstance(value, int) else len(value))
-        return out
-    return [int(tok) for tok in path.read_text().split()]
-
-
-def standard_time(streams: list[list[Item]], batch: int, model: StepTimeModel) -> tuple[int, float]:
-    """Steps and modelled time of Standard fixed batching (same shards, same order, batch per rank)."""
-    steps = max(math.ceil(len(s) / batch) for s in streams)
-    total = 0.0
-    for k in range(steps):
-        per_rank = []
-        for s in streams:
-            chunk = s[k * batch : (k + 1) * batch]
-            per_rank.append((len(chunk), max((it.length for it in chunk), default=0)))
-        total += model.step_time(per_rank)
-    return steps, total
-
-
-def odb_time(plan: EpochPlan, model: StepTimeModel) -> float:
-    total = 0.0
-    for k in range(plan.n_steps):
-        per_rank = [(g.size, max(it.length for it in g.items)) if g else (1, 1) for g in
-                    (plan.steps[r][k] for r in range(len(plan.steps)))]
-        total += model.step_time(per_rank)
-    return total
-
-
-def plan_report(lengths: Sequence[int], config: ODBConfig, world: int, model: StepTimeModel) -> PlanReport:
-    streams = shard(lengths, world, config.seed)
-    plan = simulate_epoch(streams, config, max_rounds=len(lengths) + 2)
-    slots = [g for rank in plan.steps for g in rank]
-    real = sum(g.tokens for g in slots if g)
-    padded = sum(g.size * max(it.length for it in g.items) for g in slots if g)
-    costs = [[(g.cost if g else 0.0) for g in rank] for rank in plan.steps]
-    imbalance = [float(np.std(col) / np.mean(col)) if np.mean(col) > 0 else 0.0 for col in zip(*costs, strict=True)]
-    longest = max(lengths)
-    batch = max(config.token_budget // longest, 1)
-    std_steps, std_time = standard_time(streams, batch, model)
-    idle = sum(g is None for g in slots)
-    return PlanReport(
-        world_size=world, token_budget=config.token_budget, cost=config.cost, join=config.join,
-        planning=config.planning if is_pooled(config, world) else "local", samples=len(lengths), steps=plan.n_steps,
-        idle_steps=idle, idle_fraction=idle / len(slots) if slots else 0.0,
-        moved_fraction=plan.moved / plan.emitted if plan.emitted else 0.0,
-        budget_utilization=real / (plan.n_steps * world * config.token_budget) if plan.n_steps else 0.0,
-        padding_ratio=1 - real / padded if padded else 0.0,
-        mean_rank_imbalance=float(np.mean(imbalance)) if imbalance else 0.0,
-        alignment_bytes_per_rank=8 * (plan.gathered_ints + plan.reduced_ints) // world,
-        rounds=plan.rounds, not_emitted=sum(len(x) for x in plan.not_emitted), standard_batch=batch,
-        standard_steps=std_steps, estimated_speedup=std_time / odb_time(plan, model) if plan.n_steps else 0.0)
-
-
-def suggest_budgets(lengths: Sequence[int], base: ODBConfig, world: int, model: StepTimeModel) -> list[PlanReport]:
-    """Reports for budgets from the longest sample up to 16x it (powers of two); fits in memory is yours."""
-    longest = max(lengths)
-    budgets = sorted({max(longest, 1 << math.ceil(math.log2(longest))) * f for f in (1, 2, 4, 8, 16)})
-    return [plan_report(lengths, ODBConfig(**{**_config_fields(base), "token_budget": b}), world, model)
-            for b in budgets]
-
-
-def _config_fields(config: ODBConfig) -> dict:
-    return {name: getattr(config, name) for name in ODBConfig.__slots__}  # type: ignore[attr-defined]
+__all__ = ["PlanReport", "StepTimeModel", "main", "plan_report", "read_lengths", "suggest_budgets"]
 
 
 SUGGEST_MIN_STEPS = 10  # `--suggest` lists a budget while an epoch keeps this many optimizer steps
@@ -171,6 +60,12 @@ VERBOSE_ROWS: tuple[tuple[str, Cell], ...] = (
     ("moved fraction", lambda r: f"{r.moved_fraction:.3f}"),
     ("metadata bytes per rank", lambda r: str(r.alignment_bytes_per_rank)),
 )
+NODE_ROWS: tuple[tuple[str, Callable[[CostSummary], str]], ...] = (
+    ("moved within nodes", lambda c: f"{c.moved_within_fraction:.3f}"),
+    ("moved across nodes", lambda c: f"{c.moved_across_fraction:.3f}"),
+    ("metadata B/rank/round", lambda c: f"{c.metadata_bytes_per_round:.0f}"),
+    ("plan s/rank/round", lambda c: f"{c.plan_seconds_per_round:.4f}"),
+)
 MULTI_RANK_ROWS = frozenset({"rank imbalance", "IDLE micro-batches", "moved fraction"})  # not printed at W = 1
 DEFINITIONS = (
     "budget utilization: real tokens / (steps x ranks x token budget); padding ratio: pad tokens / padded tokens",
@@ -187,10 +82,13 @@ DEFINITIONS = (
 def _column(report: PlanReport) -> str:
     if report.world_size == 1:
         return "ODB"
+    if report.planning == "node":
+        return "ODB node-aware"
     return "ODB global" if report.planning == "global" else "ODB rank-local"
 
 
-def _print_reports(reports: Sequence[PlanReport], longest: int, model: StepTimeModel, verbose: bool) -> None:
+def _print_reports(reports: Sequence[PlanReport], longest: int, model: StepTimeModel, verbose: bool,
+                   costs: Sequence[CostSummary] = ()) -> None:
     """One labelled column per report (global and rank-local side by side at W > 1), then what the figures mean."""
     first = reports[0]
     ranks = f"{first.world_size} rank{'s' if first.world_size > 1 else ''}"
@@ -203,8 +101,12 @@ def _print_reports(reports: Sequence[PlanReport], longest: int, model: StepTimeM
     print(" " * width + "".join(f"{_column(r):>16}" for r in reports))
     for label, cell in rows:
         print(f"{label:<{width}}" + "".join(f"{cell(r):>16}" for r in reports))
+    for label, cost_cell in NODE_ROWS if costs else ():
+        print(f"{label:<{width}}" + "".join(f"{cost_cell(c):>16}" for c in costs))
     print()
-    if first.world_size > 1 and len(reports) > 1:
+    if costs:
+        print("ODB node-aware: each node plans its own ranks' samples and the nodes align their step counts")
+    if first.world_size > 1 and len(reports) > 1 and not costs:
         print("ODB global: one plan over every rank's samples (the loader's default); rank-local: each rank its own")
     if first.standard_batch * longest > first.token_budget:
         why = f"the longest sample, {longest} tokens, is over the budget on its own"
@@ -246,15 +148,6 @@ def _print_suggestions(suggested: Sequence[PlanReport], config: ODBConfig, longe
               "accelerator's memory")
 
 
-def oversize_of(lengths: Sequence[int], config: ODBConfig) -> Oversize:
-    """The samples over the budget on their own, as the loader counts them (`BufferEngine.admit`)."""
-    budget, oversize = build_budget(config), Oversize()
-    for item in (Item(0, length) for length in lengths):
-        if not budget.alone_fits(item):
-            oversize.add(item, budget.alone_cost(item))
-    return oversize
-
-
 class OneLineParser(argparse.ArgumentParser):
     """argparse whose errors are one line on stderr (exit 2); `--help` prints the usage and exits 0."""
 
@@ -283,6 +176,8 @@ def build_parser() -> OneLineParser:
     p.add_argument("--no-join", action="store_true", help="quota closure instead of draining every rank")
     p.add_argument("--planning", choices=("both", "global", "local"), default="both",
                    help="global (the loader's default at W > 1), rank-local, or both side by side")
+    p.add_argument("--nproc-per-node", type=int, default=None,
+                   help="ranks per node: also node-aware planning, with moves and costs per rank per round")
     p.add_argument("--accumulation-steps", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--time-model", type=float, nargs=3, metavar=("A", "B", "C"), default=(0.0, 1.0, 0.0))
@@ -310,6 +205,8 @@ def plan(args: argparse.Namespace) -> int:
                          accumulation_steps=args.accumulation_steps, planning=planning, seed=args.seed)
                for planning in plannings]
     model = StepTimeModel(*args.time_model)
+    if args.nproc_per_node is not None:
+        return plan_by_node(args, lengths, configs[0], model)
     reports = [plan_report(lengths, config, args.world_size, model) for config in configs]
     suggested = suggest_budgets(lengths, configs[0], args.world_size, model) if args.suggest else []
     oversize = oversize_of(lengths, configs[0])
@@ -321,6 +218,19 @@ def plan(args: argparse.Namespace) -> int:
     _print_reports(reports, max(lengths), model, args.verbose)
     if suggested:
         _print_suggestions(suggested, configs[0], max(lengths))
+    return 0
+
+
+def plan_by_node(args: argparse.Namespace, lengths: list[int], config: ODBConfig, model: StepTimeModel) -> int:
+    """`odb plan --nproc-per-node P`: node-aware next to global and rank-local (ValueError on a bad layout)."""
+    if args.planning != "both" or args.suggest:
+        raise ValueError("--nproc-per-node compares the three planning modes: drop --planning and --suggest")
+    NodePlanning(args.nproc_per_node).layout(args.world_size)  # per node must divide the world size
+    columns = node_columns(lengths, replace(config, planning="global"), args.world_size, model, args.nproc_per_node)
+    if args.json:
+        print(json.dumps([{**asdict(r), **asdict(c)} for r, c in columns], indent=2))
+    else:
+        _print_reports([r for r, _ in columns], max(lengths), model, args.verbose, [c for _, c in columns])
     return 0
 
 

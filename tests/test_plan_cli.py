@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 from pathlib import Path
 
@@ -108,3 +109,31 @@ def test_the_readme_shows_what_odb_plan_prints():
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     assert "`odb plan tests/data/plan_lengths.txt --world-size 2 --token-budget 2048` prints" in readme
     assert "```\n" + (DATA / "plan_two_ranks.txt").read_text() + "```\n" in readme
+
+
+def _seconds_masked(text: str) -> str:
+    """The plan-seconds row is a CPU-time measurement: the golden file holds <seconds> in its place."""
+    return re.sub(r"^(plan s/rank/round +).*$", r"\1<seconds>", text, flags=re.M)
+
+
+def test_plan_by_node_prints_node_aware_next_to_global_and_rank_local(capsys):
+    """Golden text (tests/data/plan_nodes.txt, the CPU seconds masked): 8 ranks on 2 nodes of 4; node-aware moves
+    nothing across nodes and receives about half of global's metadata per round; the seconds are numbers."""
+    assert main(["plan", str(LENGTHS), "--world-size", "8", "--nproc-per-node", "4", "--token-budget", "2048"]) == 0
+    out = capsys.readouterr().out
+    assert _seconds_masked(out) == (DATA / "plan_nodes.txt").read_text()
+    seconds = re.search(r"^plan s/rank/round +(.*)$", out, flags=re.M).group(1).split()
+    assert len(seconds) == 3 and all(float(s) >= 0 for s in seconds)
+
+
+def test_plan_by_node_json_adds_the_cost_fields_and_refuses_a_layout_that_does_not_divide(capsys):
+    assert main(["plan", str(LENGTHS), "--world-size", "6", "--nproc-per-node", "3", "--token-budget", "2048",
+                 "--json"]) == 0
+    reports = json.loads(capsys.readouterr().out)
+    assert [r["planning"] for r in reports] == ["node", "global", "local"]
+    assert [list(r) for r in reports] == [OLD_JSON_KEYS + ["moved_within_fraction", "moved_across_fraction",
+                                                           "metadata_bytes_per_round", "plan_seconds_per_round"]] * 3
+    assert reports[0]["moved_across_fraction"] == 0 and reports[1]["moved_across_fraction"] > 0
+    assert reports[0]["metadata_bytes_per_round"] < reports[1]["metadata_bytes_per_round"]
+    assert main(["plan", str(LENGTHS), "--world-size", "6", "--nproc-per-node", "4", "--token-budget", "2048"]) == 2
+    assert "per_node=4 must be >= 1 and divide the world size 6" in capsys.readouterr().err

@@ -126,29 +126,65 @@ class PoolRequest:
     key: RoundKey
 
 
-def plan_pooled_round(buffers: Sequence[Sequence[Item]], request: PoolRequest, config: ODBConfig,
-                      budget: GroupBudget | None = None) -> PooledRound:
-    """The round's plan over every rank's buffer (see NOTE [ Pooled rounds ]). Pure and deterministic."""
-    budget = budget if budget is not None else build_budget(config)
-    world = len(buffers)
+@dataclass(frozen=True, slots=True)
+class PoolCut:
+    """A pool sorted and cut into groups (steps 1-2 of NOTE [ Pooled rounds ]), before T is known: what the
+    termination strategy decides on (`facts`) and what `deal_pool` deals. Node-aware rounds (NOTE [ Node-aware
+    rounds ] in nodes.py) cut each node's pool, exchange its facts across nodes, then deal."""
+
+    buffers: Sequence[Sequence[Item]]
+    groups: Sequence[Group]
+    n_ready: int  # all groups but the held tail
+    any_active: bool
+
+    def facts(self) -> PoolFacts:
+        return PoolFacts(any_active=self.any_active, n_ready=self.n_ready, n_groups=len(self.groups),
+                         world=len(self.buffers))
+
+
+def cut_pool(buffers: Sequence[Sequence[Item]], active: Sequence[bool], budget: GroupBudget) -> PoolCut:
+    """Sort the pool (a total order) and cut it with the rank-local greedy; the tail is held while a stream is
+    active unless it is all carried over (NOTE [ No starving ]). Pure; O(P log P) for P pooled items."""
     groups = pack_sorted(sort_longest_first([it for b in buffers for it in b], by_owner=True), budget)
-    any_active = any(request.active)
+    any_active = any(active)
     hold_tail = any_active and len(groups) > 1 and not all(it.carried for it in groups[-1].items)
-    n_ready = len(groups) - 1 if hold_tail else len(groups)
-    decision = build_termination(config.join).decide_pooled(
-        PoolFacts(any_active=any_active, n_ready=n_ready, n_groups=len(groups), world=world))
-    decision = align_to_accumulation(decision, request.steps_done, config.accumulation_steps)
+    return PoolCut(buffers=buffers, groups=groups, n_ready=len(groups) - 1 if hold_tail else len(groups),
+                   any_active=any_active)
+
+
+def deal_pool(cut: PoolCut, decision: Decision, key: RoundKey, config: ODBConfig, budget: GroupBudget) -> PooledRound:
+    """Steps 4-6 of NOTE [ Pooled rounds ]: emit `decision.target` bands of W groups and deal them to the ranks.
+    Pure and deterministic; every pooled item ends in exactly one emitted group or in its owner's `kept`."""
+    world, groups = len(cut.buffers), cut.groups
     slots = decision.target * world
-    eligible = len(groups) if decision.final else n_ready  # the final round may emit the tail too
+    eligible = len(groups) if decision.final else cut.n_ready  # the final round may emit the tail too
     fullest = sorted(range(eligible), key=lambda i: (_fresh(groups[i]), -groups[i].cost, i))[:slots]
     emitted = [groups[i] for i in sorted(fullest)]
     n_split = split_widest(emitted, slots, budget)
     ranked = sorted(range(len(emitted)), key=lambda i: (-emitted[i].cost, i))
     by_cost: list[Slot] = [emitted[i] for i in ranked] + [None] * (slots - len(emitted))
     bands = [_assign_band(by_cost[k * world : (k + 1) * world], world) for k in range(decision.target)]
-    order = step_permutation(len(bands), request.key, config.shuffle_steps)
-    return PooledRound(steps=tuple(tuple(bands[p]) for p in order), kept=_kept(buffers, emitted),
+    order = step_permutation(len(bands), key, config.shuffle_steps)
+    return PooledRound(steps=tuple(tuple(bands[p]) for p in order), kept=_kept(cut.buffers, emitted),
                        decision=decision, n_split=n_split, n_pushed_back=len(groups) - len(fullest))
+
+
+def plan_pooled_round(buffers: Sequence[Sequence[Item]], request: PoolRequest, config: ODBConfig,
+                      budget: GroupBudget | None = None) -> PooledRound:
+    """The round's plan over every rank's buffer (see NOTE [ Pooled rounds ]). Pure and deterministic."""
+    budget = budget if budget is not None else build_budget(config)
+    cut = cut_pool(buffers, request.active, budget)
+    decision = build_termination(config.join).decide_pooled(cut.facts())
+    decision = align_to_accumulation(decision, request.steps_done, config.accumulation_steps)
+    return deal_pool(cut, decision, request.key, config, budget)
+
+
+def pool_buffers(states: Sequence[RankState], pooled: Sequence[Sequence[int]]) -> list[list[Item]]:
+    """Every rank's buffer from the gathered states and `pool_ints()` (rank order; owner = position)."""
+    return [[Item(index=ints[k], length=ints[k + 1], patches=ints[k + 2], owner=rank,
+                  carried=k < POOL_FIELDS * state.n_carried)
+             for k in range(0, POOL_FIELDS * state.n_samples, POOL_FIELDS)]
+            for rank, (state, ints) in enumerate(zip(states, pooled, strict=True))]
 
 
 class PooledEngine(BufferEngine):
@@ -166,10 +202,7 @@ class PooledEngine(BufferEngine):
     def finish_round(self, states: Sequence[RankState], pooled: Sequence[Sequence[int]]) -> PooledRound:
         """The shared plan from every rank's state and `pool_ints()` (rank order); keeps this rank's share."""
         check_same_progress(states, self.round, self.epoch)
-        buffers = [[Item(index=ints[k], length=ints[k + 1], patches=ints[k + 2], owner=rank,
-                         carried=k < POOL_FIELDS * state.n_carried)
-                    for k in range(0, POOL_FIELDS * state.n_samples, POOL_FIELDS)]
-                   for rank, (state, ints) in enumerate(zip(states, pooled, strict=True))]
+        buffers = pool_buffers(states, pooled)
         request = PoolRequest(active=[s.active for s in states], steps_done=self.steps_done,
                               key=RoundKey(seed=self.config.seed, epoch=self.epoch, round=self.round))
         plan = plan_pooled_round(buffers, request, self.config, self.budget)
