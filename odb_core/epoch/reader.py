@@ -27,20 +27,20 @@ class Payloads:
     an index). The common case, one payload per index, is a plain dict entry; repeats wait in `more`. `bytes` is
     the `payload_bytes` of the samples held (what `max_buffer_bytes` bounds)."""
 
-    first: dict[int, Any] = field(default_factory=dict)
-    more: dict[int, deque[Any]] = field(default_factory=dict)
+    first: dict[int, tuple[Any, int]] = field(default_factory=dict)  # index -> (sample, its payload bytes)
+    more: dict[int, deque[tuple[Any, int]]] = field(default_factory=dict)
     bytes: int = 0
 
     def put(self, index: int, sample: Any, nbytes: int) -> None:
         self.bytes += nbytes
         if index in self.first:
-            self.more.setdefault(index, deque()).append(sample)
+            self.more.setdefault(index, deque()).append((sample, nbytes))
         else:
-            self.first[index] = sample
+            self.first[index] = (sample, nbytes)
 
     def take(self, index: int) -> Any:
-        sample = self.first.pop(index)
-        self.bytes -= payload_bytes(sample)
+        sample, nbytes = self.first.pop(index)
+        self.bytes -= nbytes
         waiting = self.more.get(index)
         if waiting:
             self.first[index] = waiting.popleft()
@@ -62,6 +62,7 @@ class SampleReader:
         self.packed = packed  # worker processes send small tensors as arrays (sendable.PackedTensor)
         self.stream_length = stream_length
         self.pending: deque[tuple[int, Any]] = deque()
+        self.pending_sizes: deque[int] = deque()  # `payload_bytes` of each pending sample, measured once
         self.pending_bytes = 0
         self.payloads = Payloads()
         self.take = self.payloads.take  # a buffered payload by dataset index (bound once: per-sample hot path)
@@ -114,9 +115,9 @@ class SampleReader:
                     return False
                 self._extend(chunk)
             index, sample = pending.popleft()
+            nbytes = self.pending_sizes.popleft()
             if self.packed:
                 sample = unpack_sample(sample)
-            nbytes = payload_bytes(sample)
             self.pending_bytes -= nbytes
             item = inspect_sample(index, sample, length_fn)
             admit(item)
@@ -149,8 +150,11 @@ class SampleReader:
             raise
 
     def _extend(self, chunk: Chunk) -> None:
+        """Queue a chunk's samples with their payload bytes (a packed array weighs what its tensor does)."""
+        sizes = [payload_bytes(sample) for _, sample in chunk]
         self.pending.extend(chunk)
-        self.pending_bytes += sum(payload_bytes(sample) for _, sample in chunk)
+        self.pending_sizes.extend(sizes)
+        self.pending_bytes += sum(sizes)
 
     def _offer_dummy(self, index: int, sample: Mapping[str, Any], patches: int) -> None:
         """NOTE [ IDLE dummy ] The dummy is the first sample this rank read, replaced once by the first one with
