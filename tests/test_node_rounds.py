@@ -9,6 +9,7 @@ checks (docs/guarantees.md, "Node-aware rounds").
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -18,6 +19,7 @@ from node_cases import (NODE, WORLD, Job, emitted, node_config, read_items, run_
 from odb_core import DesyncError, ODBDataLoader, run_virtual_ranks, simulate_epoch
 from odb_core.planning.nodes import NodePlanning
 from odb_core.resume.resume import merge_states
+from odb_core.settings.console import describe
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -122,3 +124,10 @@ def test_gloo_two_nodes_of_two_ranks_align_move_within_nodes_and_resume(tmp_path
         for r in ranks:
             assert r["resumed"] == r["steps"][3:], name
             assert r["metrics"]["moved_samples"] > 0 or name.startswith("stream")
+
+
+def test_the_console_line_names_node_aware_planning_and_one_node_stays_as_it_was():
+    config = node_config("map-join")
+    assert "mode node-aware global planning (2 nodes) + join" in describe(config, WORLD, "HF Trainer", n_nodes=2)
+    assert "mode global planning + join" in describe(config, WORLD, "HF Trainer")
+    assert "mode cluster planning + join" in describe(replace(config, planning="cluster"), WORLD, "HF Trainer", 2)
