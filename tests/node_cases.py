@@ -49,9 +49,9 @@ def stream_length(rank: int, k: int) -> int:
     return 8 + (k * 37 + rank * 101) % (120 if rank < NODE else 500)
 
 
-def node_config(name: str, nproc_per_node: int | None = NODE) -> ODBConfig:
+def node_config(name: str, nproc_per_node: int | None = NODE, planning: str = "global") -> ODBConfig:
     return ODBConfig(token_budget=1024, window=32, min_window=16, join=name.endswith("-join") and "non" not in name,
-                     nproc_per_node=nproc_per_node, seed=5)
+                     nproc_per_node=nproc_per_node, seed=5, planning=planning)
 
 
 class RankStream(IterableDataset):
@@ -66,8 +66,9 @@ class RankStream(IterableDataset):
             yield {"input_ids": torch.arange(n) % 97 + 3, "labels": torch.arange(n) % 97 + 3}
 
 
-def scenario_loader(name: str, rank: int, transport: Any, nproc_per_node: int | None = NODE) -> ODBDataLoader:
-    config = node_config(name, nproc_per_node)
+def scenario_loader(name: str, rank: int, transport: Any, nproc_per_node: int | None = NODE,
+                    planning: str = "global") -> ODBDataLoader:
+    config = node_config(name, nproc_per_node, planning)
     if name.startswith("stream"):
         return ODBDataLoader(RankStream(rank), config=config, transport=transport, shard_iterable=False)
     sampler = None if name == "map-join" else list(range(*SAMPLER_BLOCKS[rank]))

@@ -126,6 +126,30 @@ def test_gloo_two_nodes_of_two_ranks_align_move_within_nodes_and_resume(tmp_path
             assert r["metrics"]["moved_samples"] > 0 or name.startswith("stream")
 
 
+def test_cluster_planning_keeps_one_pool_across_nodes_and_moves_samples_between_them():
+    def rank_main(rank: int, transport) -> dict[str, Any]:
+        loader = scenario_loader("map-join", rank, transport, planning="cluster")
+        return {"steps": [list(b.info.indices) for b in loader], "read": [int(i) for i in loader.sampler]}
+
+    ranks = run_virtual_ranks(rank_main, WORLD, timeout_s=60)
+    plan = simulate_epoch([read_items("map-join", r["read"]) for r in ranks], node_config("map-join"))
+    assert [r["steps"] for r in ranks] == [[list(s.indices) if s else [] for s in steps] for steps in plan.steps]
+    assert plan.planning == "global"
+    reader = {i: rank for rank, r in enumerate(ranks) for i in r["read"]}
+    assert any(reader[i] // NODE != rank // NODE for rank, r in enumerate(ranks) for i in emitted(r))
+
+
+@pytest.mark.parametrize("name", ["map-join", "map-non-join"])
+def test_the_exact_schedule_is_the_node_aware_epoch(name):
+    def rank_main(rank: int, transport) -> tuple[int, int]:
+        loader = scenario_loader(name, rank, transport)
+        planned = loader.plan_epochs_exactly([0]).micro_batches[0]
+        return planned, sum(1 for _ in loader)
+
+    counts = run_virtual_ranks(rank_main, WORLD, timeout_s=60)
+    assert len(set(counts)) == 1 and counts[0][0] == counts[0][1]
+
+
 def test_the_console_line_names_node_aware_planning_and_one_node_stays_as_it_was():
     config = node_config("map-join")
     assert "mode node-aware global planning (2 nodes) + join" in describe(config, WORLD, "HF Trainer", n_nodes=2)
