@@ -52,6 +52,9 @@ BAD_VALUES: list[tuple[str, Any, dict[str, Any]]] = [
     ("tokens_per_step", 4096, {"samples_per_step": 32}),  # one target, not two
     ("planning", "pooled", {}),
     ("planning", None, {}),
+    ("nproc_per_node", 0, {}),
+    ("nproc_per_node", 2.0, {}),
+    ("nproc_per_node", True, {}),
     ("move", "copy", {}),
     ("move", True, {}),
     ("seed", 1.5, {}),

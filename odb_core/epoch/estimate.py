@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from odb_core.data.sample import LengthFn, inspect_sample
 from odb_core.epoch.stream import SampleStream
 from odb_core.planning.budget import Item
+from odb_core.planning.nodes import NodePlanning
 from odb_core.planning.simulate import is_pooled, simulate_epoch
 from odb_core.ranks.sync import Transport
 from odb_core.settings.config import ODBConfig
@@ -25,14 +26,15 @@ def _stretched(observed: list[Item], count: int) -> list[Item]:
 
 
 def estimate_steps(stream: SampleStream, config: ODBConfig, *, epoch: int, length_fn: LengthFn | None,
-                   transport: Transport, sample_size: int) -> int:
+                   transport: Transport, sample_size: int, per_node: int | None = None) -> int:
     """The next epoch's step count, the same on every rank (see `ODBDataLoader.estimate_steps`).
 
     Reads up to `sample_size` of this rank's samples (evenly spaced in sampler order) in the calling process and
     stretches their facts over this rank's sample count. Rank-local planning runs this rank's epoch on the
     virtual cluster at W=1 and agrees on the max (join) or min (non-join) with one all_gather of one int. Global
     planning gathers every rank's sample (one all_gather of 2 + 2 x sample_size ints per rank) and runs the
-    pooled epoch of all of them on W virtual ranks, so every rank computes the same figure.
+    pooled epoch of all of them on W virtual ranks, so every rank computes the same figure (node-aware with
+    `per_node` ranks per node, the loader's layout: None is one node).
     """
     if stream.size is None:
         raise TypeError("estimate_steps() needs a map-style dataset: an IterableDataset has no known size")
@@ -53,7 +55,7 @@ def estimate_steps(stream: SampleStream, config: ODBConfig, *, epoch: int, lengt
         sample = [Item(index=k, length=values[2 + FACTS * k], patches=values[3 + FACTS * k])
                   for k in range(n_observed)]
         streams.append(_stretched(sample, count))
-    return simulate_epoch(streams, config, epoch=epoch).n_steps
+    return simulate_epoch(streams, config, epoch=epoch, nodes=_nodes(per_node)).n_steps
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,12 +67,13 @@ class ExactPlan:
 
 
 def plan_epochs_exactly(stream: SampleStream, config: ODBConfig, *, epochs: Sequence[int],
-                        length_fn: LengthFn | None, transport: Transport) -> ExactPlan:
+                        length_fn: LengthFn | None, transport: Transport, per_node: int | None = None) -> ExactPlan:
     """NOTE [ Exact schedule ]
     The real step plan of `epochs`, computed before training, identically on every rank. Each rank reads the
     facts (index, length, patches) of every sample of its shard once (one pass over its samples in the calling
     process), and per epoch one all_gather of its count and one of its (index, length, patches) in sampler order;
-    then every rank runs the epoch on the virtual cluster (`simulate_epoch`, the loader's own round code), which
+    then every rank runs the epoch on the virtual cluster (`simulate_epoch`, the loader's own round code, on its
+    node layout: `per_node` ranks per node), which
     yields the same groups as the real run because the plan is a pure function of these facts (G7). Optimizer
     steps are G micro-batches, or with `samples_per_step` the windows of the same rule the loader applies
     (`StepTarget.count_steps`). Not possible, and refused with TypeError: an iterable dataset (no index order),
@@ -94,8 +97,13 @@ def plan_epochs_exactly(stream: SampleStream, config: ODBConfig, *, epochs: Sequ
         mine = [x for i in order for x in (i, facts[i].length, facts[i].patches)]
         streams = [[Item(index=v[1 + 3 * k], length=v[2 + 3 * k], patches=v[3 + 3 * k]) for k in range(v[0])]
                    for v in transport.all_gather([len(order), *mine, *[0] * (3 * (widest - len(order)))])]
-        plan = simulate_epoch(streams, config, epoch=epoch)
+        plan = simulate_epoch(streams, config, epoch=epoch, nodes=_nodes(per_node))
         micro.append(plan.n_steps)
         optimizer.append(StepTarget(*target).count_steps(plan.global_sizes()) if target is not None
                          else math.ceil(plan.n_steps / config.accumulation_steps))
     return ExactPlan(micro_batches=tuple(micro), optimizer_steps=tuple(optimizer))
+
+
+def _nodes(per_node: int | None) -> NodePlanning | None:
+    """The loader's node layout for the simulator (node-aware rounds; one node plans as global planning)."""
+    return NodePlanning(per_node) if per_node is not None else None

@@ -29,6 +29,7 @@ from odb_core.epoch.estimate import ExactPlan, estimate_steps, plan_epochs_exact
 from odb_core.epoch.pipeline import EpochReport, EpochRun, RunContext
 from odb_core.epoch.prefetch import BackgroundIterator
 from odb_core.epoch.stream import SampleStream, StreamOptions
+from odb_core.ranks.node_groups import node_layout, node_transports
 from odb_core.ranks.rounds import RoundsFactory, move_mode
 from odb_core.ranks.sync import Transport, default_transport
 from odb_core.resume.cursor import EpochCursor
@@ -138,12 +139,13 @@ class ODBDataLoader:
         self._stream = SampleStream(dataset, stream_options, rank=self.transport.rank,
                                     world_size=self.transport.world_size)
         self.sampler = self._stream.sampler
+        self.layout = node_layout(config, self.transport.world_size)  # node-aware rounds: NOTE [ Node groups ]
         self.transport.require_agreement(self._agreed_settings())
         move_mode(config, map_style=self._stream.size is not None)  # refuses move='fetch' for a stream, now
+        self._nodes = node_transports(self.transport, self.layout) if self.layout.n_nodes > 1 else None
         rounds = RoundsFactory(config=config, transport=self.transport, fetch=_LoaderCall(self._stream.fetch),
-                               map_style=self._stream.size is not None, length_fn=length_fn)
-        self._ctx = RunContext(rounds_factory=rounds, transport=self.transport,
-                               collate_fn=collate_fn,
+                               map_style=self._stream.size is not None, length_fn=length_fn, nodes=self._nodes)
+        self._ctx = RunContext(rounds_factory=rounds, transport=self.transport, collate_fn=collate_fn,
                                length_fn=length_fn, metrics=self.metrics,
                                fallback_dummy=_LoaderCall(self._stream.fallback_dummy),
                                fetch=_LoaderCall(self._stream.fetch),
@@ -202,10 +204,10 @@ class ODBDataLoader:
         self._length = report.steps
 
     def _agreed_settings(self) -> dict[str, object]:
-        """What every rank must share (NOTE [ Ranks agree on their settings ]): the batching fingerprint,
-        `oversize`, `move`, and ODB's own sharded index source (size, shuffle, seed)."""
-        settings: dict[str, object] = {**fingerprint(self.config), "oversize": self.config.oversize,
-                                       "move": self.config.move}
+        """What every rank must share (NOTE [ Ranks agree on their settings ]): the batching fingerprint (with the
+        node layout), `oversize`, `move`, and ODB's own sharded index source (size, shuffle, seed)."""
+        settings: dict[str, object] = {**fingerprint(self.config, self.layout.aware_per_node),
+                                       "oversize": self.config.oversize, "move": self.config.move}
         source = self._stream.source()
         if isinstance(source, ShardedSource):
             settings["sampler"] = source_to_dict(source)
@@ -214,8 +216,7 @@ class ODBDataLoader:
     # -- state ----------------------------------------------------------------------------------------------
     def _identity(self) -> LoaderIdentity:
         return LoaderIdentity(world_size=self.transport.world_size, rank=self.transport.rank,
-                              config=fingerprint(self.config),
-                              source=self._stream.source())
+                              config=fingerprint(self.config, self.layout.aware_per_node), source=self._stream.source())
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's position, as plain JSON-serialisable data (save one per rank, after the same step).
@@ -267,7 +268,8 @@ class ODBDataLoader:
         Every rank must call this at the same point (one all_gather of one int); see `odb_core.epoch.estimate`. Exact
         at W=1 when `sample_size` covers the epoch."""
         self._length = estimate_steps(self._stream, self.config, epoch=self._cursor.epoch, length_fn=self._ctx.length_fn,
-                                      transport=self.transport, sample_size=sample_size)
+                                      transport=self.transport, sample_size=sample_size,
+                                      per_node=self.layout.aware_per_node)
         return self._length
 
     def plan_epochs_exactly(self, epochs: Iterable[int]) -> ExactPlan:
@@ -275,7 +277,7 @@ class ODBDataLoader:
         schedule ] in estimate.py). Every rank must call it at the same point. Raises TypeError where no exact
         plan exists (an iterable dataset, `tokens_per_step`)."""
         return plan_epochs_exactly(self._stream, self.config, epochs=list(epochs), length_fn=self._ctx.length_fn,
-                                   transport=self.transport)
+                                   transport=self.transport, per_node=self.layout.aware_per_node)
 
     def __len__(self) -> int:
         if self._length is None:
@@ -298,6 +300,8 @@ class ODBDataLoader:
         at interpreter exit ] in odb_core/ranks/sync.py); a transport passed in stays the caller's. Idempotent. A
         closed loader keeps its state, metrics and `len()`; over Gloo its next collective raises RuntimeError."""
         self.leave_epoch()
+        if self._nodes is not None:
+            self._nodes.close()
         if self._owns_transport:
             self.transport.close()
 

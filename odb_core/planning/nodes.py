@@ -72,6 +72,11 @@ class NodeLayout:
     def ranks_of(self, node: int) -> range:
         return range(node * self.per_node, (node + 1) * self.per_node)
 
+    @property
+    def aware_per_node(self) -> int | None:
+        """The ranks per node when there are several nodes (what a state fingerprint records), else None."""
+        return self.per_node if self.n_nodes > 1 else None
+
 
 @dataclass(frozen=True, slots=True)
 class NodePlanning:
@@ -154,6 +159,11 @@ class NodeEngine(PooledEngine):
         return NodeState(active=facts.any_active, n_ready=facts.n_ready, n_groups=facts.n_groups,
                          steps_done=self.steps_done, epoch=self.epoch, round=self.round, leaving=leaving,
                          resumed_at=self.resumed_at)
+
+    def leaving_node_state(self) -> NodeState:
+        """What every rank of a node reports across nodes when one of its ranks left (NOTE [ Leaving an epoch ])."""
+        return NodeState(active=False, n_ready=0, n_groups=0, steps_done=self.steps_done, epoch=self.epoch,
+                         round=self.round, leaving=True, resumed_at=self.resumed_at)
 
     def decide_nodes(self, nodes: Sequence[NodeState], per_node: int) -> Decision:
         """T for this round from every node's state (node order), aligned to the accumulation steps."""

@@ -91,8 +91,9 @@ class EpochPlan:
 
 
 def is_pooled(config: ODBConfig, world: int) -> bool:
-    """Whether an epoch at this world size plans globally (NOTE [ Pooled rounds ]); W = 1 is rank-local."""
-    return config.planning == "global" and world > 1
+    """Whether an epoch at this world size pools samples (NOTE [ Pooled rounds ]): planning `global` (node-aware
+    or not) or `cluster` at W > 1; W = 1 is rank-local."""
+    return config.planning != "local" and world > 1
 
 
 def _fill(engines: Sequence[BufferEngine], streams: Sequence[Sequence[Item]], cursors: list[int],
@@ -112,10 +113,11 @@ def _fill(engines: Sequence[BufferEngine], streams: Sequence[Sequence[Item]], cu
 
 
 def planning_mode(config: ODBConfig, world: int, nodes: NodePlanning | None) -> str:
-    """`local`, `global` or `node` (node-aware) for an epoch at this world size and node layout."""
+    """`local`, `global` or `node` (node-aware) for an epoch at this world size and node layout (`cluster`
+    planning pools every rank whatever the layout)."""
     if not is_pooled(config, world):
         return "local"
-    return "node" if nodes is not None and nodes.aware else "global"
+    return "node" if nodes is not None and nodes.aware and config.planning == "global" else "global"
 
 
 def simulate_epoch(streams: Sequence[Sequence[Item]], config: ODBConfig, epoch: int = 0,

@@ -1,26 +1,31 @@
 """One round's plan as one rank sees it, in either planning mode: the collectives around the pure planners.
 
 `LocalRounds` (rank-local planning) exchanges the `RankState` (`STATE_FIELDS` ints) and lets `RankEngine` decide and
-adjust; `PooledRounds` (global planning, NOTE [ Pooled rounds ]) also exchanges every buffered item, computes the
-shared pooled plan and moves the samples whose group runs on another rank (NOTE [ Moving samples ]). Both return a
-`RankRound`: this rank's ordered slots and how to get each slot's samples. Every rank makes the same collective
-calls in the same order, whatever its data.
+adjust; `PooledRounds` (global planning on one node, or `cluster`, NOTE [ Pooled rounds ]) also exchanges every
+buffered item, computes the shared pooled plan and moves the samples whose group runs on another rank (NOTE
+[ Moving samples ]); `NodeRounds` (global planning over several nodes, NOTE [ Node-aware rounds ]) does that within
+the node and exchanges one `NodeState` across nodes. All return a `RankRound`: this rank's ordered slots and how
+to get each slot's samples. Every rank makes the same collective calls in the same order, whatever its data.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import dataclasses
+from collections import defaultdict, deque
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from odb_core.data.sample import LengthFn
 from odb_core.planning.alignment import Slot
 from odb_core.planning.budget import Item
+from odb_core.planning.nodes import NodeEngine, NodeState
 from odb_core.planning.planner import BufferEngine, RankEngine
-from odb_core.planning.pooled import POOL_FIELDS, PooledEngine
+from odb_core.planning.pooled import POOL_FIELDS, PoolCut, PooledEngine
 from odb_core.planning.simulate import is_pooled
 from odb_core.planning.termination import RankState
 from odb_core.ranks.moves import Arrivals, FetchMoves, SendMoves
+from odb_core.ranks.node_groups import NodeTransports
 from odb_core.ranks.sync import Transport
 from odb_core.settings.config import ODBConfig
 
@@ -40,7 +45,7 @@ class RankRound:
     abandoned: bool = False
 
 
-def _someone_left(engine: BufferEngine, states: list[RankState]) -> RankRound | None:
+def _someone_left(engine: BufferEngine, states: Sequence[RankState | NodeState]) -> RankRound | None:
     """A round in which some rank reported `leaving` ends the epoch for every rank (NOTE [ Leaving an epoch ])."""
     if not any(s.leaving for s in states):
         return None
@@ -87,6 +92,13 @@ class LocalRounds:
         leave(self.engine, self.transport)
 
 
+def _pooled_ints(engine: PooledEngine, transport: Transport, states: Sequence[RankState]) -> list[list[int]]:
+    """Every rank's buffered items (`pool_ints`), padded to the longest buffer: one all_gather (none if empty)."""
+    widest = POOL_FIELDS * max(s.n_samples for s in states)
+    mine = engine.pool_ints()
+    return transport.all_gather(mine + [0] * (widest - len(mine))) if widest else [[]] * len(states)
+
+
 class PooledRounds:
     """Global planning: the `RankState`s, then every buffered item (padded to the longest buffer), then the moves."""
 
@@ -98,9 +110,7 @@ class PooledRounds:
         left = _someone_left(self.engine, states)
         if left is not None:
             return left
-        widest = POOL_FIELDS * max(s.n_samples for s in states)
-        mine = self.engine.pool_ints()
-        pooled = self.transport.all_gather(mine + [0] * (widest - len(mine))) if widest else [[]] * len(states)
+        pooled = _pooled_ints(self.engine, self.transport, states)
         index = self.engine.round
         plan = self.engine.finish_round(states, pooled)
         arrivals = self.mover.exchange(plan, take_own)
@@ -113,23 +123,83 @@ class PooledRounds:
         leave(self.engine, self.transport)
 
 
+class NodeRounds:
+    """Node-aware planning (NOTE [ Node-aware rounds ]): within the node the `RankState`s, then the node's buffered
+    items; across nodes one `NodeState` per node; then the moves within the node. A node whose rank left skips its
+    pool exchange but still reports across nodes, so every node ends the epoch in the same round (NOTE [ Leaving an
+    epoch ]). The node plan's owners are local ranks; the returned round speaks in world ranks."""
+
+    def __init__(self, engine: NodeEngine, nodes: NodeTransports, mover: SendMoves | FetchMoves) -> None:
+        self.engine, self.nodes, self.mover = engine, nodes, mover
+
+    def plan(self, active: bool, take_own: Callable[[int], Any]) -> RankRound:
+        node = self.nodes.node
+        states = [RankState.from_ints(v) for v in node.all_gather(self.engine.state(active).to_ints())]
+        cut: PoolCut | None = None
+        if not any(s.leaving for s in states):
+            cut = self.engine.cut_round(states, _pooled_ints(self.engine, node, states))
+        mine = self.engine.node_state(cut) if cut is not None else self.engine.leaving_node_state()
+        gathered = [NodeState.from_ints(v) for v in self.nodes.across.all_gather(mine.to_ints())]
+        left = _someone_left(self.engine, gathered)
+        if left is not None:
+            return left
+        assert cut is not None  # a node with a leaving rank reported `leaving`
+        index = self.engine.round
+        plan = self.engine.finish_node_round(cut, gathered)
+        arrivals = _in_cluster(self.mover.exchange(plan, take_own), self.nodes.offset)
+        slots = tuple(_slot_in_cluster(slot, self.nodes.offset) for slot in plan.slots_of(node.rank))
+        return RankRound(index=index, slots=slots, final=plan.decision.final, n_split=plan.n_split,
+                         n_pushed_back=plan.n_pushed_back, arrivals=arrivals,
+                         owned_by_step=tuple(plan.owned_by_step(node.rank)))
+
+    def leave(self) -> None:
+        self.nodes.node.all_gather(self.engine.leaving_state().to_ints())
+        self.nodes.across.all_gather(self.engine.leaving_node_state().to_ints())
+        self.engine.end_early()
+
+
+def _slot_in_cluster(slot: Slot, offset: int) -> Slot:
+    """A node plan's slot with its items' owners as world ranks (local rank + the node's first rank)."""
+    if slot is None or not offset:
+        return slot
+    return dataclasses.replace(slot, items=tuple(it._replace(owner=it.owner + offset) for it in slot.items))
+
+
+def _in_cluster(arrivals: Arrivals, offset: int) -> Arrivals:
+    """Arrivals keyed by world-rank owners (see `_slot_in_cluster`)."""
+    if not offset:
+        return arrivals
+    by_key: defaultdict[tuple[int, int], deque[Any]] = defaultdict(deque)
+    by_key.update({(owner + offset, index): queue for (owner, index), queue in arrivals.by_key.items()})
+    return dataclasses.replace(arrivals, by_key=by_key)
+
+
 @dataclass(frozen=True, slots=True)
 class RoundsFactory:
-    """Builds each epoch's `Rounds` for a loader: global planning at W > 1 unless `planning="local"`."""
+    """Builds each epoch's `Rounds` for a loader: at W > 1 global planning unless `planning="local"`, node-aware
+    when `nodes` (this rank's node transports: a layout of several nodes under `planning="global"`)."""
 
     config: ODBConfig
     transport: Transport
     fetch: Callable[[int], Mapping[str, Any]]
     map_style: bool
     length_fn: LengthFn | None = None  # checks a sample re-read under move="fetch" against what its owner read
+    nodes: NodeTransports | None = None
 
-    def __call__(self, epoch: int) -> LocalRounds | PooledRounds:
+    def __call__(self, epoch: int) -> LocalRounds | PooledRounds | NodeRounds:
         rank, world = self.transport.rank, self.transport.world_size
         if not is_pooled(self.config, world):
             return LocalRounds(RankEngine(self.config, epoch, rank), self.transport)
-        mover = FetchMoves(rank, self.fetch, self.length_fn) if move_mode(self.config, self.map_style) == "fetch" \
-            else SendMoves(self.transport)
-        return PooledRounds(PooledEngine(self.config, epoch, rank), self.transport, mover)
+        if self.nodes is not None:
+            local = self.nodes.node.rank
+            return NodeRounds(NodeEngine(self.config, epoch, local), self.nodes, self._mover(local, self.nodes.node))
+        return PooledRounds(PooledEngine(self.config, epoch, rank), self.transport, self._mover(rank, self.transport))
+
+    def _mover(self, rank: int, transport: Transport) -> SendMoves | FetchMoves:
+        """How samples reach the ranks of `transport` (`rank` is this rank's number there)."""
+        if move_mode(self.config, self.map_style) == "fetch":
+            return FetchMoves(rank, self.fetch, self.length_fn)
+        return SendMoves(transport)
 
 
 def move_mode(config: ODBConfig, map_style: bool) -> str:

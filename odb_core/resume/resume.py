@@ -130,7 +130,7 @@ def _check_ranks(states: Sequence[LoaderState], world_size: int) -> None:
 def check_elastic(merged: MergedState, loader: LoaderIdentity) -> None:
     """Refuse a merged state that another world size cannot continue: other config, dataset, or source kind."""
     first = merged.states[0]
-    if dict(first.config) != dict(loader.config):
+    if _batching(first.config) != _batching(loader.config):
         raise ValueError(f"loader states were saved with config={dict(first.config)!r} but this loader has "
                          f"{dict(loader.config)!r}; resume needs the same batching config")
     saved, mine = first.source, loader.source
@@ -144,6 +144,15 @@ def check_elastic(merged: MergedState, loader: LoaderIdentity) -> None:
     if (saved.size, saved.shuffle, saved.seed) != (mine.size, mine.shuffle, mine.seed):
         raise ElasticResumeError(f"cannot resume {change}: it needs the same dataset and shuffle; the saved run "
                                  f"read {saved.describe()}, this loader {mine.describe()}")
+
+
+def _layout(config: Mapping[str, Any]) -> object:
+    return config.get("nproc_per_node")
+
+
+def _batching(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The fingerprint without the node layout, which an elastic resume may change (it plans the remainder)."""
+    return {k: v for k, v in config.items() if k != "nproc_per_node"}
 
 
 def remainder_plan(states: Sequence[LoaderState], new_world_size: int) -> RemainderSource | None:
@@ -204,7 +213,7 @@ def restore(state: Any, me: LoaderIdentity, shard_order: Callable[[LoaderState],
     old rank's remainder is recomputed here, so an inconsistent one is refused at load, not mid-epoch."""
     if is_merged(state):
         merged = MergedState.from_dict(state)
-        if merged.world_size != me.world_size:
+        if merged.world_size != me.world_size or _layout(merged.states[0].config) != _layout(me.config):
             check_elastic(merged, me)
             epoch = merged.states[0].progress()[0]
             plan = remainder_plan(merged.states, me.world_size)

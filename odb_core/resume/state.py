@@ -39,7 +39,7 @@ READABLE_VERSIONS = (1, 2, 3)
 MERGED_FORMAT = "merged"
 # Fingerprint fields added after states were first written, with the behaviour those states had.
 LEGACY_FINGERPRINT = {"planning": "local", "samples_per_step": None, "tokens_per_step": None, "min_window": None,
-                      "max_buffer_bytes": None}
+                      "max_buffer_bytes": None, "nproc_per_node": None}
 
 
 # -- positions ------------------------------------------------------------------------------------------------
@@ -250,6 +250,7 @@ class LoaderState:
                 f"reads it in {mine.parts}: a stream that splits itself over workers (an HF datasets stream with "
                 f"shards) has an order fixed by num_workers, so resume with num_workers="
                 f"{saved.parts if saved.parts > 1 else '0 or 1'}")
+        _check_same_layout(self.config, loader.config, self.world_size)
         _check_same_config(self.config, loader.config)
         checks = [("rank", self.rank, loader.rank)]
         if self.source is not None:
@@ -258,6 +259,23 @@ class LoaderState:
             if saved != mine:
                 raise ValueError(f"loader state was saved with {key}={saved!r} but this loader has {mine!r}; "
                                  "exact resume needs the same world size, rank, dataset, sampler and batching config")
+
+
+def describe_layout(per_node: int | None, world: int) -> str:
+    """A fingerprint's `nproc_per_node` in words: node-aware rounds on several nodes, or one pool."""
+    if per_node is None:
+        return f"one pool over {world} rank{'s' * (world > 1)} (one node, or planning='cluster')"
+    return f"{world // per_node} nodes of {per_node} rank{'s' * (per_node > 1)}"
+
+
+def _check_same_layout(saved: Mapping[str, Any], mine: Mapping[str, Any], world: int) -> None:
+    """Refuse a state whose node layout (node-aware rounds) is not this loader's, naming both."""
+    if saved.get("nproc_per_node") != mine.get("nproc_per_node"):
+        raise ValueError(f"loader state was saved with {describe_layout(saved.get('nproc_per_node'), world)}, this "
+                         f"loader runs {describe_layout(mine.get('nproc_per_node'), world)}: an exact resume replays "
+                         "the saved round on the same nodes. Launch on the saved layout (ODBConfig.nproc_per_node, or "
+                         "the launcher's LOCAL_WORLD_SIZE), or resume elastically on this one: load "
+                         "odb_core.resume.resume.merge_states(every rank's state) on every rank")
 
 
 def _check_same_config(saved: Mapping[str, Any], mine: Mapping[str, Any]) -> None:

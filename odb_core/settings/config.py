@@ -11,15 +11,16 @@ from typing import Literal
 
 CostName = Literal["padded", "tokens", "attention"]
 OversizePolicy = Literal["alone", "error"]
-Planning = Literal["global", "local"]
+Planning = Literal["global", "cluster", "local"]
 MoveMode = Literal["auto", "send", "fetch"]
 COST_NAMES: tuple[str, ...] = ("padded", "tokens", "attention")
 OVERSIZE_POLICIES: tuple[str, ...] = ("alone", "error")
-PLANNINGS: tuple[str, ...] = ("global", "local")
+PLANNINGS: tuple[str, ...] = ("global", "cluster", "local")
 MOVE_MODES: tuple[str, ...] = ("auto", "send", "fetch")
 
 
-# The fields that decide which samples share a step: a saved state records them, and ranks must agree on them.
+# The fields that decide which samples share a step: a saved state records them, and ranks must agree on them
+# (`fingerprint` adds the node layout as it acts: `nproc_per_node`).
 FINGERPRINT = ("token_budget", "cost", "attention_alpha", "max_patches", "max_batch_size", "window", "min_window",
                "max_buffer_bytes", "join", "accumulation_steps", "samples_per_step", "tokens_per_step", "planning",
                "seed", "shuffle_steps")
@@ -74,8 +75,15 @@ class ODBConfig:
             Needs accumulation_steps=1; exclusive with tokens_per_step.
         tokens_per_step: the same with a target of global supervised tokens per optimizer step.
         planning: `global` (default) plans each round over every rank's buffered samples and deals the groups
-            to the ranks (NOTE [ Pooled rounds ]; samples move between ranks); `local` plans each rank's window
-            alone and only aligns the step counts. The same at world size 1.
+            to the ranks (NOTE [ Pooled rounds ]; samples move between ranks); when the ranks span several nodes
+            (`nproc_per_node`), each node pools and plans its own ranks' samples and the nodes only align their
+            step counts, so no sample crosses a node (NOTE [ Node-aware rounds ]); on one node it is the same
+            plan. `cluster` pools every rank's samples in one plan even across nodes (samples move over the
+            network). `local` plans each rank's window alone and only aligns the step counts. All are the same at
+            world size 1.
+        nproc_per_node: ranks per node for `planning="global"` (rank r is on node r // nproc_per_node, torchrun's
+            numbering); it must divide the world size. None (default): the launcher's `LOCAL_WORLD_SIZE`, read by
+            the loader at construction as torchrun sets it (one node where it is not set). Ranks must agree on it.
         move: how a sample reaches another rank under global planning: `send` the processed sample over the
             metadata group, `fetch` re-read its index on the receiving rank (map-style datasets only; the
             sample's processing runs again there), `auto` chooses per dataset kind (docs/design.md).
@@ -110,6 +118,7 @@ class ODBConfig:
     samples_per_step: int | None = None
     tokens_per_step: int | None = None
     planning: Planning = "global"
+    nproc_per_node: int | None = None
     move: MoveMode = "auto"
     seed: int = 0
     shuffle_steps: bool = True
@@ -152,7 +161,11 @@ class ODBConfig:
         _require(self.samples_per_step is None or self.tokens_per_step is None, "tokens_per_step",
                  self.tokens_per_step, "set samples_per_step or tokens_per_step, not both")
         _require(self.planning in PLANNINGS, "planning", self.planning,
-                 f"choose one of {PLANNINGS}: 'global' pools every rank's samples, 'local' plans each rank alone")
+                 f"choose one of {PLANNINGS}: 'global' pools each node's samples, 'cluster' every rank's, 'local' "
+                 "plans each rank alone")
+        _require(self.nproc_per_node is None or (_is_int(self.nproc_per_node) and self.nproc_per_node >= 1),
+                 "nproc_per_node", self.nproc_per_node, "it must be None (the launcher's LOCAL_WORLD_SIZE) or an "
+                 "int >= 1 that divides the world size")
         _require(self.move in MOVE_MODES, "move", self.move, f"choose one of {MOVE_MODES}")
         _require(_is_int(self.seed), "seed", self.seed, "it must be an int")
         _require(isinstance(self.shuffle_steps, bool), "shuffle_steps", self.shuffle_steps, "it must be True or False")
@@ -176,10 +189,16 @@ class ODBConfig:
         return None
 
 
-def fingerprint(config: ODBConfig) -> dict[str, object]:
+def fingerprint(config: ODBConfig, node_ranks: int | None = None) -> dict[str, object]:
     """The `FINGERPRINT` fields of `config` as they act: `min_window` reads None when it does not shrink any round
-    (`min_window >= window`), so such a state resumes on a loader with either value."""
+    (`min_window >= window`), so such a state resumes on a loader with either value. `planning` reads `global` for
+    `cluster` (one pool over every rank, which is what `global` is on one node and was on several before
+    node-aware rounds), and `nproc_per_node` is the ranks per node of node-aware rounds over more than one node
+    (`node_ranks`, from the loader), else None: states saved on one node, or before the field, resume alike."""
     values: dict[str, object] = {name: getattr(config, name) for name in FINGERPRINT}
     if config.min_window is not None and config.min_window >= config.window:
         values["min_window"] = None
+    if config.planning == "cluster":
+        values["planning"] = "global"
+    values["nproc_per_node"] = node_ranks if config.planning == "global" else None
     return values

@@ -36,9 +36,14 @@ class _Transport(Protocol):
     world_size: int
 
 
+class _Layout(Protocol):
+    n_nodes: int
+
+
 class _Loader(Protocol):
     config: ODBConfig
     transport: _Transport
+    layout: _Layout
 
 
 class _Oversize(Protocol):
@@ -74,10 +79,11 @@ def warn_oversize(config: ODBConfig, oversize: _Oversize, rank: int, world_size:
                    "metrics.oversize_samples counts them all)")
 
 
-def describe(config: ODBConfig, world_size: int, where: str) -> str:
-    """The console line for `config` on `world_size` ranks, run by `where` (the adapter)."""
-    planning = ("single rank" if world_size == 1 else
-                "global planning" if config.planning == "global" else "rank-local planning")
+def describe(config: ODBConfig, world_size: int, where: str, n_nodes: int = 1) -> str:
+    """The console line for `config` on `world_size` ranks (on `n_nodes` nodes), run by `where` (the adapter)."""
+    planning = ("single rank" if world_size == 1 else "rank-local planning" if config.planning == "local" else
+                f"node-aware global planning ({n_nodes} nodes)" if n_nodes > 1 and config.planning == "global"
+                else f"{config.planning} planning")
     ending = "join" if config.join else "quota (non-join)"
     target = config.step_target
     steps = (f"optimizer steps of ~{target[1]} {target[0]}" if target is not None
@@ -89,4 +95,4 @@ def describe(config: ODBConfig, world_size: int, where: str) -> str:
 def announce(loader: _Loader, where: str) -> None:
     """Log `describe(...)` of `loader` once, on rank 0."""
     if loader.transport.rank == 0:
-        LOGGER.info(describe(loader.config, loader.transport.world_size, where))
+        LOGGER.info(describe(loader.config, loader.transport.world_size, where, loader.layout.n_nodes))
