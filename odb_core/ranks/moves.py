@@ -4,9 +4,10 @@ NOTE [ Moving samples ]
 A pooled plan (NOTE [ Pooled rounds ]) may put a sample that rank o read into a group that rank d runs. Every rank
 knows the whole plan, so both ends know the move without asking: rank o's outgoing list to d is, in step order,
 the items of d's slots whose owner is o, and rank d expects exactly that list from o. Two ways to move:
-  * `send` (`SendMoves`): rank o pickles the processed samples (top-level tensors as numpy arrays) and one
-    `all_to_all_bytes` per round carries each list to its rank; a sample that stays is never sent. Works for any
-    dataset, streams included; the receiving rank only unpickles.
+  * `send` (`SendMoves`): rank o pickles the processed samples (top-level tensors as numpy arrays) into one frame
+    per destination and one `all_to_all_bytes` per round carries each frame to its rank (NOTE [ Sending samples
+    without copies ]); a sample that stays is never sent. Works for any dataset, streams included; the receiving
+    rank only unpickles.
   * `fetch` (`FetchMoves`): rank d re-reads `dataset[index]` in its trainer process (map-style datasets only, so the
     sample's processing runs a second time there), and rank o drops its copy.
 Both give the same batches (the collated samples are the same), so the choice never changes the plan.
