@@ -22,12 +22,14 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.distributed as dist
 
 from benchmarks.lib.peak_memory import WorkerPeaks, peak_mb, reset_peak
+
+MOVE_FIELDS = ("rounds", "moved_samples", "moved_bytes", "sync_bytes", "sync_seconds")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -45,6 +47,7 @@ class RankRun:
     rss_mb: float
     worker_rss_mb: float
     indices: tuple[int, ...] = ()
+    moves: dict = field(default_factory=dict)  # ODB's rounds and moves (`LoaderMetrics`: moved_bytes, sync_seconds)
 
     @property
     def busy(self) -> float:
@@ -84,9 +87,11 @@ def drive(batches, step: Step, rank: int = 0) -> RankRun:
         samples += len(info.indices) if info is not None else batch["input_ids"].shape[0]
     wall, cpu = time.perf_counter() - start, time.process_time() - cpu
     worker_mb = workers.stop()
+    metrics = getattr(batches, "metrics", None)
+    moves = {} if metrics is None else {k: getattr(metrics, k) for k in MOVE_FIELDS}
     return RankRun(rank=rank, samples=samples, steps=steps, wall_s=wall, cpu_s=cpu, device_s=device,
                    first_batch_s=first or 0.0, rss_mb=peak_mb(), worker_rss_mb=worker_mb,
-                   indices=tuple(indices))
+                   indices=tuple(indices), moves=moves)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -4,12 +4,30 @@ NOTE [ Moving samples ]
 A pooled plan (NOTE [ Pooled rounds ]) may put a sample that rank o read into a group that rank d runs. Every rank
 knows the whole plan, so both ends know the move without asking: rank o's outgoing list to d is, in step order,
 the items of d's slots whose owner is o, and rank d expects exactly that list from o. Two ways to move:
-  * `send` (`SendMoves`): rank o pickles the processed samples (top-level tensors as numpy arrays) and one
-    `all_to_all_bytes` per round carries each list to its rank; a sample that stays is never sent. Works for any
-    dataset, streams included; the receiving rank only unpickles.
+  * `send` (`SendMoves`): rank o pickles the processed samples (top-level tensors as numpy arrays) into one frame
+    per destination and one `all_to_all_bytes` per round carries each frame to its rank (NOTE [ Sending samples
+    without copies ]); a sample that stays is never sent. Works for any dataset, streams included; the receiving
+    rank only unpickles.
   * `fetch` (`FetchMoves`): rank d re-reads `dataset[index]` in its trainer process (map-style datasets only, so the
     sample's processing runs a second time there), and rank o drops its copy.
 Both give the same batches (the collated samples are the same), so the choice never changes the plan.
+
+NOTE [ Sending samples without copies ]
+Under `send` most of a round's bytes are arrays (a VLM sample's `pixel_values`: MBs), and each copy of them costs
+a pass over the round's moved bytes (GBs at W=4 with VLM samples; docs/benchmarks.md, "Moving samples"). So each
+destination's samples travel as one frame (`encode_samples`): a header (the buffer count, the stream's length and
+each buffer's), the pickle stream (protocol 5, every contiguous array out of band), and each array's bytes at a
+multiple of `ALIGN`, copied once, from the sample into the frame. `GlooTransport` sends a bytearray chunk from its
+own memory and receives each sender's chunk into its own bytearray (`_all_to_all_bytes`: a sizes all_to_all, then
+one isend/irecv per pair of ranks with bytes to move); `decode_samples` unpickles with the buffers as views into
+it. The old path copied the arrays six times (pickle in band, `join`, `bytearray`, `tobytes`, a slice per sender,
+unpickle) and held up to four copies at once. Costs now: one copy on the sending rank, none on the receiving one;
+peak memory on top of the samples, the frames sent (freed when the exchange returns, with the samples they were
+made of) and those received (which are the samples). A sender's chunk lives as long as any sample in it: the
+samples it carried are all staged in this round, so it is freed when the last of them is trained on. A
+non-contiguous array, and a tensor that is not packed (nested in a list, or of a dtype numpy lacks, such as
+bfloat16), is pickled in band as before. The received samples are the ones the old path gave (dtype, shape,
+strides, values; tests/test_send_frames.py).
 
 NOTE [ A re-read sample is checked ]
 `fetch` assumes that `dataset[index]` returns the same sample on every read. A dataset that augments at random or
@@ -28,6 +46,8 @@ from collections import defaultdict, deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 from odb_core.data.sample import LengthFn, inspect_sample
 from odb_core.data.sendable import pack_sample, unpack_sample, unpicklable_part
@@ -79,27 +99,69 @@ class Arrivals:
 
 
 class SendMoves:
-    """`move="send"`: the owners send the processed samples (one all_to_all of bytes per round)."""
+    """`move="send"`: the owners send the processed samples (one all_to_all of bytes per round, NOTE [ Sending
+    samples without copies ])."""
 
     def __init__(self, transport: Transport) -> None:
         self.transport = transport
 
     def exchange(self, plan: PooledRound, take_own: Callable[[int], Any]) -> Arrivals:
         rank, world = self.transport.rank, self.transport.world_size
-        sends = outgoing(plan, rank)
-        chunks = [b""] * world
-        for dest, items in sends.items():
+        frames: list[bytes | bytearray] = [b""] * world
+        for dest, items in outgoing(plan, rank).items():
             samples = [pack_sample(take_own(it.index), limit_bytes=None) for it in items]
             try:
-                chunks[dest] = pickle.dumps(samples, protocol=pickle.HIGHEST_PROTOCOL)
+                frames[dest] = encode_samples(samples)
             except Exception as exc:  # noqa: BLE001 - name the sample that cannot travel
                 raise _unsendable(items, samples, rank, dest) from exc
-        received = self.transport.all_to_all_bytes(chunks)
-        arrivals = Arrivals(bytes_in=sum(len(c) for c in received), bytes_out=sum(len(c) for c in chunks))
+        bytes_out = sum(len(f) for f in frames)
+        received = self.transport.all_to_all_bytes(frames)
+        del frames  # the samples sent are freed here, before this rank unpickles what it received
+        arrivals = Arrivals(bytes_in=sum(len(c) for c in received), bytes_out=bytes_out)
         for owner, items in incoming(plan, rank).items():
-            for item, sample in zip(items, pickle.loads(received[owner]), strict=True):
+            for item, sample in zip(items, decode_samples(received[owner]), strict=True):
                 arrivals.put((owner, item.index), unpack_sample(sample))
+            received[owner] = b""  # its arrays hold the chunk now, and free it with their samples
         return arrivals
+
+
+def encode_samples(samples: list[Any]) -> bytearray:
+    """One frame of `samples` (NOTE [ Sending samples without copies ]): the header, the pickle stream (protocol
+    5), and each out-of-band buffer (the bytes of a contiguous array) at a multiple of `ALIGN` bytes. The arrays'
+    bytes are copied once, into the frame. Raises what pickling raises."""
+    buffers: list[pickle.PickleBuffer] = []
+    stream = pickle.dumps(samples, protocol=5, buffer_callback=buffers.append)
+    views = [b.raw() for b in buffers]
+    header = np.array([len(views), len(stream), *(v.nbytes for v in views)], dtype="<i8").tobytes()
+    pieces = [header, stream, *views]
+    offsets = _offsets([len(p) for p in pieces])  # one pass over the bytes (no zero-filled frame written over)
+    gaps = [bytes(end - start - len(p)) for p, start, end in zip(pieces, offsets[:-1], offsets[1:], strict=True)]
+    frame = bytearray().join(x for pair in zip(pieces, gaps, strict=True) for x in pair)
+    for buffer in buffers:
+        buffer.release()
+    return frame
+
+
+def decode_samples(frame: bytes | bytearray) -> list[Any]:
+    """The samples of `encode_samples`' frame; the arrays are views into `frame` (writable when `frame` is a
+    bytearray), which lives as long as any of them."""
+    view = memoryview(frame)
+    n_buffers, stream_len = np.frombuffer(view[:16], dtype="<i8").tolist()
+    sizes = np.frombuffer(view[16 : 16 + 8 * n_buffers], dtype="<i8").tolist()
+    offsets = _offsets([16 + 8 * n_buffers, stream_len, *sizes])
+    pieces = [view[start : start + size] for start, size in zip(offsets[1:], [stream_len, *sizes], strict=False)]
+    return pickle.loads(pieces[0], buffers=pieces[1:])
+
+
+ALIGN = 64  # where each piece of a frame starts: arrays viewed in place stay aligned for any dtype
+
+
+def _offsets(sizes: list[int]) -> list[int]:
+    """Where each piece of a frame starts, then the frame's length."""
+    out = [0]
+    for size in sizes:
+        out.append(out[-1] + -(-size // ALIGN) * ALIGN)
+    return out
 
 
 def _unsendable(items: list[Item], samples: list[Any], rank: int, dest: int) -> SampleError:
