@@ -12,7 +12,8 @@ from odb_core.epoch.watch import WorkerDiedError
 from odb_core.planning.budget import Item, SampleError
 from odb_core.planning.planner import DesyncError
 from odb_core.planning.simulate import EpochPlan, simulate_epoch
-from odb_core.ranks.sync import GlooTransport, LocalTransport, PeerError, Transport, VirtualHub, VirtualTransport
+from odb_core.ranks.sync import GlooTransport, LocalTransport, PeerError, Transport
+from odb_core.ranks.virtual import VirtualHub, VirtualTransport
 from odb_core.ranks.virtual import run_virtual_ranks
 from odb_core.settings.config import ODBConfig
 from odb_core.steps.step_info import ODBBatch, StepInfo

@@ -32,7 +32,8 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from odb_core.planning.nodes import NodeLayout
-from odb_core.ranks.sync import _OPEN, GlooTransport, Transport, VirtualHub, VirtualTransport
+from odb_core.ranks.sync import _OPEN, GlooTransport, Transport
+from odb_core.ranks.virtual import VirtualHub, VirtualTransport
 from odb_core.settings.config import ODBConfig
 
 LAUNCHER_NODE_SIZE = "LOCAL_WORLD_SIZE"  # set by torchrun (and torch.distributed.launch) in every rank's process

@@ -263,10 +263,13 @@ class GlooTransport(Transport):
         return received  # type: ignore[return-value] # bytearrays: no copy (NOTE [ Sending samples without copies ])
 
     def _send_and_receive(self, chunks: list[bytes], received: list[bytearray]) -> None:
-        """Each non-empty chunk to its rank (a bytearray from its own memory) and each into its own bytearray."""
+        """Each non-empty chunk to its rank (a bytearray from its own memory) and each into its own bytearray; the
+        ranks are the group's (a node's sub-group numbers its ranks from 0), not the world's."""
         as_tensor = lambda b: torch.frombuffer(b if isinstance(b, bytearray) else bytearray(b), dtype=torch.uint8)
-        works = [dist.irecv(as_tensor(b), r, self.group) for r, b in enumerate(received) if r != self.rank and b]
-        works += [dist.isend(as_tensor(c), r, self.group) for r, c in enumerate(chunks) if r != self.rank and c]
+        works = [dist.irecv(as_tensor(b), group=self.group, group_src=r) for r, b in enumerate(received)
+                 if r != self.rank and b]
+        works += [dist.isend(as_tensor(c), group=self.group, group_dst=r) for r, c in enumerate(chunks)
+                  if r != self.rank and c]
         for work in works:
             work.wait()
 
@@ -299,48 +302,6 @@ def _close_at_exit() -> None:
     """Close the transports still open while the interpreter is whole (NOTE [ Threads at interpreter exit ])."""
     for transport in list(_OPEN):
         transport.close()
-
-
-class VirtualHub:
-    """Rendezvous of W in-process ranks (threads). `timeout_s` bounds every exchange."""
-
-    def __init__(self, world_size: int, timeout_s: float = 60.0) -> None:
-        self.world_size = world_size
-        self.timeout_s = timeout_s
-        self._barrier = threading.Barrier(world_size)
-        self._slots: list[list[int] | None] = [None] * world_size
-
-    def exchange(self, rank: int, values: list[int]) -> list[list[int]]:
-        try:
-            self._barrier.wait(self.timeout_s)
-            self._slots[rank] = list(values)
-            self._barrier.wait(self.timeout_s)
-            gathered = [list(v) for v in self._slots]  # type: ignore[arg-type]
-            self._barrier.wait(self.timeout_s)
-        except threading.BrokenBarrierError as exc:
-            raise PeerError(f"virtual rank {rank}: a peer did not reach the exchange within {self.timeout_s}s") from exc
-        return gathered
-
-
-class VirtualTransport(Transport):
-    """Rank `rank` of a `VirtualHub`: lets W loaders run as threads of one process."""
-
-    def __init__(self, hub: VirtualHub, rank: int) -> None:
-        super().__init__()
-        self.hub, self.rank, self.world_size = hub, rank, hub.world_size
-
-    def _all_gather(self, values: list[int]) -> list[list[int]]:
-        return self.hub.exchange(self.rank, values)
-
-    def _all_reduce_sum(self, values: list[int]) -> list[int]:
-        gathered = self.hub.exchange(self.rank, values)
-        if len({len(v) for v in gathered}) > 1:  # Gloo fails a mismatched collective too
-            raise PeerError(f"virtual rank {self.rank}: the ranks' collectives do not match (a peer called another "
-                            f"one: it failed or left the epoch); sizes {[len(v) for v in gathered]}")
-        return [sum(column) for column in zip(*gathered, strict=True)]
-
-    def _all_to_all_bytes(self, chunks: list[bytes]) -> list[bytes]:
-        return [sent[self.rank] for sent in self.hub.exchange(self.rank, chunks)]
 
 
 def default_transport(timeout_s: float, liveness_timeout_s: float = 30.0) -> Transport:

@@ -11,7 +11,50 @@ import threading
 from collections.abc import Callable
 from typing import TypeVar
 
-from odb_core.ranks.sync import VirtualHub, VirtualTransport
+from odb_core.ranks.sync import PeerError, Transport
+
+
+class VirtualHub:
+    """Rendezvous of W in-process ranks (threads). `timeout_s` bounds every exchange."""
+
+    def __init__(self, world_size: int, timeout_s: float = 60.0) -> None:
+        self.world_size = world_size
+        self.timeout_s = timeout_s
+        self._barrier = threading.Barrier(world_size)
+        self._slots: list[list[int] | None] = [None] * world_size
+
+    def exchange(self, rank: int, values: list[int]) -> list[list[int]]:
+        try:
+            self._barrier.wait(self.timeout_s)
+            self._slots[rank] = list(values)
+            self._barrier.wait(self.timeout_s)
+            gathered = [list(v) for v in self._slots]  # type: ignore[arg-type]
+            self._barrier.wait(self.timeout_s)
+        except threading.BrokenBarrierError as exc:
+            raise PeerError(f"virtual rank {rank}: a peer did not reach the exchange within {self.timeout_s}s") from exc
+        return gathered
+
+
+class VirtualTransport(Transport):
+    """Rank `rank` of a `VirtualHub`: lets W loaders run as threads of one process."""
+
+    def __init__(self, hub: VirtualHub, rank: int) -> None:
+        super().__init__()
+        self.hub, self.rank, self.world_size = hub, rank, hub.world_size
+
+    def _all_gather(self, values: list[int]) -> list[list[int]]:
+        return self.hub.exchange(self.rank, values)
+
+    def _all_reduce_sum(self, values: list[int]) -> list[int]:
+        gathered = self.hub.exchange(self.rank, values)
+        if len({len(v) for v in gathered}) > 1:  # Gloo fails a mismatched collective too
+            raise PeerError(f"virtual rank {self.rank}: the ranks' collectives do not match (a peer called another "
+                            f"one: it failed or left the epoch); sizes {[len(v) for v in gathered]}")
+        return [sum(column) for column in zip(*gathered, strict=True)]
+
+    def _all_to_all_bytes(self, chunks: list[bytes]) -> list[bytes]:
+        return [sent[self.rank] for sent in self.hub.exchange(self.rank, chunks)]
+
 
 T = TypeVar("T")
 
