@@ -4,8 +4,9 @@ Scripts (each runs as `python -m benchmarks.<module>`; none is imported by anoth
   compare, mm_bench                  every peer on the same workloads (writes results/)
   utilization, hot_path,             single measures of odb's own loader
   hot_path_instructions              (hot_path: ODB against a plain DataLoader on three real dataset shapes)
-  overlap, buffer_memory             keeping the accelerator fed: ODB against plain with a simulated device step
-                                     on 1-4 Gloo ranks; the peak memory a loader adds with 1 MiB image samples
+  overlap, buffer_memory,            keeping the accelerator fed: ODB against plain with a simulated device step
+  byte_bound, move_bytes             on 1-4 Gloo ranks; the peak memory a loader adds with 1 MiB image samples;
+                                     what max_buffer_bytes costs on MM-Mix-like samples; one round's sample moves
   pool_plan                          CPU time of one pooled (global) round's plan at W = 256
   global_scale, move_modes           global against rank-local planning (odb plan at scale), send against fetch
   node_plan                          node-aware against global and rank-local on nodes of 8 ranks (issue 30)
