@@ -115,10 +115,11 @@ def sendable(sample: Any) -> Any:
 
 
 def payload_bytes(sample: Any) -> int:
-    """The bytes of a sample's tensor payloads: the tensors and arrays (packed or not) among a mapping's values,
-    and those in a list or tuple value. What `max_buffer_bytes` counts (NOTE [ Round sizes ]); ids and labels of
-    text weigh a few kB, a VLM sample's `pixel_values` megabytes. Python scalars, strings and lists of numbers are
-    not counted (`compact_ids` turns lists of ids into arrays first, under the default collator)."""
+    """The bytes of a sample's payloads: the tensors and arrays (packed or not) among a mapping's values, and the
+    elements of a list or tuple value, a Python number counting 8 bytes. What `max_buffer_bytes` counts (NOTE [
+    Round sizes ]); ids and labels of text weigh a few kB, a VLM sample's `pixel_values` megabytes. A list of ids
+    weighs what the int64 array it may become weighs (`compact_ids`, NOTE [ Arrow ids read as arrays ]), so a
+    sample measures the same read through the workers or re-read by index on resume. Strings count nothing."""
     if not isinstance(sample, Mapping):
         return 0
     total = 0
@@ -137,4 +138,6 @@ def _array_bytes(value: Any) -> int:
         return value.array.nbytes
     if isinstance(value, np.ndarray):
         return value.nbytes
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return 8
     return 0

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from odb_core.data.sample import LengthFn, inspect_sample
+from odb_core.data.sendable import payload_bytes
 from odb_core.epoch.stream import SampleStream
 from odb_core.planning.budget import Item
 from odb_core.planning.nodes import NodePlanning
@@ -17,6 +18,7 @@ from odb_core.settings.config import ODBConfig
 from odb_core.steps.accumulation import StepTarget
 
 FACTS = 2  # per sampled sample in the all_gather of global planning: length, patches
+EXACT_FACTS = 4  # per sample in `plan_epochs_exactly`'s all_gather: index, length, patches, payload bytes
 
 
 def _stretched(observed: list[Item], count: int) -> list[Item]:
@@ -44,7 +46,7 @@ def estimate_steps(stream: SampleStream, config: ODBConfig, *, epoch: int, lengt
     observed = [inspect_sample(i, stream.dataset[i], length_fn) for i in picked]
     if not is_pooled(config, transport.world_size):
         mine = _stretched(observed, len(indices))
-        local = simulate_epoch([mine], config, epoch=epoch).n_steps if mine else 0
+        local = simulate_epoch([mine], config, epoch=epoch, lengths_known=stream.knows_length()).n_steps if mine else 0
         agreed = [v[0] for v in transport.all_gather([local])]
         return max(agreed) if config.join else min(agreed)
     facts = [x for item in observed for x in (item.length, item.patches)]
@@ -55,7 +57,8 @@ def estimate_steps(stream: SampleStream, config: ODBConfig, *, epoch: int, lengt
         sample = [Item(index=k, length=values[2 + FACTS * k], patches=values[3 + FACTS * k])
                   for k in range(n_observed)]
         streams.append(_stretched(sample, count))
-    return simulate_epoch(streams, config, epoch=epoch, nodes=_nodes(per_node)).n_steps
+    return simulate_epoch(streams, config, epoch=epoch, nodes=_nodes(per_node),
+                          lengths_known=stream.knows_length()).n_steps
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,8 +73,9 @@ def plan_epochs_exactly(stream: SampleStream, config: ODBConfig, *, epochs: Sequ
                         length_fn: LengthFn | None, transport: Transport, per_node: int | None = None) -> ExactPlan:
     """NOTE [ Exact schedule ]
     The real step plan of `epochs`, computed before training, identically on every rank. Each rank reads the
-    facts (index, length, patches) of every sample of its shard once (one pass over its samples in the calling
-    process), and per epoch one all_gather of its count and one of its (index, length, patches) in sampler order;
+    facts (index, length, patches, payload bytes for `max_buffer_bytes`) of every sample of its shard once (one
+    pass over its samples in the calling process), and per epoch one all_gather of its count and one of its facts
+    in sampler order;
     then every rank runs the epoch on the virtual cluster (`simulate_epoch`, the loader's own round code, on its
     node layout: `per_node` ranks per node), which
     yields the same groups as the real run because the plan is a pure function of these facts (G7). Optimizer
@@ -79,6 +83,7 @@ def plan_epochs_exactly(stream: SampleStream, config: ODBConfig, *, epochs: Sequ
     (`StepTarget.count_steps`). Not possible, and refused with TypeError: an iterable dataset (no index order),
     and `tokens_per_step` (supervised tokens exist only after the collator runs).
     Cost: O(shard) sample reads on every rank, O(W x shard) ints gathered per epoch, one simulation per epoch.
+    `estimate_steps` does not model the byte bound (its sample stands for the shard's lengths only).
     """
     if stream.size is None:
         raise TypeError("an exact step plan needs a map-style dataset: an IterableDataset has no index order")
@@ -86,18 +91,22 @@ def plan_epochs_exactly(stream: SampleStream, config: ODBConfig, *, epochs: Sequ
     if target is not None and target[0] == "tokens":
         raise TypeError("tokens_per_step steps depend on supervised tokens, known only after collation; the step "
                         "count is estimated instead")
-    facts: dict[int, Item] = {}
+    facts: dict[int, tuple[Item, int]] = {}
     micro, optimizer = [], []
     for epoch in epochs:
         order = stream.epoch_indices(epoch)
         for index in order:
             if index not in facts:
-                facts[index] = inspect_sample(index, stream.dataset[index], length_fn)
+                sample = stream.dataset[index]
+                facts[index] = (inspect_sample(index, sample, length_fn), payload_bytes(sample))
         widest = max(v[0] for v in transport.all_gather([len(order)]))
-        mine = [x for i in order for x in (i, facts[i].length, facts[i].patches)]
-        streams = [[Item(index=v[1 + 3 * k], length=v[2 + 3 * k], patches=v[3 + 3 * k]) for k in range(v[0])]
-                   for v in transport.all_gather([len(order), *mine, *[0] * (3 * (widest - len(order)))])]
-        plan = simulate_epoch(streams, config, epoch=epoch, nodes=_nodes(per_node))
+        mine = [x for i in order for x in (i, facts[i][0].length, facts[i][0].patches, facts[i][1])]
+        gathered = transport.all_gather([len(order), *mine, *[0] * (EXACT_FACTS * (widest - len(order)))])
+        streams = [[Item(index=v[1 + EXACT_FACTS * k], length=v[2 + EXACT_FACTS * k], patches=v[3 + EXACT_FACTS * k])
+                    for k in range(v[0])] for v in gathered]
+        sizes = {v[1 + EXACT_FACTS * k]: v[4 + EXACT_FACTS * k] for v in gathered for k in range(v[0])}
+        plan = simulate_epoch(streams, config, epoch=epoch, nodes=_nodes(per_node), lengths_known=stream.knows_length(),
+                              sizes=sizes)
         micro.append(plan.n_steps)
         optimizer.append(StepTarget(*target).count_steps(plan.global_sizes()) if target is not None
                          else math.ceil(plan.n_steps / config.accumulation_steps))

@@ -75,7 +75,8 @@ class ReadAhead:
     and a saved position still points at the round's start (they are re-read on resume). The pulls run in the
     consumer's thread, between its steps: no thread contends for the GIL with the training loop. Under
     `max_buffer_bytes` the next fill may stop before `space` samples: the pulls stop at the same share of the
-    bytes it may add (`byte_space`), so pending samples never hold more than one fill's bytes."""
+    bytes it may add (`byte_space`), so pending samples hold about one fill's bytes (the last chunk pulled may pass
+    it)."""
 
     space: int = 0
     byte_space: int | None = None

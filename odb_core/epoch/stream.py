@@ -198,8 +198,19 @@ class SampleStream:
             return None
         try:
             return len(self._chunks.sampler)  # type: ignore[arg-type]
-        except TypeError:
+        except (TypeError, NotImplementedError):
             return None
+
+    def knows_length(self) -> bool:
+        """Whether this rank's epochs have a known length (map-style data through a sampler with a `len`), as
+        `length()` will find when an epoch opens: what `simulate_epoch(lengths_known=...)` must model."""
+        if self.size is None:
+            return False
+        try:
+            len(self.sampler)  # type: ignore[arg-type]
+        except (TypeError, NotImplementedError):
+            return False
+        return True
 
     def forget_replayed(self) -> None:
         """Drop the replay cache once the resumed epoch has re-fetched what it needs."""

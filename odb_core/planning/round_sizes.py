@@ -19,7 +19,8 @@ records for resume (`RoundStart.round`, `.buffer`, `.consumed`), so plans stay i
 a pool of 64 samples packs less tightly than one of 4096 (docs/benchmarks.md "Keeping the accelerator fed").
 `min_window=None` keeps every round at `window`.
 
-`max_buffer_bytes` bounds the same buffer in bytes: `fill_more` is the one rule a fill and the read-ahead follow.
+`max_buffer_bytes` bounds the same buffer in bytes: `fill_more` is the rule of a fill (the loader's and the
+simulator's); the read-ahead pulls up to the bytes the next fill may add (`SampleReader.byte_space`).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ def round_target(config: ODBConfig, round_index: int, buffered: int, left: int |
 
 def fill_more(config: ODBConfig, buffered_bytes: int) -> bool:
     """Whether a fill may admit one more sample by the byte bound: until the buffer's payloads reach
-    `max_buffer_bytes`, the sample that reaches it included, so a fill always admits at least one sample."""
+    `max_buffer_bytes`, the sample that reaches it included, so a fill into an empty buffer admits at least one
+    sample (a carried buffer already at the bound admits none: the round plans what it holds)."""
     bound = config.max_buffer_bytes
     return bound is None or buffered_bytes < bound

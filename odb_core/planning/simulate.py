@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import gc
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from odb_core.planning.alignment import RoundKey, Slot
@@ -26,6 +26,7 @@ from odb_core.planning.grouping import Group
 from odb_core.planning.nodes import NODE_FIELDS, NodeEngine, NodeLayout, NodePlanning
 from odb_core.planning.planner import BufferEngine, RankEngine
 from odb_core.planning.pooled import POOL_FIELDS, PooledEngine, PoolRequest, cut_pool, plan_pooled_round
+from odb_core.planning.round_sizes import fill_more
 from odb_core.planning.termination import STATE_FIELDS, STEP_SUM_FIELDS
 from odb_core.settings.config import ODBConfig
 
@@ -97,18 +98,28 @@ def is_pooled(config: ODBConfig, world: int) -> bool:
 
 
 def _fill(engines: Sequence[BufferEngine], streams: Sequence[Sequence[Item]], cursors: list[int],
-          ended: list[bool], lengths_known: bool) -> list[bool]:
+          ended: list[bool], lengths_known: bool, sizes: Mapping[int, int] | None) -> list[bool]:
     """Top every rank's buffer up from its stream; returns which ranks are still active.
 
-    As `SampleReader.fill` does, a rank learns that its stream ended only when it wants more samples than are
-    left; one whose buffer fills up with exactly the last sample is still active until a later fill has room."""
+    As `SampleReader.fill` does, a fill takes samples while the round's target has room and, given the samples'
+    payload bytes (`sizes`, by dataset index), while the buffer's bytes are under `max_buffer_bytes`; a rank learns
+    that its stream ended only when it wants more samples than are left, so one whose buffer fills up with exactly
+    the last sample is still active until a later fill has room."""
     for rank, engine in enumerate(engines):
-        left = len(streams[rank]) - cursors[rank]
+        stream, start = streams[rank], cursors[rank]
+        left = len(stream) - start
         space = engine.space(left if lengths_known else None)
-        for item in streams[rank][cursors[rank] : cursors[rank] + min(space, left)]:
+        held = None if sizes is None else sum(sizes[item.index] for item in engine.items)
+        count = 0
+        while count < space and (held is None or fill_more(engine.config, held)):
+            if count == left:
+                ended[rank] = True
+                break
+            item = stream[start + count]
             engine.admit(item)
-        cursors[rank] += min(space, left)
-        ended[rank] = ended[rank] or space > left
+            held = None if held is None else held + sizes[item.index]  # type: ignore[index]
+            count += 1
+        cursors[rank] += count
     return [not e for e in ended]
 
 
@@ -122,11 +133,12 @@ def planning_mode(config: ODBConfig, world: int, nodes: NodePlanning | None) -> 
 
 def simulate_epoch(streams: Sequence[Sequence[Item]], config: ODBConfig, epoch: int = 0,
                    max_rounds: int | None = None, nodes: NodePlanning | None = None,
-                   lengths_known: bool = True) -> EpochPlan:
+                   lengths_known: bool = True, sizes: Mapping[int, int] | None = None) -> EpochPlan:
     """Run one epoch on `len(streams)` virtual ranks. Raises RuntimeError past `max_rounds` (a bound check).
 
     `lengths_known`: each rank knows how many samples its stream holds, as the loader does for map-style data
-    (the last rounds shrink: NOTE [ Round sizes ]); False models an `IterableDataset`.
+    (the last rounds shrink: NOTE [ Round sizes ]); False models an `IterableDataset`. `sizes`: each sample's
+    payload bytes by dataset index, for `max_buffer_bytes` (None: the byte bound is not modelled).
 
     `max_rounds` defaults to the bound stated in NOTE [ Rounds and termination ]: max stream length + 2 (rank-
     local) or all samples + 2 (global, node-aware). `nodes`: the ranks per node; node-aware planning when
@@ -144,7 +156,7 @@ def simulate_epoch(streams: Sequence[Sequence[Item]], config: ODBConfig, epoch: 
     while not engines[0].finished:
         if plan.rounds >= bound:
             raise RuntimeError(f"epoch did not terminate within {bound} rounds")
-        active = _fill(engines, streams, cursors, ended, lengths_known)
+        active = _fill(engines, streams, cursors, ended, lengths_known, sizes)
         metadata = metadata_bytes([len(e.items) for e in engines], layout)
         start = plan.n_steps
         round_ = ROUNDS[mode](engines, active, plan, layout)

@@ -263,13 +263,12 @@ class GlooTransport(Transport):
         return received  # type: ignore[return-value] # bytearrays: no copy (NOTE [ Sending samples without copies ])
 
     def _send_and_receive(self, chunks: list[bytes], received: list[bytearray]) -> None:
-        """Each non-empty chunk to its rank (a bytearray from its own memory) and each into its own bytearray; the
-        ranks are the group's (a node's sub-group numbers its ranks from 0), not the world's."""
+        """Each non-empty chunk to its rank (a bytearray from its own memory) and each into its own bytearray; `r`
+        is a rank of the group (a node's sub-group numbers its ranks from 0), sent to as its world rank."""
         as_tensor = lambda b: torch.frombuffer(b if isinstance(b, bytearray) else bytearray(b), dtype=torch.uint8)
-        works = [dist.irecv(as_tensor(b), group=self.group, group_src=r) for r, b in enumerate(received)
-                 if r != self.rank and b]
-        works += [dist.isend(as_tensor(c), group=self.group, group_dst=r) for r, c in enumerate(chunks)
-                  if r != self.rank and c]
+        peer = lambda r: dist.get_global_rank(self.group, r)
+        works = [dist.irecv(as_tensor(b), peer(r), self.group) for r, b in enumerate(received) if r != self.rank and b]
+        works += [dist.isend(as_tensor(c), peer(r), self.group) for r, c in enumerate(chunks) if r != self.rank and c]
         for work in works:
             work.wait()
 
