@@ -228,3 +228,31 @@ def test_a_collate_error_is_raised_by_the_next_of_its_own_step_and_frees_the_wor
     assert set(multiprocessing.active_children()) - before == set()
     assert time.monotonic() - start < 3.0
     assert loader is not None  # the workers exit while the loader lives
+
+
+def test_next_after_a_collate_error_raises_instead_of_ending_the_epoch_silently():
+    """The collate error released the workers; a consumer that catches it and goes on must not see the rest of its
+    shard as an ended stream (an epoch that quietly drops samples)."""
+    class FailsOnTheSecondStep(PadCollator):
+        preserves_labels = True  # counted from the samples: collated when a step is taken
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.calls = 0
+
+        def __call__(self, samples):
+            self.calls += 1
+            if self.calls == 2:
+                raise ValueError("bad batch")
+            return super().__call__(samples)
+
+    loader = ODBDataLoader(LengthDataset([16 + (i * 37) % 240 for i in range(600)]), token_budget=1024, window=64,
+                           min_window=None, collate_fn=FailsOnTheSecondStep())
+    it = iter(loader)
+    next(it)
+    with pytest.raises(CollateError):
+        next(it)
+    with pytest.raises(RuntimeError, match="can no longer be read"):
+        for _ in it:
+            pass
+    loader.close()

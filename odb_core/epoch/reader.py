@@ -173,5 +173,15 @@ class SampleReader:
         return [index for index, _ in self.pending]
 
     def close(self) -> None:
-        """Release the worker iterator (and with it the worker processes); called on errors and on shutdown."""
-        self.chunks = iter(())
+        """Release the worker iterator (and with it the worker processes); called on errors and on shutdown. A
+        read after it raises (`ClosedStream`): a consumer that catches an error and calls `next()` again must not
+        see the rest of its shard as an ended stream, silently unread."""
+        self.chunks = ClosedStream()
+
+
+class ClosedStream(Iterator[Chunk]):
+    """The stream of an epoch whose reader was closed: every read raises, naming what to do."""
+
+    def __next__(self) -> Chunk:
+        raise RuntimeError("this epoch's samples can no longer be read: its stream was closed after an error (or "
+                           "by close()); start a new epoch with iter(loader), or resume from a saved state")
