@@ -65,8 +65,9 @@ class ODBConfig:
             accelerator fed"). The default, 1 GiB, holds ~500 samples of a VLM pipeline averaging 2 MB of
             `pixel_values`; text samples weigh a few kB, so `window` binds first. None: no bound in bytes. A rank
             holds a round's samples until their steps are taken and meanwhile reads the next fill's ahead, a share
-            per step: about the bound in all (at most twice it), plus the DataLoader's prefetch. A bound of a few samples makes
-            every round a few samples: more steps, and under `join=False` an epoch that may end early.
+            per step: about the bound in all (at most twice it), plus the DataLoader's prefetch. A bound of a few
+            samples makes every round a few samples: more steps, and under `join=False` an epoch that may end
+            early.
         join: True drains every rank (each sample exactly once per epoch); False stops at the shortest rank.
         oversize: a single sample whose cost exceeds the budget either runs `alone` in its own group (counted in
             metrics) or raises an `error` naming its index.
