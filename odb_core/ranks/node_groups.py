@@ -32,7 +32,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from odb_core.planning.nodes import NodeLayout
-from odb_core.ranks.sync import _OPEN, GlooTransport, Transport
+from odb_core.ranks.sync import _OPEN, GlooTransport, PeerError, Transport
 from odb_core.ranks.virtual import VirtualHub, VirtualTransport
 from odb_core.settings.config import ODBConfig
 
@@ -95,7 +95,14 @@ class GlooGroupTransport(GlooTransport):
         self.stats, self.timeout_s, self.liveness, self._courier = world.stats, world.timeout_s, world.liveness, \
             world._courier
         self.rank, self.world_size, self.group = list(ranks).index(world.rank), len(ranks), group
+        self.world_rank, self.members = world.rank, tuple(ranks)
         _OPEN.add(self)
+
+    def _fail(self, what: str, exc: Exception) -> PeerError:
+        """The world transport's error, naming world ranks: this rank's and the group's."""
+        return PeerError(f"rank {self.world_rank}: ODB metadata {what} among ranks {list(self.members)} failed "
+                         f"(timeout {self.timeout_s:g}s): a peer rank probably died, hung, or stopped iterating early "
+                         f"({type(exc).__name__}: {exc})")
 
     def close(self) -> None:
         """Destroy this group only (the world transport owns the threads); idempotent, runs no collective."""
