@@ -2,6 +2,7 @@
 
     python tests/node_cases.py rank OUT_DIR   # one rank of the Gloo job; RANK/WORLD_SIZE/LOCAL_WORLD_SIZE/MASTER_*
                                               # from the environment, as torchrun sets them (started by `run_job`)
+    python tests/node_cases.py rank OUT_DIR MERGED_STATE   # resume map-join from merged states, on this layout
 
 Every scenario skews the shards across nodes: `map-*` in sample lengths (node 1 reads long samples) or in counts
 (a sampler that gives node 0 most samples), `stream-*` in counts of per-rank streams. A rank runs the epoch,
@@ -122,29 +123,40 @@ class Job:
 
 
 # -- the Gloo job ---------------------------------------------------------------------------------------------------
-def run_rank(out_dir: Path) -> None:
-    """One process of the job: every scenario in turn, the layout from LOCAL_WORLD_SIZE (nproc_per_node=None)."""
+def run_rank(out_dir: Path, merged: Path | None = None) -> None:
+    """One process of the job, the layout from LOCAL_WORLD_SIZE (nproc_per_node=None): every scenario in turn, or
+    with `merged` (every rank's map-join state, merged) the rest of that epoch resumed elastically."""
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
     dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=60))
-    records = {name: Job(name, rank, None, SAVE_AFTER, nproc_per_node=None).rank_epoch() for name in scenario_names()}
+    if merged is None:
+        records = {name: Job(name, rank, None, SAVE_AFTER, nproc_per_node=None).rank_epoch()
+                   for name in scenario_names()}
+    else:
+        loader = scenario_loader("map-join", rank, None, nproc_per_node=None)
+        loader.load_state_dict(json.loads(merged.read_text()))
+        records = {"resumed": [list(batch.info.indices) for batch in loader], "nodes": loader.layout.n_nodes}
+        loader.close()
     (out_dir / f"rank{rank}.json").write_text(json.dumps(records))
     dist.destroy_process_group()
 
 
-def run_job(tmp_dir: Path, timeout_s: float) -> dict[int, dict[str, Any]]:
-    """Launch the 4 ranks with torchrun's variables for 2 nodes x 2 ranks; their records by rank."""
+def run_job(tmp_dir: Path, timeout_s: float, per_node: int = NODE,
+            merged: Path | None = None) -> dict[int, dict[str, Any]]:
+    """Launch the 4 ranks with torchrun's variables for nodes of `per_node` ranks; their records by rank."""
     out_dir, port = tmp_dir / "out", free_port()
     out_dir.mkdir(parents=True, exist_ok=True)
     logs, procs = [tmp_dir / f"rank{r}.log" for r in range(WORLD)], []
+    extra = [str(merged)] if merged is not None else []
     for rank, log in enumerate(logs):
-        env = child_env(RANK=str(rank), LOCAL_RANK=str(rank % NODE), WORLD_SIZE=str(WORLD),
-                        LOCAL_WORLD_SIZE=str(NODE), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        env = child_env(RANK=str(rank), LOCAL_RANK=str(rank % per_node), WORLD_SIZE=str(WORLD),
+                        LOCAL_WORLD_SIZE=str(per_node), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         with log.open("wb") as sink:
-            procs.append(subprocess.Popen([sys.executable, __file__, "rank", str(out_dir)], env=env, cwd=REPO_ROOT,
-                                          stdout=sink, stderr=subprocess.STDOUT, start_new_session=True))
+            procs.append(subprocess.Popen([sys.executable, __file__, "rank", str(out_dir), *extra], env=env,
+                                          cwd=REPO_ROOT, stdout=sink, stderr=subprocess.STDOUT,
+                                          start_new_session=True))
     timed_out = _wait_all(procs, timeout_s)
     output = "\n".join(log.read_text(errors="replace") for log in logs)
     codes = [p.returncode for p in procs]
@@ -155,4 +167,4 @@ def run_job(tmp_dir: Path, timeout_s: float) -> dict[int, dict[str, Any]]:
 if __name__ == "__main__":
     if sys.argv[1:2] != ["rank"]:
         raise SystemExit(__doc__)
-    run_rank(Path(sys.argv[2]))
+    run_rank(Path(sys.argv[2]), Path(sys.argv[3]) if len(sys.argv) > 3 else None)

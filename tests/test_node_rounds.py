@@ -8,6 +8,7 @@ checks (docs/guarantees.md, "Node-aware rounds").
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from dataclasses import replace
 from typing import Any
@@ -124,6 +125,23 @@ def test_gloo_two_nodes_of_two_ranks_align_move_within_nodes_and_resume(tmp_path
         for r in ranks:
             assert r["resumed"] == r["steps"][3:], name
             assert r["metrics"]["moved_samples"] > 0 or name.startswith("stream")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("per_node", [4, 1])
+def test_gloo_merged_states_of_two_nodes_resume_on_another_layout_emitting_each_sample_once(tmp_path, per_node):
+    """2 x 2 Gloo ranks save after 3 steps; their merged states resume on one node of 4 and on 4 nodes of 1."""
+    first = run_job(tmp_path / "saved", timeout_s=90)
+    ranks = [first[rank]["map-join"] for rank in range(WORLD)]
+    merged = tmp_path / "merged.json"
+    merged.write_text(json.dumps(merge_states([r["state"] for r in ranks])))
+    again = run_job(tmp_path / "resumed", timeout_s=90, per_node=per_node, merged=merged)
+    resumed = [again[rank]["resumed"] for rank in range(WORLD)]
+    assert {again[rank]["nodes"] for rank in range(WORLD)} == {WORLD // per_node}
+    assert len({len(steps) for steps in resumed}) == 1
+    before = [i for r in ranks for step in r["steps"][:3] for i in step]
+    after = [i for steps in resumed for step in steps for i in step]
+    assert Counter(before + after) == Counter(i for r in ranks for i in r["read"])
 
 
 def test_cluster_planning_keeps_one_pool_across_nodes_and_moves_samples_between_them():
