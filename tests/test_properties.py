@@ -494,17 +494,17 @@ REGRESSION_CASES = {
                   max_patches=20, seed=5),
         "748d29c5010b3635436ce99789ec2edb7aac4fa10ab1ed2fdfa0c22f7524020b",
     ),
-    "rounds_padded_default": (
-        ODBConfig(token_budget=8192, seed=3, planning="local"),
-        "0ec2dc3a2f3b5a4cf1700fae2f5f91e2a3d8244af9d047664818d66ee52cfd61",
+    "rounds_padded": (  # 500 samples per rank: rounds of 64, 128, then the rest (the default's 256 is one round)
+        ODBConfig(token_budget=8192, min_window=64, seed=3, planning="local"),
+        "e50a455a487cb45d953f2ed09e9572d18eae7d7dbf61e54f2efb0315ae0e6af4",
     ),
-    "rounds_global_padded_default": (
-        ODBConfig(token_budget=8192, seed=3),
-        "e277c4447a93fe7efa19b498dd0939c3e9f7f72f60718be6872f492b91459c32",
+    "rounds_global_padded": (
+        ODBConfig(token_budget=8192, min_window=64, seed=3),
+        "e35f42362eae6b8f364a2baf4372f5a7c166c43bf7a71e00aed4bc1b350c50f3",
     ),
     "rounds_global_tokens_accumulation": (
         ODBConfig(token_budget=4096, cost="tokens", window=1024, min_window=16, accumulation_steps=3, seed=11),
-        "ef2674ce4ddd2acfcb9fe7e145f399db8ee2a07d8ae80cfa2048e6a0cebf8dbf",
+        "a6a08e9399a566f037303b95e2b599810303f5a126300dd9329bf9728f1ed79b",
     ),
 }
 

@@ -38,6 +38,8 @@ def test_a_round_target_grows_from_min_window_to_window_and_leaves_min_window_fo
     grown = min(window, smallest * 2 ** round_index)
     if left is None:
         assert target == grown
+    elif grown < window and buffered + left <= 2 * grown:  # growing, and the rest fits this round and the next
+        assert target == min(window, buffered + left + 1)  # one more than is left: the fill finds the end
     else:
         assert target == min(grown, max(smallest, buffered + left - smallest))
         assert target >= min(grown, smallest)  # never below the first round's size

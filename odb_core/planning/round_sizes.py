@@ -12,6 +12,9 @@ each round doubles the next, which the workers read while the previous round (ha
 the rank's stream has a known length (`left` samples not yet admitted), the target also leaves `min_window` samples
 unread (at most buffered + left - min_window, at least min_window): the round before the last reads all but them,
 while a round of its own size or larger trains, and the last round, which trains with nothing left to read, is short.
+While the rounds still grow, a rest that fits in twice the round's size is planned whole instead (the next round
+would have taken it): a rank's shard of up to 2 x `min_window` samples is one round, as before this NOTE, and a
+short shard is not cut into rounds of a few hundred samples, which would each cost a partly filled step.
 
 Everything here is a function of (config, round index, samples buffered, samples left), which the round's start
 records for resume (`RoundStart.round`, `.buffer`, `.consumed`), so plans stay independent of worker timing
@@ -36,10 +39,13 @@ def round_target(config: ODBConfig, round_index: int, buffered: int, left: int |
     smallest = config.min_window
     if smallest is None or smallest >= config.window:
         return config.window
-    target = min(config.window, smallest << min(round_index, _MAX_DOUBLINGS))
-    if left is not None:
-        target = min(target, max(smallest, buffered + left - smallest))
-    return target
+    grown = min(config.window, smallest << min(round_index, _MAX_DOUBLINGS))
+    if left is None:
+        return grown
+    rest = buffered + left
+    if grown < config.window and rest <= 2 * grown:  # the next round would take the rest: plan it all now, and
+        return min(config.window, rest + 1)  # ask for one more, so that the fill finds the stream's end (closing)
+    return min(grown, max(smallest, rest - smallest))
 
 
 def fill_more(config: ODBConfig, buffered_bytes: int) -> bool:
