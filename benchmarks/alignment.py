@@ -26,7 +26,6 @@ from __future__ import annotations
 import json
 import os
 import pickle
-import socket
 import statistics
 import tempfile
 import time
@@ -40,6 +39,7 @@ import torch.multiprocessing as mp
 
 from benchmarks.data import real_lengths
 from benchmarks.data.workloads import LengthsDataset, lognormal
+from benchmarks.lib.localhost import free_port
 from odb_core import ODBConfig, ODBDataLoader, VirtualTransport, run_virtual_ranks, simulate_epoch
 from odb_core.data.sendable import pack_sample
 from odb_core.data.sharding import shard
@@ -166,9 +166,7 @@ def _gloo_rank(rank: int, world: int, port: int, folder: str) -> None:
 
 def gloo(world: int) -> tuple[list[dict], dict]:
     """Both planning modes in one launch of W processes, and the collective probe (rank 0's view, median)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     with tempfile.TemporaryDirectory() as folder:
         mp.spawn(_gloo_rank, args=(world, port, folder), nprocs=world, join=True)
         facts = [json.loads(Path(folder, f"rank{r}.json").read_text()) for r in range(world)]

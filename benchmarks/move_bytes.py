@@ -24,7 +24,6 @@ import argparse
 import json
 import os
 import pickle
-import socket
 import statistics
 import sys
 import tempfile
@@ -36,6 +35,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from benchmarks import RESULTS
+from benchmarks.lib.localhost import free_port
 from odb_core.data.sendable import pack_sample, unpack_sample
 from odb_core.ranks.moves import decode_samples, encode_samples
 from odb_core.ranks.sync import GlooTransport
@@ -133,12 +133,6 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, mode: 
                                                          "sent_mb": sent_mb}))
     transport.close()
     dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def one_run(world: int, mode: str, args: argparse.Namespace) -> dict:

@@ -24,7 +24,6 @@ import argparse
 import hashlib
 import json
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -37,6 +36,7 @@ import torch.multiprocessing as mp
 
 from benchmarks import RESULTS
 from benchmarks.data import chat_data
+from benchmarks.lib.localhost import free_port
 from odb_core import ODBDataLoader
 
 MODES = ("send", "fetch")
@@ -148,9 +148,7 @@ def _summary(ranks: list[dict], key: str) -> dict:
 
 
 def run_world(world: int, setup: dict, folder: str) -> list[dict]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     mp.spawn(_rank, args=(world, port, folder, setup), nprocs=world, join=True)
     ranks = [json.loads(Path(folder, f"rank{r}.json").read_text()) for r in range(world)]
     rows = []

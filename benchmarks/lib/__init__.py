@@ -8,6 +8,7 @@
   overlap_runs       `overlap`'s loaders on W Gloo ranks (spawned) or in-process, and its table rows
   peak_memory        peak RSS of the training process and of its DataLoader workers, per run (/proc)
   odb_options        `--odb-option key=value` parsing (`overlap`, `buffer_memory`)
+  localhost          a free port for Gloo ranks spawned on this machine
 
 No module of benchmarks/ imports a runnable one (a module with `if __name__ == "__main__":`): what a script
 shares lives here, in `data/` (the workloads) or in `comparison/` (tests/test_benchmarks_layout.py keeps it so).

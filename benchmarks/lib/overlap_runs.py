@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import tempfile
 import warnings
 from collections import Counter
@@ -26,6 +25,7 @@ import torch.multiprocessing as mp
 
 from benchmarks.data import feeding
 from benchmarks.lib.accelerator import RankRun, Step, aggregate, drive
+from benchmarks.lib.localhost import free_port
 from odb_core import ODBDataLoader, PadCollator
 
 WORKER_CONTEXT = "fork"  # what a torchrun rank's DataLoader gets on Linux
@@ -111,9 +111,7 @@ def rank_runs(setups: list[Setup], world: int) -> list[list[list[dict]]]:
     """Per rank, `run_rank`'s result: in this process at W = 1, else on W spawned Gloo ranks."""
     if world == 1:
         return [run_rank(setups, 0, 1)]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     with tempfile.TemporaryDirectory() as folder:
         mp.spawn(_spawned_rank, args=(world, port, setups, folder), nprocs=world, join=True)
         return [json.loads(Path(folder, f"rank{r}.json").read_text()) for r in range(world)]

@@ -194,23 +194,20 @@ class SampleStream:
     def length(self) -> int | None:
         """Samples of the open epoch's index source on this rank (resume offset included); None for a stream or a
         sampler without a length (NOTE [ Round sizes ]: the rounds shrink toward a known end)."""
-        if self.size is None:
-            return None
-        try:
-            return len(self._chunks.sampler)  # type: ignore[arg-type]
-        except (TypeError, NotImplementedError):
-            return None
+        return None if self.size is None else self._length_of(self._chunks.sampler)
 
     def knows_length(self) -> bool:
         """Whether this rank's epochs have a known length (map-style data through a sampler with a `len`), as
         `length()` will find when an epoch opens: what `simulate_epoch(lengths_known=...)` must model."""
-        if self.size is None:
-            return False
+        return self._length_of(self.sampler) is not None
+
+    def _length_of(self, sampler: Any) -> int | None:
+        if self.size is None or sampler is None:
+            return None
         try:
-            len(self.sampler)  # type: ignore[arg-type]
+            return len(sampler)
         except (TypeError, NotImplementedError):
-            return False
-        return True
+            return None
 
     def forget_replayed(self) -> None:
         """Drop the replay cache once the resumed epoch has re-fetched what it needs."""
