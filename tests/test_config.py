@@ -65,6 +65,8 @@ BAD_VALUES: list[tuple[str, Any, dict[str, Any]]] = [
     ("prefetch_steps", 1.5, {}),
     ("fetch_chunk", 0, {}),
     ("fetch_chunk", 2.5, {}),
+    ("reader_thread", 1, {}),
+    ("reader_thread", "yes", {}),
     ("sync_timeout_s", 0, {}),
     ("sync_timeout_s", -5.0, {}),
     ("sync_timeout_s", float("nan"), {}),

@@ -152,11 +152,12 @@ def test_a_frozen_rank_0_that_hosts_the_store_is_named_within_the_liveness_timeo
 
 # --- worker failures ----------------------------------------------------------------------------------------------
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("prefetch_steps", [0, 2])
-def test_killed_worker_raises_instead_of_hanging(prefetch_steps):
+@pytest.mark.parametrize(("prefetch_steps", "reader_thread"), [(0, True), (0, False), (2, True)])
+def test_killed_worker_raises_instead_of_hanging(prefetch_steps, reader_thread):
     baseline = Baseline.now()
     loader = ODBDataLoader(KillWorkerDataset(mixed_lengths(300), kill_index=37), token_budget=1024,
-                           num_workers=2, window=16, prefetch_steps=prefetch_steps, multiprocessing_context="fork")
+                           num_workers=2, window=16, prefetch_steps=prefetch_steps, multiprocessing_context="fork",
+                           reader_thread=reader_thread)
     start = time.monotonic()
     with pytest.raises(RuntimeError) as caught:
         for _ in loader:
@@ -206,23 +207,25 @@ def blocked_in_a_pipe_write(pid: int) -> bool | None:
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("context", ["forkserver", "fork", "spawn"])
-def test_a_worker_killed_mid_message_raises_worker_died_error_within_seconds(tmp_path, context):
+@pytest.mark.parametrize(("context", "reader_thread"), [("forkserver", True), ("fork", True), ("fork", False),
+                                                        ("spawn", True), ("spawn", False)])
+def test_a_worker_killed_mid_message_raises_worker_died_error_within_seconds(tmp_path, context, reader_thread):
     """Issue 28, case 7: a worker SIGKILLed while it writes a multi-MiB chunk leaves half a message in the
     DataLoader's pipe. Before, the rank blocked on the rest of it for ever: at once under forkserver (its workers
     are not the rank's children, so no SIGCHLD comes), and under fork and spawn at the first read after torch's
     SIGCHLD handler had raised elsewhere in the main thread. Now the next read raises a WorkerDiedError naming the
-    pid and the signal within seconds (NOTE [ A rank watches its workers ]), and no worker survives."""
+    pid and the signal within seconds (NOTE [ A rank watches its workers ]), and no worker survives: read by the
+    reader thread (the default, NOTE [ A thread reads the workers ]) or, with `reader_thread=False`, directly."""
     (tmp_path / "pids").mkdir()
     readers_before = {t for t in threading.enumerate() if t.name == READER_THREAD}
     # 4-sample chunks: round 1 reads chunks 0-3 (the window), while the workers (4 chunks ahead each) run on;
-    # chunk 9 holds the big sample, past what even the reader thread of the forkserver case reads ahead
+    # chunk 9 holds the big sample, past what a reader thread reads ahead
     dataset = HalfSentDataset([8] * 96, big_index=36, folder=tmp_path)
     loader = ODBDataLoader(dataset, token_budget=32, window=16, fetch_chunk=4, num_workers=2, prefetch_factor=4,
-                           multiprocessing_context=context)
+                           multiprocessing_context=context, reader_thread=reader_thread)
     it = iter(loader)
     next(it)  # round 1 is read; the rank reads nothing more until the next step is taken (NOTE [ Reading ahead ])
-    time.sleep(0.5)  # let a reader thread (forkserver) park, its queue full, before chunk 9 is written
+    time.sleep(0.5)  # let a reader thread park, its queue full, before chunk 9 is written
     (tmp_path / "go").touch()
     assert wait_until((tmp_path / "sending").exists, timeout_s=30.0), "the big sample was never fetched"
     pid = int((tmp_path / "sending").read_text())
@@ -257,9 +260,11 @@ def test_a_worker_killed_mid_message_raises_worker_died_error_within_seconds(tmp
     assert len(workers) == 2, workers
     assert wait_until(lambda: not any(is_alive(p) for p in workers), timeout_s=10.0), (
         f"workers still alive: {[p for p in workers if is_alive(p)]}")
-    # forkserver: the reader thread stays blocked on the half message (a daemon; no public API can release it)
+    # a reader thread stays blocked on the half message (a daemon; no public API can release it); a direct read
+    # (fork or spawn without the reader thread) leaves none
     readers = [t for t in threading.enumerate() if t.name == READER_THREAD and t not in readers_before]
-    assert all(t.daemon for t in readers) and (len(readers) <= 1 if context == "forkserver" else not readers)
+    direct = context != "forkserver" and not reader_thread
+    assert all(t.daemon for t in readers) and (not readers if direct else len(readers) <= 1), readers
 
 
 @pytest.mark.timeout(60)

@@ -8,8 +8,13 @@ first round was yielded with exactly one buffer of samples read.
 
 from __future__ import annotations
 
-from conftest import CountingDataset
+import pytest
+import torch
+
+from batch_record import LengthStream
+from conftest import CountingDataset, LengthDataset
 from odb_core import ODBDataLoader
+from odb_core.epoch.reader import SampleReader
 
 WINDOW = 64
 
@@ -38,3 +43,80 @@ def test_reading_ahead_reads_no_more_than_the_next_fill_admits():
     # with chunks of one sample, at most one buffer plus the next fill's samples have been read by a round's end
     for round_, reads in rounds.items():
         assert reads <= WINDOW * (round_ + 2), (round_, reads)
+
+
+class TimedStream:
+    """A chunk source with a reader thread's `ready()`: `ready_chunks` chunks are held at once, the rest come
+    only from a blocking `next()`; every pull is logged (`pulls`: ("next" | "ready", chunk number))."""
+
+    def __init__(self, chunks: int, size: int, ready_chunks: int) -> None:
+        self.chunks = [[(c * size + i, {"input_ids": torch.arange(8)}) for i in range(size)] for c in range(chunks)]
+        self.held, self.pulls = ready_chunks, []
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if not self.chunks:
+            raise StopIteration
+        self.pulls.append(("next", len(self.pulls)))
+        return self.chunks.pop(0)
+
+    def ready(self):
+        if self.held == 0:
+            return None
+        if not self.chunks:
+            raise StopIteration
+        self.held -= 1
+        self.pulls.append(("ready", len(self.pulls)))
+        return self.chunks.pop(0)
+
+
+def _reader(source: TimedStream) -> SampleReader:
+    return SampleReader(source, None, lambda: {"input_ids": torch.arange(1)}, packed=False, stream_length=None)
+
+
+def test_reading_ahead_waits_for_the_next_fills_share_then_takes_only_what_the_reader_thread_holds():
+    source = TimedStream(chunks=10, size=4, ready_chunks=3)
+    reader = _reader(source)
+    reader.read_ahead(target=8, target_bytes=None, cap=100, cap_bytes=None)
+    # two chunks waited for (the share), then the three held ones taken without waiting; the rest are left
+    assert [kind for kind, _ in source.pulls] == ["next", "next", "ready", "ready", "ready"]
+    assert len(reader.pending) == 20 and reader.pending_bytes == 20 * 8 * 8
+    assert [index for index, _ in reader.pending] == list(range(20))  # stream order kept
+
+
+def test_taking_held_chunks_stops_at_the_cap_in_samples_and_in_bytes():
+    source = TimedStream(chunks=10, size=4, ready_chunks=10)
+    reader = _reader(source)
+    reader.read_ahead(target=0, target_bytes=None, cap=10, cap_bytes=None)
+    assert len(reader.pending) == 12  # the chunk that reaches the cap is the last one taken
+    source = TimedStream(chunks=10, size=4, ready_chunks=10)
+    reader = _reader(source)
+    reader.read_ahead(target=0, target_bytes=None, cap=100, cap_bytes=3 * 4 * 64)
+    assert len(reader.pending) == 12 and reader.pending_bytes == 3 * 4 * 64
+    source = TimedStream(chunks=2, size=4, ready_chunks=5)
+    reader = _reader(source)
+    reader.read_ahead(target=0, target_bytes=None, cap=100, cap_bytes=None)
+    assert len(reader.pending) == 8 and reader.stream_ended  # the end, seen through ready(), ends the stream
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("iterable", [False, True])
+def test_the_reader_thread_and_taking_what_it_holds_change_no_batch(iterable):
+    """Reading in a thread and taking held chunks past the next fill (NOTE [ Reading ahead ]) depend on worker
+    timing; the batches must not. Rounds that grow from 8 and halve toward the end (map-style), with workers read
+    by a thread and directly, against reading in the trainer process."""
+    lengths = [8 + (i * 53) % 200 for i in range(900)]
+    dataset = LengthStream(LengthDataset(lengths)) if iterable else LengthDataset(lengths)
+    options = dict(token_budget=512, window=128, min_window=8, fetch_chunk=2, shuffle=not iterable, seed=3)
+    runs = {}
+    for name, extra in {"in process": dict(num_workers=0), "thread": dict(num_workers=2, reader_thread=True),
+                        "direct": dict(num_workers=2, reader_thread=False)}.items():
+        loader = ODBDataLoader(dataset, **options, **extra)
+        runs[name] = [(b.info.indices, b["input_ids"].shape) for b in loader]
+        rounds = loader.last_report.rounds
+        loader.close()
+    assert runs["thread"] == runs["in process"] == runs["direct"]
+    assert rounds >= 6
+    assert sorted(i for indices, _ in runs["thread"] for i in indices) == list(range(len(lengths)))

@@ -27,7 +27,7 @@ from odb_core.planning.round_sizes import round_target
 
 @given(window=st.integers(1, 5000), smallest=st.integers(1, 600), round_index=st.integers(0, 80),
        buffered=st.integers(0, 5000), left=st.one_of(st.none(), st.integers(0, 20000)))
-def test_a_round_target_grows_from_min_window_to_window_and_leaves_min_window_for_a_known_last_round(
+def test_a_round_target_grows_from_min_window_to_window_and_halves_toward_a_known_end(
         window, smallest, round_index, buffered, left):
     config = ODBConfig(token_budget=64, window=window, min_window=smallest)
     target = round_target(config, round_index, buffered, left)
@@ -41,7 +41,7 @@ def test_a_round_target_grows_from_min_window_to_window_and_leaves_min_window_fo
     elif grown < window and buffered + left <= 2 * grown:  # growing, and the rest fits this round and the next
         assert target == min(window, buffered + left + 1)  # one more than is left: the fill finds the end
     else:
-        assert target == min(grown, max(smallest, buffered + left - smallest))
+        assert target == min(grown, max(smallest, math.ceil((buffered + left) / 2)))  # at most half the rest
         assert target >= min(grown, smallest)  # never below the first round's size
 
 
@@ -117,15 +117,17 @@ def test_a_resume_at_any_step_of_small_and_growing_rounds_yields_the_uninterrupt
 
 
 def test_the_epoch_costs_few_more_steps_with_small_first_and_last_rounds():
-    """The cost of NOTE [ Round sizes ]: smaller pools in the first rounds and the last. Measured on 20,000
-    lognormal lengths (mean 900, CV 1) on one rank, budget 16,384 (docs/design.md): +0.5 % with the default."""
+    """The cost of NOTE [ Round sizes ]: smaller pools in the first rounds and the last ones. Measured on 20,000
+    lognormal lengths (mean 900, CV 1) on one rank, budget 16,384 (docs/design.md): +1.0 % with the default
+    (1,187 steps against 1,175; +0.5 % when the last round only left `min_window` samples, before the rounds
+    halved toward the end)."""
     rng = np.random.default_rng(0)
     sigma2 = math.log(2)
     lengths = np.clip(rng.lognormal(math.log(900) - sigma2 / 2, math.sqrt(sigma2), 20000).round(), 8, 16384)
     stream = [Item(index=i, length=int(n)) for i, n in enumerate(lengths)]
     full_windows = simulate_epoch([stream], ODBConfig(token_budget=16384, min_window=None)).n_steps
     default = simulate_epoch([stream], ODBConfig(token_budget=16384)).n_steps
-    assert full_windows < default <= full_windows * 1.01
+    assert full_windows < default <= full_windows * 1.011
 
 
 class PixelSamples:
@@ -257,3 +259,36 @@ def test_the_exact_schedule_counts_the_steps_of_rounds_cut_by_the_byte_bound(pla
     for planned, taken, unbounded in run_virtual_ranks(rank_main, 2, timeout_s=300):
         assert planned == taken
         assert unbounded != taken  # the bound changes the plan here: the check can fail
+
+
+def _as_saved_before_halving(state: dict) -> dict:
+    """`state` as the odb before halving rounds wrote it: no `round_ends` in its config (digest recomputed)."""
+    from odb_core.resume.fields import digest_of
+
+    config = {k: v for k, v in state["config"].items() if k != "round_ends"}
+    old = {k: v for k, v in {**state, "config": config}.items() if k != "digest"}
+    return {**old, "digest": digest_of(old)}
+
+
+def test_a_state_saved_when_the_last_round_left_min_window_is_refused_not_replayed_differently():
+    """Halving the last rounds changed which rounds a map-style epoch plans at its end; a state saved by the odb
+    before it (its config has no `round_ends`) cannot be replayed to the same batches, so it is refused, naming why
+    and what to do. With `min_window=None` the rounds did not change, and such a state resumes."""
+    lengths = [8 + (i * 53) % 200 for i in range(400)]
+    data = [{"input_ids": np.arange(n)} for n in lengths]
+    for smallest, refused in ((4, True), (None, False)):
+        options = dict(token_budget=512, window=128, min_window=smallest, seed=5)
+        loader = ODBDataLoader(data, **options)
+        it = iter(loader)
+        for _ in range(5):
+            next(it)
+        state = _as_saved_before_halving(json.loads(json.dumps(loader.state_dict())))
+        rest = [b.info for b in it]
+        loader.close()
+        again = ODBDataLoader(data, **options)
+        if refused:
+            with pytest.raises(ValueError, match="earlier odb, whose last round of an epoch left `min_window`"):
+                again.load_state_dict(state)
+        else:
+            again.load_state_dict(state)
+            assert [b.info for b in again] == rest

@@ -48,6 +48,7 @@ class RankRun:
     worker_rss_mb: float
     indices: tuple[int, ...] = ()
     moves: dict = field(default_factory=dict)  # ODB's rounds and moves (`LoaderMetrics`: moved_bytes, sync_seconds)
+    step_s: tuple[float, ...] = ()  # the simulated device seconds of each step, in order
 
     @property
     def busy(self) -> float:
@@ -75,11 +76,12 @@ def drive(batches, step: Step, rank: int = 0) -> RankRun:
     reset_peak()
     workers = WorkerPeaks().start()
     start, cpu = time.perf_counter(), time.process_time()
-    first, samples, steps, device, indices = None, 0, 0, 0.0, []
+    first, samples, steps, device, indices, step_s = None, 0, 0, 0.0, [], []
     for batch in batches:
         if first is None:
             first = time.perf_counter() - start
-        device += step(batch)
+        step_s.append(step(batch))
+        device += step_s[-1]
         steps += 1
         info = getattr(batch, "info", None)
         if info is not None:
@@ -91,7 +93,7 @@ def drive(batches, step: Step, rank: int = 0) -> RankRun:
     moves = {} if metrics is None else {k: getattr(metrics, k) for k in MOVE_FIELDS}
     return RankRun(rank=rank, samples=samples, steps=steps, wall_s=wall, cpu_s=cpu, device_s=device,
                    first_batch_s=first or 0.0, rss_mb=peak_mb(), worker_rss_mb=worker_mb,
-                   indices=tuple(indices), moves=moves)
+                   indices=tuple(indices), moves=moves, step_s=tuple(step_s))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -108,6 +110,8 @@ class Figures:
     supply: float
     demand: float
     efficiency: float
+    synced_demand: float
+    synced_efficiency: float
     first_batch_s: float
     cpu_s: float
     rss_mb: float
@@ -124,9 +128,21 @@ def aggregate(runs: list[RankRun], workers_per_rank: int, process_s: float) -> F
     supply = len(runs) * workers_per_rank / process_s if process_s > 0 else math.inf
     device = max(r.device_s for r in runs)
     demand = samples / device if device else math.inf
+    synced = synced_device_s(runs)
+    synced_demand = samples / synced if synced else math.inf
     return Figures(world_size=len(runs), samples=samples, steps=max(r.steps for r in runs), wall_s=wall,
                    samples_per_s=rate, busy=statistics.fmean(r.busy for r in runs),
                    busy_min=min(r.busy for r in runs), supply=supply, demand=demand,
-                   efficiency=rate / min(supply, demand), first_batch_s=max(r.first_batch_s for r in runs),
+                   efficiency=rate / min(supply, demand), synced_demand=synced_demand,
+                   synced_efficiency=rate / min(supply, synced_demand), first_batch_s=max(r.first_batch_s for r in runs),
                    cpu_s=max(r.cpu_s for r in runs), rss_mb=max(r.rss_mb for r in runs),
                    worker_rss_mb=max(r.worker_rss_mb for r in runs))
+
+
+def synced_device_s(runs: list[RankRun]) -> float:
+    """The device seconds of ranks that wait for each other at every step: the sum over steps of the slowest
+    rank's step (the per-step all_reduce); one rank's device seconds at W = 1."""
+    steps = [r.step_s for r in runs]
+    if len({len(s) for s in steps}) != 1:
+        return max(r.device_s for r in runs)
+    return sum(max(column) for column in zip(*steps))

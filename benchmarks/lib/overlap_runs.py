@@ -125,7 +125,8 @@ def run_world(setups: list[Setup], world: int) -> list[dict]:
     for k, setup in enumerate(setups):
         plain_rate = None
         for j, spec in enumerate(loader_specs(setup, world)):
-            runs = [RankRun(**{**r[k][j], "indices": tuple(r[k][j]["indices"])}) for r in ranks]
+            runs = [RankRun(**{**r[k][j], "indices": tuple(r[k][j]["indices"]), "step_s": tuple(r[k][j]["step_s"])})
+                    for r in ranks]
             figures = aggregate(runs, setup.workers, setup.process_s)
             plain_rate = plain_rate or figures.samples_per_s
             rows.append({"workload": setup.workload, "loader": spec.name,
@@ -140,8 +141,8 @@ def run_world(setups: list[Setup], world: int) -> list[dict]:
 
 
 def per_rank(run: RankRun) -> dict:
-    """A rank's figures for the JSON (its indices left out)."""
-    return {**{k: v for k, v in asdict(run).items() if k != "indices"}, "busy": run.busy,
+    """A rank's figures for the JSON (its indices and step seconds left out)."""
+    return {**{k: v for k, v in asdict(run).items() if k not in ("indices", "step_s")}, "busy": run.busy,
             "samples_per_s": run.samples / run.wall_s}
 
 

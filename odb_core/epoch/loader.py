@@ -134,7 +134,7 @@ class ODBDataLoader:
         stream_options = StreamOptions(sampler=sampler, shuffle=shuffle, seed=config.seed, num_workers=num_workers,
                                        shard_iterable=shard_iterable, fetch_chunk=config.fetch_chunk,
                                        worker_timeout_s=config.worker_timeout_s, worker_options=worker_options,
-                                       idle_sample=idle_sample,
+                                       idle_sample=idle_sample, reader_thread=config.reader_thread,
                                        compact_ids=type(collate_fn) is PadCollator and length_fn is None)
         self._stream = SampleStream(dataset, stream_options, rank=self.transport.rank,
                                     world_size=self.transport.world_size)

@@ -67,35 +67,41 @@ class ReadAhead:
     """NOTE [ Reading ahead ]
     A round fills the buffer, plans, and releases its steps; if nothing were read while the consumer trains on
     them, the DataLoader workers would stop after their small prefetch and the next round would wait for a
-    whole buffer of samples. So while a round's steps are taken, the reader pulls the next round's samples out of
-    the workers' queue into its `pending` samples, a share per step: after a round is planned, the next fill will
-    admit exactly `engine.space()` samples (the buffer changes only at a fill and a plan), so the reader pulls up
-    to that many, spread over the steps released now, and the workers keep processing while the accelerator
-    works. The samples wait unadmitted, so the next plan sees the buffer it would have seen (batches unchanged),
-    and a saved position still points at the round's start (they are re-read on resume). The pulls run in the
-    consumer's thread, between its steps: no thread contends for the GIL with the training loop. Under
-    `max_buffer_bytes` the next fill may stop before `space` samples: the pulls stop at the same share of the
-    bytes it may add (`byte_space`), so pending samples hold about one fill's bytes (the last chunk pulled may pass
-    it)."""
+    whole buffer of samples. So while a round's steps are taken, the reader pulls the next round's samples into
+    its `pending` samples, a share per step: after a round is planned, the next fill will admit exactly
+    `engine.space()` samples (the buffer changes only at a fill and a plan), so the reader waits for up to that
+    many, spread over the steps released now, and the workers keep processing while the accelerator works. The
+    samples wait unadmitted, so the next plan sees the buffer it would have seen (batches unchanged), and a saved
+    position still points at the round's start (they are re-read on resume). The pulls run in the consumer's
+    thread, between its steps; the pipe reads and unpickling behind them run in the reader thread while the
+    consumer's device works (NOTE [ A thread reads the workers ] in watch.py). Under `max_buffer_bytes` the next
+    fill may stop before `space` samples: the pulls stop at the same share of the bytes it may add
+    (`byte_space`), so pending samples hold about one fill's bytes (the last chunk pulled may pass it).
+    Past that share, each step also takes whatever chunks the reader thread already holds (`ready`, never
+    waiting), up to `cap` pending samples (the `window`) and `byte_space` bytes: towards the end of an epoch the
+    rounds halve (NOTE [ Round sizes ]), the next fill is smaller than what the workers read while a round
+    trains, and without these pulls they would idle until the next round. The device never waits for them, and
+    they change no plan: fills admit pending samples in stream order, `space` at a time."""
 
     space: int = 0
     byte_space: int | None = None
     steps: int = 0
     taken: int = 0
+    cap: int = 0
 
     @property
     def due(self) -> bool:
         return self.taken < self.steps
 
-    def plan(self, space: int, byte_space: int | None, steps: int) -> None:
-        self.space, self.byte_space, self.steps, self.taken = space, byte_space, steps, 0
+    def plan(self, space: int, byte_space: int | None, steps: int, cap: int) -> None:
+        self.space, self.byte_space, self.steps, self.taken, self.cap = space, byte_space, steps, 0, cap
 
-    def take_step(self) -> tuple[int, int | None]:
-        """The pending samples (and payload bytes) wanted once one more step was taken: the next fill's share of
-        the steps taken."""
+    def take_step(self) -> tuple[int, int | None, int, int | None]:
+        """Once one more step was taken: the pending samples (and payload bytes) to wait for, the next fill's share
+        of the steps taken; then the samples (and bytes) to take without waiting, `cap` and `byte_space`."""
         self.taken += 1
         share_bytes = None if self.byte_space is None else -(-self.byte_space * self.taken // self.steps)
-        return -(-self.space * self.taken // self.steps), share_bytes
+        return -(-self.space * self.taken // self.steps), share_bytes, self.cap, self.byte_space
 
 
 @dataclass(frozen=True, slots=True)
@@ -222,7 +228,8 @@ class EpochRun(Iterator[ODBBatch]):
             self._stage(step, totals, planned.index, first_step + k)
         metrics.publish_moves()
         finished, reader = self.engine.finished, self.reader
-        self.ahead.plan(0 if finished else reader.space(self.engine), reader.byte_space(self.engine), len(self.ready))
+        self.ahead.plan(0 if finished else reader.space(self.engine), reader.byte_space(self.engine), len(self.ready),
+                        0 if finished else self.engine.config.window)
         if self.engine.finished:
             self._release(self.window.flush())  # a target-sized epoch may end in a short step
             self.log.end_epoch(self.engine.steps_done, metrics.snapshot())

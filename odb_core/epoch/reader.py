@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from odb_core.data.sample import LengthFn, count_patches, inspect_sample
-from odb_core.data.sendable import payload_bytes, unpack_sample
-from odb_core.epoch.stream import Chunk
+from odb_core.data.sendable import payload_bytes
+from odb_core.epoch.stream import Chunk, ReadChunk, read_chunk
 from odb_core.planning.planner import BufferEngine
 from odb_core.planning.round_sizes import fill_more
 from odb_core.resume.state import RoundStart
@@ -116,8 +116,6 @@ class SampleReader:
                 self._extend(chunk)
             index, sample = pending.popleft()
             nbytes = self.pending_sizes.popleft()
-            if self.packed:
-                sample = unpack_sample(sample)
             self.pending_bytes -= nbytes
             item = inspect_sample(index, sample, length_fn)
             admit(item)
@@ -133,9 +131,10 @@ class SampleReader:
         traceback.clear_frames(exc.__traceback__)
         self.close()
 
-    def read_ahead(self, target: int, target_bytes: int | None) -> None:
+    def read_ahead(self, target: int, target_bytes: int | None, cap: int = 0, cap_bytes: int | None = None) -> None:
         """Pull chunks from the workers until `target` samples (or `target_bytes` of payloads) are pending or the
-        stream ends (NOTE [ Reading ahead ] in pipeline.py); they are admitted, in order, by the next `fill`."""
+        stream ends, then those a reader thread already holds, up to `cap` samples (`cap_bytes`) pending (NOTE [
+        Reading ahead ] in pipeline.py); they are admitted, in order, by the next fills."""
         pending = self.pending
         try:
             while (len(pending) < target and not self.stream_ended
@@ -145,16 +144,28 @@ class SampleReader:
                     self.stream_ended = True
                 else:
                     self._extend(chunk)
+            ready = getattr(self.chunks, "ready", None)  # WatchedChunks (workers); not a resumed stream's chain
+            while (ready is not None and len(pending) < cap and not self.stream_ended
+                   and (cap_bytes is None or self.pending_bytes < cap_bytes)):
+                try:
+                    chunk = ready()
+                except StopIteration:
+                    self.stream_ended = True
+                    break
+                if chunk is None:
+                    break
+                self._extend(chunk)
         except BaseException as exc:
             self._fail(exc)
             raise
 
     def _extend(self, chunk: Chunk) -> None:
-        """Queue a chunk's samples with their payload bytes (a packed array weighs what its tensor does)."""
-        sizes = [payload_bytes(sample) for _, sample in chunk]
+        """Queue a chunk's samples, unpacked, with their payload bytes; a reader thread already did both."""
+        if type(chunk) is not ReadChunk:
+            chunk = read_chunk(chunk, self.packed)
         self.pending.extend(chunk)
-        self.pending_sizes.extend(sizes)
-        self.pending_bytes += sum(sizes)
+        self.pending_sizes.extend(chunk.sizes)
+        self.pending_bytes += chunk.nbytes
 
     def _offer_dummy(self, index: int, sample: Mapping[str, Any], patches: int) -> None:
         """NOTE [ IDLE dummy ] The dummy is the first sample this rank read, replaced once by the first one with

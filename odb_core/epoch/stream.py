@@ -18,7 +18,7 @@ from typing import Any
 
 from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
-from odb_core.data.sendable import unpack_sample
+from odb_core.data.sendable import payload_bytes, unpack_sample
 from odb_core.data.sources import (ChunkSampler, DatasetFetchError, Handover, IndexedDataset, IndexedIterable,
                                    IndexListSampler, ShardedSampler, integer_columns, keep_chunk, map_style_size,
                                    worker_parts)
@@ -71,6 +71,23 @@ class StreamOptions:
     worker_options: Mapping[str, Any]
     idle_sample: Mapping[str, Any] | None
     compact_ids: bool = False  # NOTE [ Compact buffered samples ]
+    reader_thread: bool = True  # NOTE [ A thread reads the workers ] in watch.py
+
+
+class ReadChunk(list):
+    """A chunk ready for the reader's pending queue: its samples unpacked (`sendable.PackedTensor` back to the
+    tensors the dataset returned) and each one's payload bytes measured, in `sizes` (`nbytes`: their sum). Made by
+    `read_chunk`, in the reader thread when there is one (NOTE [ A thread reads the workers ] in watch.py)."""
+
+    __slots__ = ("sizes", "nbytes")
+
+
+def read_chunk(chunk: Chunk, packed: bool = True) -> ReadChunk:
+    """`chunk` as a `ReadChunk` (`packed`: its samples come from worker processes, small tensors as arrays)."""
+    out = ReadChunk((index, unpack_sample(sample)) for index, sample in chunk) if packed else ReadChunk(chunk)
+    out.sizes = [payload_bytes(sample) for _, sample in out]
+    out.nbytes = sum(out.sizes)
+    return out
 
 
 def skip_stream(chunks: Iterator[Chunk], consumed: int, needed: set[int]) -> tuple[dict[int, Any], Iterator[Chunk]]:
@@ -100,7 +117,7 @@ class SampleStream:
         self.dataset, self.rank, self.world_size = dataset, rank, world_size
         self.size = map_style_size(dataset)
         self._own_sampler, self._shuffle, self._seed = options.sampler is None, options.shuffle, options.seed
-        self._idle_sample = options.idle_sample
+        self._idle_sample, self._reader_thread = options.idle_sample, options.reader_thread
         self.sampler = self._build_sampler(options.sampler)
         self._replayed: dict[int, Any] = {}
         self._parts = worker_parts(dataset, options.num_workers)  # a stream's parts; 1 for map-style data
@@ -136,7 +153,8 @@ class SampleStream:
         if self._watch.failed:  # persistent workers would resume the broken iterator
             self._workers, self._watch.failed = self._build_workers(), False
         chunks = self._watch.start(self._workers)
-        return WatchedChunks(chunks, self._watch, direct=rescued_by_sigchld(self._workers))
+        direct = not self._reader_thread and rescued_by_sigchld(self._workers)
+        return WatchedChunks(chunks, self._watch, direct=direct, prepare=read_chunk)
 
     def _build_sampler(self, sampler: Sampler[int] | None) -> Sampler[int] | None:
         if self.size is None:

@@ -14,22 +14,23 @@ workers are children of the fork server: no signal comes at all. So:
   started it, over a pipe of the stream's `WorkerWatch`), and the rank watches the multiprocessing `Process` torch
   started with that pid (`sentinel`, `exitcode`): a worker ended by anything but torch's own stop (exit code 0)
   has died;
-- a read that the SIGCHLD rescue covers (fork or spawn workers, a SIGCHLD handler installed, the read on the main
-  thread) stays in the reading thread, after one `poll(0)` of the report pipe and the workers' sentinels (~2 µs
-  per chunk, nothing per sample): a worker that died while the rank was busy elsewhere is reported before the
-  rank reads its half message;
-- every other read (forkserver workers; a read on another thread, e.g. with `prefetch_steps > 0`) runs in a daemon
-  reader thread that hands chunks over a queue of `HOP_DEPTH`; the consumer waits in `POLL_S` slices and looks at
-  the workers between them. A worker that died while nothing arrived for `GRACE_S` is an error (the grace is for
-  the end of an epoch, where torch stops, and at worst terminates, the workers inside the last fetch). The hop
-  costs ~15 µs per chunk against ~2 for the direct read (measured on bare chunks), which is why fork and spawn
-  keep the direct read; it is the one thread NOTE [ Reading ahead ] (pipeline.py) then has beside the consumer.
+- by default every read runs in a daemon reader thread that hands chunks over a queue of `HOP_DEPTH` (NOTE [ A
+  thread reads the workers ] in reader_thread.py); the consumer waits in `POLL_S` slices and looks at the workers
+  between them. A worker that died while nothing arrived for `GRACE_S` is an error (the grace is for the end of
+  an epoch, where torch stops, and at worst terminates, the workers inside the last fetch);
+- with `reader_thread=False`, a read that the SIGCHLD rescue covers (fork or spawn workers, a SIGCHLD handler
+  installed, the read on the main thread) stays in the reading thread, after one `poll(0)` of the report pipe
+  and the workers' sentinels (~2 µs per chunk, nothing per sample): a worker that died while the rank was busy
+  elsewhere is reported before the rank reads its half message (within ~0.05 s against ~1.1 s through the
+  thread); any other read (forkserver workers, a read on another thread: `prefetch_steps > 0`) goes through the
+  reader thread all the same.
 
 `WorkerDiedError` names the worker, its pid and how it ended. A reader thread blocked on a half message cannot
 be released through any public API and is left behind (a daemon, blocked until the process exits, holding the
 dead DataLoader iterator); the surviving workers of that iterator, which nothing can stop any more, are killed.
 A stream whose worker died builds a new DataLoader for its next epoch: persistent workers would resume the broken
 iterator.
+
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
 from typing import Any
@@ -50,11 +51,11 @@ from torch.utils.data import DataLoader
 
 from odb_core.epoch.lifeline import Lifeline, WorkerStarted, rank_alive
 from odb_core.epoch.prefetch import Exhausted, Failed, Produced
+from odb_core.epoch.reader_thread import POLL_S, READER_THREAD, ReaderThread
 
-POLL_S = 0.1  # how often a waiting consumer looks at the workers
+__all__ = ["READER_THREAD", "WatchedChunks", "WorkerDiedError", "WorkerWatch", "rescued_by_sigchld"]
+
 GRACE_S = 1.0  # a dead worker and a silent reader for this long: an error
-HOP_DEPTH = 2  # chunks the reader thread reads ahead of its consumer
-READER_THREAD = "odb-worker-reader"
 CHILD_START_METHODS = frozenset({"fork", "spawn"})  # start methods whose workers are the rank's own children
 
 
@@ -195,58 +196,18 @@ def rescued_by_sigchld(loader: DataLoader) -> bool:
     return method in CHILD_START_METHODS and callable(signal.getsignal(signal.SIGCHLD))
 
 
-def _put(out: queue.Queue[Any], message: Any, stop: threading.Event) -> bool:
-    while not stop.is_set():
-        try:
-            out.put(message, timeout=POLL_S)
-            return True
-        except queue.Full:
-            continue
-    return False
-
-
-def _read(chunks: Iterator[Any], out: queue.Queue[Any], stop: threading.Event) -> None:
-    """The reader thread: the DataLoader iterator into `out`, until its end, an error or `stop`."""
-    try:
-        for chunk in chunks:
-            if not _put(out, Produced(chunk), stop):
-                return
-        _put(out, Exhausted(), stop)
-    except BaseException as exc:  # noqa: BLE001 - handed to the consumer, not swallowed
-        chunks = iter(())  # the iterator goes (and stops its workers) when this thread ends, not with the error
-        _put(out, Failed(exc), stop)
-
-
-class _Hop:
-    """A `WatchedChunks`' reader thread and the queue it fills."""
-
-    def __init__(self, chunks: Iterator[Any]) -> None:
-        self.queue: queue.Queue[Any] = queue.Queue(maxsize=HOP_DEPTH)
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=_read, args=(chunks, self.queue, self.stop), name=READER_THREAD,
-                                       daemon=True)
-        self.thread.start()
-
-    def abandon(self) -> None:
-        """Let the thread end (at once unless it is blocked in a fetch); it is not waited for."""
-        self.stop.set()
-        while True:
-            try:
-                self.queue.get_nowait()
-            except queue.Empty:
-                return
-
-
 class WatchedChunks(Iterator[Any]):
     """A worker DataLoader's iterator whose `next()` raises `WorkerDiedError` within seconds instead of blocking
     on a dead worker (NOTE [ A rank watches its workers ]). With `direct`, reads on the main thread stay there;
     the first read anywhere else moves every later one to a reader thread."""
 
-    def __init__(self, chunks: Iterator[Any], watch: WorkerWatch, *, direct: bool) -> None:
+    def __init__(self, chunks: Iterator[Any], watch: WorkerWatch, *, direct: bool,
+                 prepare: Callable[[Any], Any] | None = None) -> None:
         self._chunks: Iterator[Any] | None = chunks
+        self._prepare = prepare  # applied to each chunk in the reader thread
         self._watch = watch
         self._direct_thread = threading.main_thread().ident if direct else None
-        self._hop: _Hop | None = None
+        self._hop: ReaderThread | None = None
         self._ended = False
         self._error: WorkerDiedError | None = None
         self._dead_since: float | None = None
@@ -275,29 +236,43 @@ class WatchedChunks(Iterator[Any]):
             raise self._died(dead) from exc
         raise self._died(dead)
 
+    def ready(self) -> Any | None:
+        """The next chunk if the reader thread already holds it, else None, without waiting (None too for a
+        direct read, which cannot look without blocking); raises StopIteration at the end, as `next()` would."""
+        if self._hop is None or self._error is not None or self._ended:
+            return None
+        try:
+            message = self._hop.queue.get_nowait()
+        except queue.Empty:
+            return None
+        return self._unwrap(message)
+
     def _next_hopped(self) -> Any:
         if self._hop is None:
-            self._hop, self._chunks = _Hop(self._chunks), None  # type: ignore[arg-type]
+            self._hop, self._chunks = ReaderThread(self._chunks, self._prepare), None  # type: ignore[arg-type]
         while True:
             try:
                 message = self._hop.queue.get(timeout=POLL_S)
             except queue.Empty:
                 self._look_while_waiting()
                 continue
-            self._dead_since = None
-            match message:
-                case Produced(item=item):
-                    return item
-                case Exhausted():
-                    self._ended = True
-                    raise StopIteration
-                case Failed(error=error):
-                    self._ended = True
-                    dead = self._watch.dead()
-                    if dead is None:
-                        raise error
-                    raise self._died(dead) from error
-            raise AssertionError(f"unexpected message {message!r}")
+            return self._unwrap(message)
+
+    def _unwrap(self, message: Any) -> Any:
+        self._dead_since = None
+        match message:
+            case Produced(item=item):
+                return item
+            case Exhausted():
+                self._ended = True
+                raise StopIteration
+            case Failed(error=error):
+                self._ended = True
+                dead = self._watch.dead()
+                if dead is None:
+                    raise error
+                raise self._died(dead) from error
+        raise AssertionError(f"unexpected message {message!r}")
 
     def _look_while_waiting(self) -> None:
         assert self._hop is not None

@@ -9,12 +9,19 @@ With every round of `window` samples, both cost a whole buffer: the first step w
 
 So round k's buffer target is `min(window, min_window x 2^k)`: the first round plans after `min_window` samples and
 each round doubles the next, which the workers read while the previous round (half as many samples) trains. When
-the rank's stream has a known length (`left` samples not yet admitted), the target also leaves `min_window` samples
-unread (at most buffered + left - min_window, at least min_window): the round before the last reads all but them,
-while a round of its own size or larger trains, and the last round, which trains with nothing left to read, is short.
-While the rounds still grow, a rest that fits in twice the round's size is planned whole instead (the next round
-would have taken it): a rank's shard of up to 2 x `min_window` samples is one round, as before this NOTE, and a
-short shard is not cut into rounds of a few hundred samples, which would each cost a partly filled step.
+the rank's stream has a known length (`left` samples not yet admitted), the rounds also halve towards its end: a
+round plans at most half of what is left (buffered + left, rounded up; at least `min_window`), so the epoch ends in
+rounds of about rest/2, rest/4, ..., `min_window`. The device can only train a round once all of it is read, so
+when reading ends the device still has the rounds read last to train: with halving rounds, the rest after a round
+is as large as the round, and while the round trains the workers read it (past the next fill: NOTE [ Reading
+ahead ] in epoch/pipeline.py); when the workers are at most about half as fast as the device, the epoch ends about
+one `min_window` round after its last read (the round before the last is then read while its predecessor trains).
+Where the workers are nearly as fast as the device, the device stays about one round behind them through the
+epoch and trains it after the last read: one window's training per epoch, which no rule of round sizes removes
+(docs/design.md, issue 27 item 2). While the rounds still grow, a rest that fits in twice the round's size is
+planned whole instead (the next round would have taken it): a rank's shard of up to 2 x `min_window` samples is
+one round, as before this NOTE, and a short shard is not cut into rounds of a few hundred samples, which would each
+cost a partly filled step.
 
 Everything here is a function of (config, round index, samples buffered, samples left), which the round's start
 records for resume (`RoundStart.round`, `.buffer`, `.consumed`), so plans stay independent of worker timing
@@ -45,7 +52,7 @@ def round_target(config: ODBConfig, round_index: int, buffered: int, left: int |
     rest = buffered + left
     if grown < config.window and rest <= 2 * grown:  # the next round would take the rest: plan it all now, and
         return min(config.window, rest + 1)  # ask for one more, so that the fill finds the stream's end (closing)
-    return min(grown, max(smallest, rest - smallest))
+    return min(grown, max(smallest, -(-rest // 2)))
 
 
 def fill_more(config: ODBConfig, buffered_bytes: int) -> bool:

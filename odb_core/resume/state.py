@@ -39,7 +39,7 @@ READABLE_VERSIONS = (1, 2, 3)
 MERGED_FORMAT = "merged"
 # Fingerprint fields added after states were first written, with the behaviour those states had.
 LEGACY_FINGERPRINT = {"planning": "local", "samples_per_step": None, "tokens_per_step": None, "min_window": None,
-                      "max_buffer_bytes": None, "nproc_per_node": None}
+                      "max_buffer_bytes": None, "nproc_per_node": None, "round_ends": None}
 
 
 # -- positions ------------------------------------------------------------------------------------------------
@@ -187,6 +187,8 @@ class LoaderState:
         at_least(epoch, 0, "state.epoch")
         if not 0 <= rank < world:
             raise StateError(f"state.rank={rank} is out of range for world_size={world}; the state is corrupt")
+        if "round_ends" not in config:  # saved before the rounds halved toward the end (NOTE [ Round sizes ])
+            config["round_ends"] = None if config.get("min_window") is None else "min_window left"
         config = {**LEGACY_FINGERPRINT, **config}
         metrics = pop_field(data, "metrics", dict, "state")
         bad = {k: v for k, v in metrics.items()
@@ -281,8 +283,13 @@ def _check_same_layout(saved: Mapping[str, Any], mine: Mapping[str, Any], world:
 def _check_same_config(saved: Mapping[str, Any], mine: Mapping[str, Any]) -> None:
     """Refuse a state saved with other batching settings, naming each field that differs (a field added later
     reads as the value states had before it, `LEGACY_FINGERPRINT`: such a state resumes with that value)."""
+    if saved.get("round_ends") == "min_window left" and mine.get("round_ends") is not None:
+        raise ValueError("loader state was saved by an earlier odb, whose last round of an epoch left `min_window` "
+                         "samples; this odb halves the last rounds (NOTE [ Round sizes ] in "
+                         "odb_core/planning/round_sizes.py), so it cannot replay the saved round exactly. Resume "
+                         "with the odb that saved the state, or start the epoch anew with a fresh loader")
     differ = sorted(set(saved) | set(mine), key=lambda k: (k not in mine, k))
-    differ = [k for k in differ if saved.get(k) != mine.get(k)]
+    differ = [k for k in differ if saved.get(k) != mine.get(k) and k != "round_ends"]  # round_ends: min_window's
     if differ:
         fields = ", ".join(f"{k}={saved.get(k)!r} (this loader: {mine.get(k)!r})" for k in differ)
         raise ValueError(f"loader state was saved with {fields}; exact resume needs the same batching config: "

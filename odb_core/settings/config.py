@@ -26,6 +26,11 @@ FINGERPRINT = ("token_budget", "cost", "attention_alpha", "max_patches", "max_ba
                "seed", "shuffle_steps")
 
 
+# How the rounds of a known-length stream end (NOTE [ Round sizes ]), in every state's fingerprint: states saved
+# without it left `min_window` samples for the last round, which a replay here cannot reproduce (resume/state.py).
+ROUND_ENDS = "halving"
+
+
 def _require(ok: bool, field: str, value: object, allowed: str) -> None:
     if not ok:
         raise ValueError(f"ODBConfig.{field}={value!r} is invalid: {allowed}")
@@ -100,6 +105,9 @@ class ODBConfig:
             It helped where `__getitem__` tokenizes (the tokenizer releases the GIL) and there are no workers.
         fetch_chunk: samples per worker fetch (cuts inter-process overhead; does not change the batches). Reads
             in the trainer process (`num_workers=0`) take at least 64 at a time.
+        reader_thread: with workers, read their results (pipe reads, unpickling, unpacking) in a reader thread
+            that runs while the training thread waits for its device (NOTE [ A thread reads the workers ] in
+            epoch/watch.py); False reads them in the iterating thread, between steps. Does not change the batches.
         sync_timeout_s: how long a Gloo collective waits for a live peer that does not take part (a peer may pause
             legitimately: a checkpoint save, an evaluation); then it raises. A dead peer raises at once.
         liveness_timeout_s: a peer whose heartbeat stops this long (frozen, hung, unreachable) makes a waiting
@@ -128,6 +136,7 @@ class ODBConfig:
     shuffle_steps: bool = True
     prefetch_steps: int = 0
     fetch_chunk: int = 8
+    reader_thread: bool = True
     sync_timeout_s: float = 300.0
     liveness_timeout_s: float = 30.0
     worker_timeout_s: float = 0.0
@@ -177,6 +186,7 @@ class ODBConfig:
                  self.prefetch_steps, "it must be an int >= 0 (0 = no background thread)")
         _require(_is_int(self.fetch_chunk) and self.fetch_chunk >= 1, "fetch_chunk", self.fetch_chunk,
                  "it must be an int >= 1")
+        _require(isinstance(self.reader_thread, bool), "reader_thread", self.reader_thread, "it must be True or False")
         _require(_is_number(self.sync_timeout_s) and self.sync_timeout_s > 0, "sync_timeout_s", self.sync_timeout_s, "it must be > 0 seconds")
         _require(_is_number(self.liveness_timeout_s) and self.liveness_timeout_s > 0, "liveness_timeout_s",
                  self.liveness_timeout_s, "it must be > 0 seconds")
@@ -197,11 +207,13 @@ def fingerprint(config: ODBConfig, node_ranks: int | None = None) -> dict[str, o
     """The `FINGERPRINT` fields of `config` as they act: `min_window` reads None when it does not shrink any round
     (`min_window >= window`), so such a state resumes on a loader with either value. `planning` reads `global` for
     `cluster` (one pool over every rank, which is what `global` is on one node and was on several before
-    node-aware rounds), and `nproc_per_node` is the ranks per node of node-aware rounds over more than one node
+    node-aware rounds), `round_ends` is `ROUND_ENDS` while `min_window` shrinks rounds, and `nproc_per_node` is the
+    ranks per node of node-aware rounds over more than one node
     (`node_ranks`, from the loader), else None: states saved on one node, or before the field, resume alike."""
     values: dict[str, object] = {name: getattr(config, name) for name in FINGERPRINT}
     if config.min_window is not None and config.min_window >= config.window:
         values["min_window"] = None
+    values["round_ends"] = None if values["min_window"] is None else ROUND_ENDS
     if config.planning == "cluster":
         values["planning"] = "global"
     values["nproc_per_node"] = node_ranks if config.planning == "global" else None
