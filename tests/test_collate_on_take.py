@@ -21,6 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import LengthDataset
+from dist_cases import wait_until
 from odb_core import CollateError, ODBDataLoader, PadCollator, run_virtual_ranks
 from odb_core.data.collate import (is_label_preserving, padded_tokens, sample_padded_tokens, sample_supervised_tokens,
                                    supervised_tokens)
@@ -104,9 +105,9 @@ class CountingPad(PadCollator):
         self.outputs: list[weakref.ref] = []
 
     def __call__(self, samples):
-        self.calls += 1
         batch = Batch(super().__call__(samples))
         self.outputs.append(weakref.ref(batch))
+        self.calls += 1  # counted once the batch exists (a collation ahead runs in another thread)
         return batch
 
     def alive(self) -> int:
@@ -118,21 +119,28 @@ class Batch(dict):
     """A dict that can be weakly referenced."""
 
 
-def test_a_round_collates_only_the_step_that_is_taken():
+@pytest.mark.parametrize("collate_ahead", [False, True])
+def test_a_round_collates_only_the_step_that_is_taken_and_the_next_one_ahead(collate_ahead):
+    """Without collating ahead, a step is collated when it is taken; with it (the default: NOTE [ Collating the
+    next step ahead ]), the step after it too, in a thread, and no other: at most one batch beside the consumer's."""
     collator = CountingPad()
-    loader = ODBDataLoader(LengthDataset([8] * 64), token_budget=16, collate_fn=collator)
+    loader = ODBDataLoader(LengthDataset([8] * 64), token_budget=16, collate_fn=collator,
+                           collate_ahead=collate_ahead)
+    ahead = int(collate_ahead)
     steps = iter(loader)
     first = next(steps)
     assert first.info.round == 0
-    assert collator.calls == 1  # before: 32, every step of the round, collated at its first next()
+    assert wait_until(lambda: collator.calls == 1 + ahead, timeout_s=5.0)  # before: 32, the whole round
     del first
     for taken in range(2, 12):
         batch = next(steps)
-        assert batch.info.round == 0 and collator.calls == taken
+        assert batch.info.round == 0
+        assert wait_until(lambda: collator.calls == taken + ahead, timeout_s=5.0), collator.calls
         del batch
-        assert collator.alive() == 0  # the pipeline holds no collated batch once its step was handed out
+        assert collator.alive() == ahead  # the pipeline holds no collated batch but the one collated ahead
     rest = list(steps)
     assert collator.calls == 11 + len(rest) == 32
+    assert collator.alive() == 0
 
 
 def masking(samples):

@@ -67,6 +67,8 @@ BAD_VALUES: list[tuple[str, Any, dict[str, Any]]] = [
     ("fetch_chunk", 2.5, {}),
     ("reader_thread", 1, {}),
     ("reader_thread", "yes", {}),
+    ("collate_ahead", 0, {}),
+    ("collate_ahead", "no", {}),
     ("sync_timeout_s", 0, {}),
     ("sync_timeout_s", -5.0, {}),
     ("sync_timeout_s", float("nan"), {}),

@@ -104,19 +104,21 @@ def test_taking_held_chunks_stops_at_the_cap_in_samples_and_in_bytes():
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("iterable", [False, True])
 def test_the_reader_thread_and_taking_what_it_holds_change_no_batch(iterable):
-    """Reading in a thread and taking held chunks past the next fill (NOTE [ Reading ahead ]) depend on worker
-    timing; the batches must not. Rounds that grow from 8 and halve toward the end (map-style), with workers read
-    by a thread and directly, against reading in the trainer process."""
+    """Reading in a thread and taking held chunks past the next fill (NOTE [ Reading ahead ]) and collating the
+    next step ahead (NOTE [ Collating the next step ahead ]) depend on thread timing; the batches must not. Rounds
+    that grow from 8 and halve toward the end (map-style), with workers read by a thread and directly, against
+    reading in the trainer process and collating each step when it is taken."""
     lengths = [8 + (i * 53) % 200 for i in range(900)]
     dataset = LengthStream(LengthDataset(lengths)) if iterable else LengthDataset(lengths)
     options = dict(token_budget=512, window=128, min_window=8, fetch_chunk=2, shuffle=not iterable, seed=3)
     runs = {}
-    for name, extra in {"in process": dict(num_workers=0), "thread": dict(num_workers=2, reader_thread=True),
+    for name, extra in {"in process": dict(num_workers=0, collate_ahead=False),
+                        "thread": dict(num_workers=2, reader_thread=True),
                         "direct": dict(num_workers=2, reader_thread=False)}.items():
         loader = ODBDataLoader(dataset, **options, **extra)
-        runs[name] = [(b.info.indices, b["input_ids"].shape) for b in loader]
+        runs[name] = [(b.info, b["input_ids"].tolist(), b["labels"].tolist()) for b in loader]
         rounds = loader.last_report.rounds
         loader.close()
     assert runs["thread"] == runs["in process"] == runs["direct"]
     assert rounds >= 6
-    assert sorted(i for indices, _ in runs["thread"] for i in indices) == list(range(len(lengths)))
+    assert sorted(i for info, _, _ in runs["thread"] for i in info.indices) == list(range(len(lengths)))

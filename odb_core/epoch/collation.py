@@ -6,8 +6,10 @@ step is released (NOTE [ One round ] in pipeline.py). Collating every slot then 
 batches beside each other until the last is taken: for VLM samples of megabytes (`pixel_values`), the round's
 samples a second time. So, for a label-preserving collator, a planned step keeps only its samples (the payload
 references taken from the reader) and its counts (`PlannedStep`); `EpochRun.__next__` collates it when the
-consumer takes it, on the thread that runs the epoch (the background producer's, with `prefetch_steps > 0`), so
-at most one collated batch per step that has left the round exists, and a step a resume skips is never collated.
+consumer takes it, on the thread that runs the epoch (the background producer's, with `prefetch_steps > 0`), or
+the step after it ahead in a thread (NOTE [ Collating the next step ahead ] in collate_ahead.py), so at most one
+collated batch per step that has left the round exists, plus the next step's, and a step a resume skips is never
+collated.
   * A label-preserving collator (NOTE [ Label-preserving collators ] in odb_core/data/collate.py; `PadCollator`)
     is counted from the samples: the counts equal those of its batch, so every `StepInfo` field, the metrics and
     the batches are what collating at plan time gave.
@@ -101,16 +103,19 @@ class Collation:
         """An IDLE step built from the rank's dummy sample; its counts are zero."""
         return PlannedStep(payloads=(dummy,), indices=(), counts=SlotCounts())
 
-    def take(self, step: PlannedStep) -> Mapping[str, Any]:
-        """The step's collated batch (an IDLE step's: the zero-weight copy of its dummy)."""
+    def take(self, step: PlannedStep, release: bool = True) -> Mapping[str, Any]:
+        """The step's collated batch (an IDLE step's: the zero-weight copy of its dummy); `release=False` leaves
+        the worker iterator alone if it fails (a collation in another thread: NOTE [ Collating the next step
+        ahead ] in collate_ahead.py)."""
         if step.batch is not None:
             return step.batch
         samples = list(step.payloads) if step.indices else [as_dummy(step.payloads[0])]
-        return self._collate(samples, step.indices)
+        return self._collate(samples, step.indices, release)
 
-    def _collate(self, samples: list[Any], indices: Sequence[int]) -> Mapping[str, Any]:
+    def _collate(self, samples: list[Any], indices: Sequence[int], release: bool = True) -> Mapping[str, Any]:
         try:
             return run_collate(self.collate_fn, samples, indices)
         except BaseException:
-            self.release()
+            if release:
+                self.release()
             raise

@@ -146,10 +146,10 @@ class ODBDataLoader:
         rounds = RoundsFactory(config=config, transport=self.transport, fetch=_LoaderCall(self._stream.fetch),
                                map_style=self._stream.size is not None, length_fn=length_fn, nodes=self._nodes)
         self._ctx = RunContext(rounds_factory=rounds, transport=self.transport, collate_fn=collate_fn,
-                               length_fn=length_fn, metrics=self.metrics,
+                               length_fn=length_fn, metrics=self.metrics, observer=observer,
                                fallback_dummy=_LoaderCall(self._stream.fallback_dummy),
-                               fetch=_LoaderCall(self._stream.fetch),
-                               observer=observer, packed_samples=num_workers > 0)
+                               fetch=_LoaderCall(self._stream.fetch), packed_samples=num_workers > 0,
+                               collate_ahead=config.collate_ahead and config.prefetch_steps == 0)
         self._cursor = EpochCursor()
         self._current: _EpochIterator | None = None
         self.last_report: EpochReport | None = None

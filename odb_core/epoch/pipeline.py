@@ -26,6 +26,7 @@ from typing import Any
 
 from odb_core.data.collate import CollateFn
 from odb_core.data.sample import LengthFn
+from odb_core.epoch.collate_ahead import CollateAhead
 from odb_core.epoch.collation import Collation, PlannedStep
 from odb_core.epoch.reader import SampleReader
 from odb_core.epoch.stream import Chunk
@@ -117,6 +118,7 @@ class RunContext:
     fetch: Callable[[int], Mapping[str, Any]]
     observer: Callable[[StepInfo], None] | None = None
     packed_samples: bool = False  # worker processes send small tensors as arrays
+    collate_ahead: bool = False  # NOTE [ Collating the next step ahead ]
     oversize_warning: Once = field(default_factory=Once)  # NOTE [ Samples over the budget ]
 
 
@@ -147,6 +149,7 @@ class EpochRun(Iterator[ODBBatch]):
         self.window: AccumulationWindow[PlannedStep] = AccumulationWindow(config.accumulation_steps, target)
         self.ready: deque[tuple[PlannedStep, StepInfo]] = deque()  # released, collated when taken
         self.collation = Collation.of(ctx.collate_fn, ctx.length_fn, release=self.reader.close)
+        self.collating = CollateAhead(self.collation, ctx.collate_ahead)
         self.ahead = ReadAhead()  # NOTE [ Reading ahead ]
         self.skip_below = 0
         self.report: EpochReport | None = None
@@ -165,14 +168,20 @@ class EpochRun(Iterator[ODBBatch]):
         while not self.ready:
             if self.engine.finished:
                 self._close_epoch()
+                self.collating.close()
                 raise StopIteration
             self._run_round()
         step, info = self.ready.popleft()
-        return ODBBatch(self.collation.take(step), info)  # NOTE [ A step is collated when it is taken ]
+        batch = self.collating.take(step)  # NOTE [ A step is collated when it is taken ]
+        if self.ready:
+            self.collating.start(self.ready[0][0])  # NOTE [ Collating the next step ahead ]
+        return ODBBatch(batch, info)
 
     def close(self) -> None:
-        """Release the worker iterator (and with it the worker processes); called on errors and on shutdown."""
+        """Release the worker iterator (and with it the worker processes) and the collating thread; called on
+        errors and on shutdown."""
         self.reader.close()
+        self.collating.close()
 
     def leave(self) -> None:
         """NOTE [ Leaving an epoch ]
@@ -184,6 +193,7 @@ class EpochRun(Iterator[ODBBatch]):
         no more collectives for it. The rounds are lockstep, so a peer is either in that same exchange (as a
         normal round or leaving too) or reaches it when its own consumer takes the next step or leaves. Called
         once, on the thread that runs the rounds, between rounds; a finished epoch needs nothing."""
+        self.collating.close()
         if not self.engine.finished:
             self.rounds.leave()
             self.report = self._report(abandoned=True)

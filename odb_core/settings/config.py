@@ -107,7 +107,11 @@ class ODBConfig:
             in the trainer process (`num_workers=0`) take at least 64 at a time.
         reader_thread: with workers, read their results (pipe reads, unpickling, unpacking) in a reader thread
             that runs while the training thread waits for its device (NOTE [ A thread reads the workers ] in
-            epoch/watch.py); False reads them in the iterating thread, between steps. Does not change the batches.
+            epoch/reader_thread.py); False reads them in the iterating thread, between steps. Does not change the
+            batches.
+        collate_ahead: collate the step after the one just taken in a thread while the consumer trains (NOTE [
+            Collating the next step ahead ] in epoch/collate_ahead.py): with `PadCollator`, e.g. a VLM step's
+            `pixel_values` concatenation. Does not change the batches; off with `prefetch_steps > 0`.
         sync_timeout_s: how long a Gloo collective waits for a live peer that does not take part (a peer may pause
             legitimately: a checkpoint save, an evaluation); then it raises. A dead peer raises at once.
         liveness_timeout_s: a peer whose heartbeat stops this long (frozen, hung, unreachable) makes a waiting
@@ -137,6 +141,7 @@ class ODBConfig:
     prefetch_steps: int = 0
     fetch_chunk: int = 8
     reader_thread: bool = True
+    collate_ahead: bool = True
     sync_timeout_s: float = 300.0
     liveness_timeout_s: float = 30.0
     worker_timeout_s: float = 0.0
@@ -187,6 +192,7 @@ class ODBConfig:
         _require(_is_int(self.fetch_chunk) and self.fetch_chunk >= 1, "fetch_chunk", self.fetch_chunk,
                  "it must be an int >= 1")
         _require(isinstance(self.reader_thread, bool), "reader_thread", self.reader_thread, "it must be True or False")
+        _require(isinstance(self.collate_ahead, bool), "collate_ahead", self.collate_ahead, "it must be True or False")
         _require(_is_number(self.sync_timeout_s) and self.sync_timeout_s > 0, "sync_timeout_s", self.sync_timeout_s, "it must be > 0 seconds")
         _require(_is_number(self.liveness_timeout_s) and self.liveness_timeout_s > 0, "liveness_timeout_s",
                  self.liveness_timeout_s, "it must be > 0 seconds")
