@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from conftest import LengthDataset, lognormal_lengths
@@ -76,3 +77,26 @@ def test_metrics_report_utilization_padding_and_sync_traffic():
     assert abs(summary["budget_utilization"] - real / (len(steps) * 1024)) < 1e-12
     assert abs(summary["padding_ratio"] - (1 - real / padded)) < 1e-12
     assert summary["sync_bytes"] > 0 and summary["rounds"] >= 1
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("reader_thread", [True, False])
+def test_an_epoch_left_early_with_persistent_workers_leaves_the_next_epoch_whole(reader_thread):
+    """A consumer that leaves an epoch after a few steps (a new iter(): NOTE [ Leaving an epoch ]) while the reader
+    thread may still be reading the persistent workers' iterator: the next epoch reuses that iterator, and must
+    yield what a fresh loader yields for it."""
+    dataset = LengthDataset(lognormal_lengths(400, 1.0, 64, seed=4, hi=512))
+    options = dict(token_budget=512, num_workers=2, persistent_workers=True, shuffle=True, window=64,
+                   fetch_chunk=2, reader_thread=reader_thread)
+    reference = ODBDataLoader(dataset, **options)
+    reference.set_epoch(1)
+    expected = [b.info.indices for b in reference]
+    reference.close()
+    loader = ODBDataLoader(dataset, **options)
+    steps = iter(loader)
+    for _ in range(3):
+        next(steps)
+    loader.set_epoch(1)
+    assert [b.info.indices for b in loader] == expected
+    assert sorted(i for step in expected for i in step) == list(range(400))
+    loader.close()

@@ -187,7 +187,10 @@ class SampleReader:
         """Release the worker iterator (and with it the worker processes); called on errors and on shutdown. A
         read after it raises (`ClosedStream`): a consumer that catches an error and calls `next()` again must not
         see the rest of its shard as an ended stream, silently unread."""
-        self.chunks = ClosedStream()
+        chunks, self.chunks = self.chunks, ClosedStream()
+        close = getattr(chunks, "close", None)  # WatchedChunks: its reader thread ends now, not when collected
+        if close is not None:
+            close()
 
 
 class ClosedStream(Iterator[Chunk]):

@@ -296,11 +296,15 @@ class WatchedChunks(Iterator[Any]):
         return self._error
 
     def close(self) -> None:
-        """Stop reading: end the reader thread, if any, and release the DataLoader iterator."""
+        """Stop reading: end the reader thread, if any, and release the DataLoader iterator. The thread is waited
+        for (up to `GRACE_S`, while it finishes a fetch): persistent workers keep their DataLoader iterator for the
+        next epoch, whose `iter()` must not reset it while this thread still reads from it."""
         self._ended = True
         self._chunks = None
         if self._hop is not None:
             self._hop.abandon()
+            if self._hop.thread is not threading.current_thread():
+                self._hop.thread.join(timeout=GRACE_S)
 
     def __del__(self) -> None:
         if not sys.is_finalizing():
