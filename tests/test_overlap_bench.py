@@ -1,7 +1,7 @@
 """The overlap benchmark (`python -m benchmarks.overlap`, issue 27) and the buffer-memory benchmark on tiny
 configurations: every loader reported with finite, positive figures at W = 1 (in this process) and W = 2 (two
 spawned Gloo ranks), ODB's ranks together train every sample exactly once under both plannings, and the memory
-benchmark reports its peaks for both loaders; the round model (`python -m benchmarks.round_model`) on cases worked
+benchmark reports its peaks for both loaders; the round model (benchmarks/lib/round_model.py) on cases worked
 out by hand."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from benchmarks import buffer_memory
 from benchmarks.lib.accelerator import Step
 from benchmarks.lib.odb_options import parse_options
 from benchmarks.lib.overlap_runs import Setup, run_world
-from benchmarks.round_model import epoch_seconds, rounds_of
+from benchmarks.lib.round_model import epoch_seconds, rounds_of
 from odb_core import ODBConfig
 
 SAMPLES = 48
@@ -41,9 +41,10 @@ def test_every_loader_is_reported_and_odb_trains_each_sample_once(world, workers
         # workers that live less than one poll of benchmarks/lib/peak_memory.py (50 ms) are not seen: >= 0
         assert 0 < row["busy"] <= 1.0 and row["worker_rss_mb"] >= 0, row
         if row["loader"] == "plain":
-            assert row["samples"] == SAMPLES and row["each_once"] is None
+            assert row["samples"] == SAMPLES and row["each_once"] is None and row["bound"] is None
         else:
             assert row["samples"] == SAMPLES and row["each_once"] is True, row
+            assert 0 < row["bound"] <= 1.0, row  # what the round sizes allow (benchmarks/lib/round_model.py)
 
 
 def test_odb_options_are_read_as_typed_values():

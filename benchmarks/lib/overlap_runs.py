@@ -26,7 +26,8 @@ import torch.multiprocessing as mp
 from benchmarks.data import feeding
 from benchmarks.lib.accelerator import RankRun, Step, aggregate, drive
 from benchmarks.lib.localhost import free_port
-from odb_core import ODBDataLoader, PadCollator
+from benchmarks.lib.round_model import bound
+from odb_core import ODBConfig, ODBDataLoader, PadCollator
 
 WORKER_CONTEXT = "fork"  # what a torchrun rank's DataLoader gets on Linux
 
@@ -129,7 +130,8 @@ def run_world(setups: list[Setup], world: int) -> list[dict]:
                     for r in ranks]
             figures = aggregate(runs, setup.workers, setup.process_s)
             plain_rate = plain_rate or figures.samples_per_s
-            rows.append({"workload": setup.workload, "loader": spec.name,
+            allowed = None if spec.planning is None else round_bound(setup, spec, figures)
+            rows.append({"workload": setup.workload, "loader": spec.name, "bound": allowed,
                          "planning": spec.planning if world > 1 or spec.planning is None else "any",
                          "window": spec.window, "workers_per_rank": setup.workers, "process_ms": setup.process_ms,
                          "process_s": setup.process_s, "fixed_batch": setup.fixed_batch, "budget": setup.budget,
@@ -138,6 +140,15 @@ def run_world(setups: list[Setup], world: int) -> list[dict]:
                          "each_once": None if spec.planning is None else each_once(runs, setup.samples),
                          "per_rank": [per_rank(r) for r in runs]})
     return rows
+
+
+def round_bound(setup: Setup, spec: LoaderSpec, figures) -> float:
+    """The efficiency ODB's round sizes allow one rank (benchmarks/lib/round_model.py) at this row's supply and
+    demand per rank and samples per rank."""
+    world = figures.world_size
+    options = {k: setup.odb_options[k] for k in ("min_window",) if k in setup.odb_options}
+    config = ODBConfig(token_budget=setup.budget, window=spec.window, **options)
+    return bound(setup.samples // world, figures.supply / world, figures.demand / world, config)
 
 
 def per_rank(run: RankRun) -> dict:
