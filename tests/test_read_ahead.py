@@ -14,7 +14,7 @@ import torch
 from batch_record import LengthStream
 from conftest import CountingDataset, LengthDataset
 from odb_core import ODBDataLoader
-from odb_core.epoch.reader import SampleReader
+from odb_core.epoch.reader import Pull, SampleReader
 
 WINDOW = 64
 
@@ -79,7 +79,7 @@ def _reader(source: TimedStream) -> SampleReader:
 def test_reading_ahead_waits_for_the_next_fills_share_then_takes_only_what_the_reader_thread_holds():
     source = TimedStream(chunks=10, size=4, ready_chunks=3)
     reader = _reader(source)
-    reader.read_ahead(target=8, target_bytes=None, cap=100, cap_bytes=None)
+    reader.read_ahead(Pull(samples=8, bytes=None, cap=100, cap_bytes=None))
     # two chunks waited for (the share), then the three held ones taken without waiting; the rest are left
     assert [kind for kind, _ in source.pulls] == ["next", "next", "ready", "ready", "ready"]
     assert len(reader.pending) == 20 and reader.pending_bytes == 20 * 8 * 8
@@ -89,15 +89,15 @@ def test_reading_ahead_waits_for_the_next_fills_share_then_takes_only_what_the_r
 def test_taking_held_chunks_stops_at_the_cap_in_samples_and_in_bytes():
     source = TimedStream(chunks=10, size=4, ready_chunks=10)
     reader = _reader(source)
-    reader.read_ahead(target=0, target_bytes=None, cap=10, cap_bytes=None)
+    reader.read_ahead(Pull(samples=0, bytes=None, cap=10, cap_bytes=None))
     assert len(reader.pending) == 12  # the chunk that reaches the cap is the last one taken
     source = TimedStream(chunks=10, size=4, ready_chunks=10)
     reader = _reader(source)
-    reader.read_ahead(target=0, target_bytes=None, cap=100, cap_bytes=3 * 4 * 64)
+    reader.read_ahead(Pull(samples=0, bytes=None, cap=100, cap_bytes=3 * 4 * 64))
     assert len(reader.pending) == 12 and reader.pending_bytes == 3 * 4 * 64
     source = TimedStream(chunks=2, size=4, ready_chunks=5)
     reader = _reader(source)
-    reader.read_ahead(target=0, target_bytes=None, cap=100, cap_bytes=None)
+    reader.read_ahead(Pull(samples=0, bytes=None, cap=100, cap_bytes=None))
     assert len(reader.pending) == 8 and reader.stream_ended  # the end, seen through ready(), ends the stream
 
 

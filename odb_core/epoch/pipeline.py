@@ -28,7 +28,7 @@ from odb_core.data.collate import CollateFn
 from odb_core.data.sample import LengthFn
 from odb_core.epoch.collate_ahead import CollateAhead
 from odb_core.epoch.collation import Collation, PlannedStep
-from odb_core.epoch.reader import SampleReader
+from odb_core.epoch.reader import Pull, SampleReader
 from odb_core.epoch.stream import Chunk
 from odb_core.planning.alignment import Slot
 from odb_core.planning.termination import STEP_SUM_FIELDS
@@ -97,12 +97,12 @@ class ReadAhead:
     def plan(self, space: int, byte_space: int | None, steps: int, cap: int) -> None:
         self.space, self.byte_space, self.steps, self.taken, self.cap = space, byte_space, steps, 0, cap
 
-    def take_step(self) -> tuple[int, int | None, int, int | None]:
+    def take_step(self) -> Pull:
         """Once one more step was taken: the pending samples (and payload bytes) to wait for, the next fill's share
         of the steps taken; then the samples (and bytes) to take without waiting, `cap` and `byte_space`."""
         self.taken += 1
         share_bytes = None if self.byte_space is None else -(-self.byte_space * self.taken // self.steps)
-        return -(-self.space * self.taken // self.steps), share_bytes, self.cap, self.byte_space
+        return Pull(-(-self.space * self.taken // self.steps), share_bytes, self.cap, self.byte_space)
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,7 +164,7 @@ class EpochRun(Iterator[ODBBatch]):
 
     def __next__(self) -> ODBBatch:
         if self.ahead.due:
-            self.reader.read_ahead(*self.ahead.take_step())
+            self.reader.read_ahead(self.ahead.take_step())
         while not self.ready:
             if self.engine.finished:
                 self._close_epoch()

@@ -21,6 +21,18 @@ from odb_core.planning.round_sizes import fill_more
 from odb_core.resume.state import RoundStart
 
 
+@dataclass(frozen=True, slots=True)
+class Pull:
+    """What the reader pulls once a step was taken (NOTE [ Reading ahead ] in pipeline.py): it waits until `samples`
+    samples (or `bytes` of payloads; None: no byte bound) are pending, then takes, without waiting, the chunks a
+    reader thread already holds, up to `cap` pending samples (`cap_bytes`)."""
+
+    samples: int
+    bytes: int | None
+    cap: int = 0
+    cap_bytes: int | None = None
+
+
 @dataclass(slots=True)
 class Payloads:
     """Buffered sample payloads by dataset index, first in first out per index (a multiset: samplers may repeat
@@ -131,11 +143,11 @@ class SampleReader:
         traceback.clear_frames(exc.__traceback__)
         self.close()
 
-    def read_ahead(self, target: int, target_bytes: int | None, cap: int = 0, cap_bytes: int | None = None) -> None:
-        """Pull chunks from the workers until `target` samples (or `target_bytes` of payloads) are pending or the
-        stream ends, then those a reader thread already holds, up to `cap` samples (`cap_bytes`) pending (NOTE [
-        Reading ahead ] in pipeline.py); they are admitted, in order, by the next fills."""
-        pending = self.pending
+    def read_ahead(self, pull: Pull) -> None:
+        """Pull chunks from the workers until `pull.samples` samples (or `pull.bytes` of payloads) are pending or
+        the stream ends, then those a reader thread already holds, up to `pull.cap` samples (`pull.cap_bytes`)
+        pending (NOTE [ Reading ahead ] in pipeline.py); they are admitted, in order, by the next fills."""
+        pending, target, target_bytes, cap, cap_bytes = self.pending, pull.samples, pull.bytes, pull.cap, pull.cap_bytes
         try:
             while (len(pending) < target and not self.stream_ended
                    and (target_bytes is None or self.pending_bytes < target_bytes)):
