@@ -134,6 +134,7 @@ def run_rank(out_dir: Path, merged: Path | None = None) -> None:
     if merged is None:
         records = {name: Job(name, rank, None, SAVE_AFTER, nproc_per_node=None).rank_epoch()
                    for name in scenario_names()}
+        records["leave"] = leave_and_go_on(rank)
     else:
         loader = scenario_loader("map-join", rank, None, nproc_per_node=None)
         loader.load_state_dict(json.loads(merged.read_text()))
@@ -141,6 +142,19 @@ def run_rank(out_dir: Path, merged: Path | None = None) -> None:
         loader.close()
     (out_dir / f"rank{rank}.json").write_text(json.dumps(records))
     dist.destroy_process_group()
+
+
+def leave_and_go_on(rank: int) -> list[int]:
+    """Rank 2 (the first of the second node) leaves a map-join epoch after 2 steps; then every rank runs the next
+    epoch (NOTE [ Leaving an epoch ]). Returns [steps taken in the left epoch, steps of the next one]."""
+    loader = scenario_loader("map-join", rank, None, nproc_per_node=None)
+    taken = 0
+    for taken, _ in enumerate(loader, start=1):
+        if rank == 2 and taken == 2:
+            break
+    steps = sum(1 for _ in loader)
+    loader.close()
+    return [taken, steps]
 
 
 def run_job(tmp_dir: Path, timeout_s: float, per_node: int = NODE,

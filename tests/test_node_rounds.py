@@ -117,7 +117,8 @@ def test_a_node_that_leaves_the_epoch_ends_it_for_every_node_and_the_next_epoch_
 
 @pytest.mark.slow
 def test_gloo_two_nodes_of_two_ranks_align_move_within_nodes_and_resume(tmp_path):
-    """The real thing: 4 Gloo processes, `LOCAL_WORLD_SIZE=2` as torchrun sets it on two nodes of two ranks."""
+    """The real thing: 4 Gloo processes, `LOCAL_WORLD_SIZE=2` as torchrun sets it on two nodes of two ranks; and a
+    rank that leaves an epoch early under node-aware rounds."""
     result = run_job(tmp_path, timeout_s=90)
     for name in scenario_names():
         ranks = [result[rank][name] for rank in range(WORLD)]
@@ -125,6 +126,10 @@ def test_gloo_two_nodes_of_two_ranks_align_move_within_nodes_and_resume(tmp_path
         for r in ranks:
             assert r["resumed"] == r["steps"][3:], name
             assert r["metrics"]["moved_samples"] > 0 or name.startswith("stream")
+    # a rank of the second node leaves an epoch after 2 steps: it ends for both nodes, and the next one is aligned
+    left = [result[rank]["leave"] for rank in range(WORLD)]
+    assert left[2][0] == 2 and all(taken >= 2 for taken, _ in left), left
+    assert len({steps for _, steps in left}) == 1 and left[0][1] > 0, left
 
 
 @pytest.mark.slow
