@@ -75,7 +75,7 @@ class ReadAhead:
     samples wait unadmitted, so the next plan sees the buffer it would have seen (batches unchanged), and a saved
     position still points at the round's start (they are re-read on resume). The pulls run in the consumer's
     thread, between its steps; the pipe reads and unpickling behind them run in the reader thread while the
-    consumer's device works (NOTE [ A thread reads the workers ] in watch.py). Under `max_buffer_bytes` the next
+    consumer's device works (NOTE [ A thread reads the workers ] in reader_thread.py). Under `max_buffer_bytes` the next
     fill may stop before `space` samples: the pulls stop at the same share of the bytes it may add
     (`byte_space`), so pending samples hold about one fill's bytes (the last chunk pulled may pass it).
     Past that share, each step also takes whatever chunks the reader thread already holds (`ready`, never

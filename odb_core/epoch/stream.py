@@ -71,13 +71,13 @@ class StreamOptions:
     worker_options: Mapping[str, Any]
     idle_sample: Mapping[str, Any] | None
     compact_ids: bool = False  # NOTE [ Compact buffered samples ]
-    reader_thread: bool = True  # NOTE [ A thread reads the workers ] in watch.py
+    reader_thread: bool = True  # NOTE [ A thread reads the workers ] in reader_thread.py
 
 
 class ReadChunk(list):
     """A chunk ready for the reader's pending queue: its samples unpacked (`sendable.PackedTensor` back to the
     tensors the dataset returned) and each one's payload bytes measured, in `sizes` (`nbytes`: their sum). Made by
-    `read_chunk`, in the reader thread when there is one (NOTE [ A thread reads the workers ] in watch.py)."""
+    `read_chunk`, in the reader thread when there is one (NOTE [ A thread reads the workers ] in reader_thread.py)."""
 
     __slots__ = ("sizes", "nbytes")
 

@@ -30,7 +30,6 @@ be released through any public API and is left behind (a daemon, blocked until t
 dead DataLoader iterator); the surviving workers of that iterator, which nothing can stop any more, are killed.
 A stream whose worker died builds a new DataLoader for its next epoch: persistent workers would resume the broken
 iterator.
-
 """
 
 from __future__ import annotations
@@ -295,17 +294,17 @@ class WatchedChunks(Iterator[Any]):
             self._watch.kill_survivors()
         return self._error
 
-    def close(self) -> None:
-        """Stop reading: end the reader thread, if any, and release the DataLoader iterator. The thread is waited
-        for (up to `GRACE_S`, while it finishes a fetch): persistent workers keep their DataLoader iterator for the
-        next epoch, whose `iter()` must not reset it while this thread still reads from it."""
+    def close(self, wait: bool = True) -> None:
+        """Stop reading: end the reader thread, if any, and release the DataLoader iterator. With `wait` the thread
+        is waited for (up to `GRACE_S`, while it finishes a fetch): persistent workers keep their DataLoader
+        iterator for the next epoch, whose `iter()` must not reset it while this thread still reads from it."""
         self._ended = True
         self._chunks = None
         if self._hop is not None:
             self._hop.abandon()
-            if self._hop.thread is not threading.current_thread():
+            if wait and self._hop.thread is not threading.current_thread():
                 self._hop.thread.join(timeout=GRACE_S)
 
     def __del__(self) -> None:
         if not sys.is_finalizing():
-            self.close()
+            self.close(wait=False)  # collected: nothing reuses its iterator, and a collection must not block
