@@ -21,6 +21,7 @@ row copies) release the GIL; its Python part is a few tens of µs per step.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -64,8 +65,11 @@ class CollateAhead:
         self._step, self._future = step, self._pool.submit(self.collation.take, step, False)
 
     def close(self) -> None:
-        """End the thread, after the collation it may be running; a batch collated ahead is dropped."""
+        """End the thread, after the collation it may be running; a batch collated ahead is dropped. Called on a
+        collating thread itself (a garbage collection there finalized the loader), it does not wait: a thread
+        cannot join itself."""
         self._step, self._future = None, None
         if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
+            on_collating_thread = threading.current_thread().name.startswith(COLLATE_THREAD)
+            self._pool.shutdown(wait=not on_collating_thread, cancel_futures=True)
             self._pool = None
