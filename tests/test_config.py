@@ -69,6 +69,8 @@ BAD_VALUES: list[tuple[str, Any, dict[str, Any]]] = [
     ("reader_thread", "yes", {}),
     ("collate_ahead", 0, {}),
     ("collate_ahead", "no", {}),
+    ("overlap_moves", 1, {}),
+    ("overlap_moves", "yes", {}),
     ("sync_timeout_s", 0, {}),
     ("sync_timeout_s", -5.0, {}),
     ("sync_timeout_s", float("nan"), {}),

@@ -35,6 +35,7 @@ from odb_core.data.collate import (CollateFn, is_label_preserving, padded_tokens
                                    sample_supervised_tokens, supervised_tokens)
 from odb_core.data.sample import LengthFn, as_dummy, input_tokens
 from odb_core.planning.grouping import Group
+from odb_core.ranks.moves_ahead import Moved
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,15 +81,21 @@ class Collation:
         return Collation(collate_fn, length_fn, is_label_preserving(collate_fn), release)
 
     def plan(self, slot: Group, samples: list[Any]) -> PlannedStep:
-        """The step of a real slot whose samples are `samples`; a collator that is not label-preserving collates
-        them here to count, and the step keeps that batch (and not the samples)."""
+        """The step of a real slot whose samples are `samples` (a `Moved` for one still in flight: NOTE [ Moves
+        overlap training ]); a collator that is not label-preserving collates them here to count, and the step
+        keeps that batch (and not the samples)."""
         indices = slot.indices  # a property that builds the tuple: once here
+        moved = [s for s in samples if type(s) is Moved]
+        if moved and not self.from_samples:  # it counts from its batch: the move must have ended
+            samples, moved = resolved(samples), []
         # without a length_fn an item's length is its input tokens, counted when it was admitted
         lengths = ([item.length for item in slot.items] if self.length_fn is None
-                   else [input_tokens(s) for s in samples])
+                   else [s.input_tokens if type(s) is Moved else input_tokens(s) for s in samples])
         real = sum(lengths)
         batch = None
-        if self.from_samples:
+        if moved:
+            tokens, padded = moved_supervised_tokens(samples), sample_padded_tokens(lengths)
+        elif self.from_samples:
             tokens, padded = sample_supervised_tokens(samples), sample_padded_tokens(lengths)
         else:
             batch = self._collate(samples, indices)
@@ -109,7 +116,7 @@ class Collation:
         ahead ] in collate_ahead.py)."""
         if step.batch is not None:
             return step.batch
-        samples = list(step.payloads) if step.indices else [as_dummy(step.payloads[0])]
+        samples = resolved(step.payloads) if step.indices else [as_dummy(step.payloads[0])]
         return self._collate(samples, step.indices, release)
 
     def _collate(self, samples: list[Any], indices: Sequence[int], release: bool = True) -> Mapping[str, Any]:
@@ -119,3 +126,19 @@ class Collation:
             if release:
                 self.release()
             raise
+
+
+def resolved(samples: Sequence[Any]) -> list[Any]:
+    """`samples` with each `Moved` replaced by its sample, waiting for its move (NOTE [ Moves overlap training ])."""
+    return [s.sample() if type(s) is Moved else s for s in samples]
+
+
+def moved_supervised_tokens(samples: Sequence[Any]) -> int:
+    """`sample_supervised_tokens` of `samples` when some are `Moved` (counted from their facts): the labelled
+    samples' supervised tokens when any sample has labels, else each sample's input tokens less one."""
+    held = [s for s in samples if type(s) is not Moved]
+    moved = [s for s in samples if type(s) is Moved]
+    if any("labels" in s for s in held) or any(m.labelled for m in moved):
+        labelled = [s for s in held if "labels" in s]
+        return (sample_supervised_tokens(labelled) if labelled else 0) + sum(m.supervised for m in moved if m.labelled)
+    return sample_supervised_tokens(held) + sum(m.supervised for m in moved)

@@ -30,7 +30,7 @@ from odb_core.epoch.pipeline import EpochReport, EpochRun, RunContext
 from odb_core.epoch.prefetch import BackgroundIterator
 from odb_core.epoch.stream import SampleStream, StreamOptions
 from odb_core.ranks.node_groups import node_layout, node_transports
-from odb_core.ranks.rounds import RoundsFactory, move_mode
+from odb_core.ranks.rounds import RoundsFactory, move_lane, move_mode
 from odb_core.ranks.sync import Transport, default_transport
 from odb_core.resume.cursor import EpochCursor
 from odb_core.resume.resume import restore
@@ -49,11 +49,6 @@ WORKER_OPTIONS = frozenset({"persistent_workers", "multiprocessing_context", "pi
                             "worker_init_fn", "generator"})
 OPTIONS = SettingsSource(where="ODBDataLoader", noun="argument", key_error=TypeError,
                          keys=dict.fromkeys(sorted(WORKER_OPTIONS), PASSED_ON))  # its **options: fields, workers
-
-
-def _split_options(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    split = split_keys(options, OPTIONS)
-    return split.fields, split.extras
 
 
 def _config(token_budget: int | None, config: ODBConfig | None, fields_given: dict[str, Any]) -> ODBConfig:
@@ -120,8 +115,9 @@ class ODBDataLoader:
                  num_workers: int = 0, length_fn: LengthFn | None = None, transport: Transport | None = None,
                  idle_sample: Mapping[str, Any] | None = None, shard_iterable: bool = True,
                  observer: Callable[[StepInfo], None] | None = None, **options: Any) -> None:
-        config_options, worker_options = _split_options(options)
-        self.config = config = _config(token_budget, config, config_options)
+        split = split_keys(options, OPTIONS)  # config fields, and worker options passed on
+        self.config = config = _config(token_budget, config, split.fields)
+        worker_options = split.extras
         self._worker_seeds = None if "generator" in worker_options else torch.Generator()
         if self._worker_seeds is not None:
             worker_options = {**worker_options, "generator": self._worker_seeds}
@@ -141,10 +137,12 @@ class ODBDataLoader:
         self.sampler = self._stream.sampler
         self.layout = node_layout(config, self.transport.world_size)  # node-aware rounds: NOTE [ Node groups ]
         self.transport.require_agreement(self._agreed_settings())
-        move_mode(config, map_style=self._stream.size is not None)  # refuses move='fetch' for a stream, now
+        map_style = self._stream.size is not None
+        move_mode(config, map_style)  # refuses move='fetch' for a stream, now
         self._nodes = node_transports(self.transport, self.layout) if self.layout.n_nodes > 1 else None
+        self._lane = move_lane(config, self.transport, self.layout, map_style)  # NOTE [ Moves overlap training ]
         rounds = RoundsFactory(config=config, transport=self.transport, fetch=_LoaderCall(self._stream.fetch),
-                               map_style=self._stream.size is not None, length_fn=length_fn, nodes=self._nodes)
+                               map_style=map_style, length_fn=length_fn, nodes=self._nodes, lane=self._lane)
         self._ctx = RunContext(rounds_factory=rounds, transport=self.transport, collate_fn=collate_fn,
                                length_fn=length_fn, metrics=self.metrics, observer=observer,
                                fallback_dummy=_LoaderCall(self._stream.fallback_dummy),
@@ -207,7 +205,8 @@ class ODBDataLoader:
         """What every rank must share (NOTE [ Ranks agree on their settings ]): the batching fingerprint (with the
         node layout), `oversize`, `move`, and ODB's own sharded index source (size, shuffle, seed)."""
         settings: dict[str, object] = {**fingerprint(self.config, self.layout.aware_per_node),
-                                       "oversize": self.config.oversize, "move": self.config.move}
+                                       "oversize": self.config.oversize, "move": self.config.move,
+                                       "overlap_moves": self.config.overlap_moves}
         source = self._stream.source()
         if isinstance(source, ShardedSource):
             settings["sampler"] = source_to_dict(source)
@@ -300,8 +299,9 @@ class ODBDataLoader:
         at interpreter exit ] in odb_core/ranks/sync.py); a transport passed in stays the caller's. Idempotent. A
         closed loader keeps its state, metrics and `len()`; over Gloo its next collective raises RuntimeError."""
         self.leave_epoch()
-        if self._nodes is not None:
-            self._nodes.close()
+        for part in (self._lane, self._nodes):  # the lane first: its thread may still end a move on its group
+            if part is not None:
+                part.close()
         if self._owns_transport:
             self.transport.close()
 

@@ -3,7 +3,8 @@
 NOTE [ One round ]
   1. fill: read tagged samples until the window is full or the stream ends; check each (`SampleReader`);
   2. plan (`rounds.py`): rank-local, all_gather(RankState) + decide + adjust (`RankEngine`); global, also the
-     pooled items, the shared plan (`PooledEngine`, NOTE [ Pooled rounds ]) and the moved samples: exactly T
+     pooled items, the shared plan (`PooledEngine`, NOTE [ Pooled rounds ]) and the moved samples (or, with a
+     move lane, their facts, the samples following on the lane: NOTE [ Moves overlap training ]): exactly T
      ordered slots on every rank;
   3. count each slot's supervised/input tokens, keeping its samples, not a collated batch (IDLE: the dummy
      sample, zero counts); a step is collated when the consumer takes it (NOTE [ A step is collated when it is
@@ -32,6 +33,7 @@ from odb_core.epoch.reader import Pull, SampleReader
 from odb_core.epoch.stream import Chunk
 from odb_core.planning.alignment import Slot
 from odb_core.planning.termination import STEP_SUM_FIELDS
+from odb_core.ranks.moves_ahead import MovesInFlight
 from odb_core.ranks.rounds import RankRound, Rounds, sample_of
 from odb_core.ranks.sync import Transport
 from odb_core.resume.fields import StateError
@@ -151,6 +153,7 @@ class EpochRun(Iterator[ODBBatch]):
         self.collation = Collation.of(ctx.collate_fn, ctx.length_fn, release=self.reader.close)
         self.collating = CollateAhead(self.collation, ctx.collate_ahead)
         self.ahead = ReadAhead()  # NOTE [ Reading ahead ]
+        self.flight: MovesInFlight | None = None  # NOTE [ Moves overlap training ]
         self.skip_below = 0
         self.report: EpochReport | None = None
         if resume is not None:
@@ -194,6 +197,7 @@ class EpochRun(Iterator[ODBBatch]):
         normal round or leaving too) or reaches it when its own consumer takes the next step or leaves. Called
         once, on the thread that runs the rounds, between rounds; a finished epoch needs nothing."""
         self.collating.close()
+        self._settle_moves()
         if not self.engine.finished:
             self.rounds.leave()
             self.report = self._report(abandoned=True)
@@ -204,8 +208,16 @@ class EpochRun(Iterator[ODBBatch]):
                           carry_count=self.window.open_count, carry_tokens=self.window.open_tokens,
                           dummy_index=self.reader.dummy_index, carry_samples=self.window.open_samples)
 
+    def _settle_moves(self) -> None:
+        """Wait for the last round's moves if still in flight (NOTE [ Moves overlap training ]); raises what they
+        raised."""
+        flight, self.flight = self.flight, None
+        if flight is not None:
+            flight.settle()
+
     def _run_round(self) -> None:
         metrics = self.ctx.metrics
+        self._settle_moves()
         self.log.begin_round(self._round_start(), metrics.snapshot())
         stats = self.ctx.transport.stats
         bytes_before, seconds_before = stats.bytes_sent, stats.seconds
@@ -226,6 +238,7 @@ class EpochRun(Iterator[ODBBatch]):
         steps = [self._plan_step(slot, planned) for slot in planned.slots]  # samples and counts, no batch
         reduced = self.ctx.transport.all_reduce_sum([x for step in steps for x in step.counts.as_ints()])
         moved = planned.arrivals
+        self.flight = moved if isinstance(moved, MovesInFlight) else None
         metrics.rounds += 1
         metrics.splits += planned.n_split
         metrics.pushed_back_groups += planned.n_pushed_back
@@ -307,6 +320,7 @@ class EpochRun(Iterator[ODBBatch]):
         self.ready.append((planned, info))
 
     def _close_epoch(self) -> None:
+        self._settle_moves()
         if self.report is not None:
             return
         assert not self.window.open_count, "an epoch must end on an accumulation-window boundary"

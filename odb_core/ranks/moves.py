@@ -113,7 +113,7 @@ class SendMoves:
             try:
                 frames[dest] = encode_samples(samples)
             except Exception as exc:  # noqa: BLE001 - name the sample that cannot travel
-                raise _unsendable(items, samples, rank, dest) from exc
+                raise unsendable(items, samples, rank, dest) from exc
         bytes_out = sum(len(f) for f in frames)
         received = self.transport.all_to_all_bytes(frames)
         del frames  # the samples sent are freed here, before this rank unpickles what it received
@@ -129,15 +129,40 @@ def encode_samples(samples: list[Any]) -> bytearray:
     """One frame of `samples` (NOTE [ Sending samples without copies ]): the header, the pickle stream (protocol
     5), and each out-of-band buffer (the bytes of a contiguous array) at a multiple of `ALIGN` bytes. The arrays'
     bytes are copied once, into the frame. Raises what pickling raises."""
+    return frame_of(pickle_samples(samples))
+
+
+@dataclass(frozen=True, slots=True)
+class Pickled:
+    """`samples` pickled (protocol 5) with their arrays out of band: the stream, and the arrays' buffers (views
+    of the samples' memory, not copies)."""
+
+    stream: bytes
+    buffers: tuple[pickle.PickleBuffer, ...]
+
+
+def pickle_samples(samples: list[Any]) -> Pickled:
+    """The first half of `encode_samples`: what can fail (an unpicklable sample), without copying any array."""
     buffers: list[pickle.PickleBuffer] = []
     stream = pickle.dumps(samples, protocol=5, buffer_callback=buffers.append)
-    views = [b.raw() for b in buffers]
-    header = np.array([len(views), len(stream), *(v.nbytes for v in views)], dtype="<i8").tobytes()
-    pieces = [header, stream, *views]
+    return Pickled(stream, tuple(buffers))
+
+
+def frame_size(pickled: Pickled) -> int:
+    """The length of `frame_of(pickled)`, known before the frame is written."""
+    sizes = [b.raw().nbytes for b in pickled.buffers]
+    return _offsets([16 + 8 * len(sizes), len(pickled.stream), *sizes])[-1]
+
+
+def frame_of(pickled: Pickled) -> bytearray:
+    """The second half of `encode_samples`: the frame, the one copy of the arrays' bytes; releases the buffers."""
+    views = [b.raw() for b in pickled.buffers]
+    header = np.array([len(views), len(pickled.stream), *(v.nbytes for v in views)], dtype="<i8").tobytes()
+    pieces = [header, pickled.stream, *views]
     offsets = _offsets([len(p) for p in pieces])  # one pass over the bytes (no zero-filled frame written over)
     gaps = [bytes(end - start - len(p)) for p, start, end in zip(pieces, offsets[:-1], offsets[1:], strict=True)]
     frame = bytearray().join(x for pair in zip(pieces, gaps, strict=True) for x in pair)
-    for buffer in buffers:
+    for buffer in pickled.buffers:
         buffer.release()
     return frame
 
@@ -164,7 +189,7 @@ def _offsets(sizes: list[int]) -> list[int]:
     return out
 
 
-def _unsendable(items: list[Item], samples: list[Any], rank: int, dest: int) -> SampleError:
+def unsendable(items: list[Item], samples: list[Any], rank: int, dest: int) -> SampleError:
     """The first of `samples` that cannot be pickled, as the error that names it (NOTE [ Samples that cannot
     travel ])."""
     for item, sample in zip(items, samples, strict=True):

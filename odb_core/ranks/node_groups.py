@@ -32,7 +32,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from odb_core.planning.nodes import NodeLayout
-from odb_core.ranks.sync import _OPEN, GlooTransport, PeerError, Transport
+from odb_core.ranks.sync import _OPEN, JOIN_TIMEOUT_S, GlooTransport, PeerError, Transport, TransportStats, _Courier
 from odb_core.ranks.virtual import VirtualHub, VirtualTransport
 from odb_core.settings.config import ODBConfig
 
@@ -115,26 +115,64 @@ class GlooGroupTransport(GlooTransport):
                 pass
 
 
-def _gloo_groups(world: GlooTransport, groups: list[list[int]]) -> list[Transport]:
+class GlooLaneTransport(GlooGroupTransport):
+    """The Gloo group of a move lane (NOTE [ Moves overlap training ] in moves_ahead.py): a courier thread of its
+    own, so that a move in flight never holds up the rounds' metadata collectives, and stats of its own (the
+    moved bytes are not `sync_bytes`); the world transport's heartbeat."""
+
+    def __init__(self, world: GlooTransport, ranks: Sequence[int], group: dist.ProcessGroup) -> None:
+        super().__init__(world, ranks, group)
+        self.stats, self._courier = TransportStats(), _Courier()
+
+    def _fail(self, what: str, exc: Exception) -> PeerError:
+        return PeerError(f"rank {self.world_rank}: ODB's sample move among ranks {list(self.members)} failed ({what}, "
+                         f"timeout {self.timeout_s:g}s): a peer rank probably died or hung "
+                         f"({type(exc).__name__}: {exc})")
+
+    def close(self) -> None:
+        self._courier.stop(JOIN_TIMEOUT_S)
+        super().close()
+
+
+def lane_transport(world: Transport, layout: NodeLayout) -> Transport | None:
+    """The transport of this rank's move lane over its node's ranks (all ranks on one node), or None for a
+    transport that cannot make one (moves then run in line). Every rank calls it at the same point, on the thread
+    that calls `iter()`; its all_gather runs the settings check first, so ranks that disagree on whether to open
+    a lane raise `DesyncError` instead of creating different groups."""
+    if not isinstance(world, GlooTransport | VirtualTransport):
+        return None
+    world.all_gather([layout.per_node])
+    groups = [list(layout.ranks_of(n)) for n in range(layout.n_nodes)]
+    if isinstance(world, VirtualTransport):
+        mine = next(ranks for ranks in groups if world.rank in ranks)
+        lane = _virtual_group(world, mine, tag="lane")
+        lane.stats = TransportStats()
+        return lane
+    return _gloo_groups(world, groups, GlooLaneTransport)[0]
+
+
+def _gloo_groups(world: GlooTransport, groups: list[list[int]],
+                 wrap: type[GlooGroupTransport] = GlooGroupTransport) -> list[Transport]:
     """Every group created on every rank, in order; the ones holding this rank, wrapped."""
     timeout = timedelta(seconds=world.timeout_s)
     mine: list[Transport] = []
     for ranks in groups:
         group = dist.new_group(ranks, timeout=timeout, backend="gloo")
         if world.rank in ranks:
-            mine.append(GlooGroupTransport(world, ranks, group))
+            mine.append(wrap(world, ranks, group))
     return mine
 
 
-_SUB_HUBS: weakref.WeakKeyDictionary[VirtualHub, dict[tuple[int, ...], VirtualHub]] = weakref.WeakKeyDictionary()
+_SUB_HUBS: weakref.WeakKeyDictionary[VirtualHub, dict[tuple, VirtualHub]] = weakref.WeakKeyDictionary()
 _SUB_HUBS_LOCK = threading.Lock()
 
 
-def _virtual_group(world: VirtualTransport, ranks: list[int]) -> VirtualTransport:
-    """This virtual rank's transport on the hub that the world hub's threads share for `ranks`."""
+def _virtual_group(world: VirtualTransport, ranks: list[int], tag: str = "") -> VirtualTransport:
+    """This virtual rank's transport on the hub that the world hub's threads share for `ranks` (and `tag`: a move
+    lane's hub is not its node group's)."""
     with _SUB_HUBS_LOCK:
         hubs = _SUB_HUBS.setdefault(world.hub, {})
-        hub = hubs.setdefault(tuple(ranks), VirtualHub(len(ranks), timeout_s=world.hub.timeout_s))
+        hub = hubs.setdefault((tag, *ranks), VirtualHub(len(ranks), timeout_s=world.hub.timeout_s))
     transport = VirtualTransport(hub, ranks.index(world.rank))
     transport.stats = world.stats
     return transport

@@ -11,6 +11,7 @@ to get each slot's samples. Every rank makes the same collective calls in the sa
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections import defaultdict, deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -19,13 +20,14 @@ from typing import Any, Protocol
 from odb_core.data.sample import LengthFn
 from odb_core.planning.alignment import Slot
 from odb_core.planning.budget import Item
-from odb_core.planning.nodes import NodeEngine, NodeState
+from odb_core.planning.nodes import NodeEngine, NodeLayout, NodeState
 from odb_core.planning.planner import BufferEngine, RankEngine
 from odb_core.planning.pooled import POOL_FIELDS, PoolCut, PooledEngine
 from odb_core.planning.simulate import is_pooled
 from odb_core.planning.termination import RankState
 from odb_core.ranks.moves import Arrivals, FetchMoves, SendMoves
-from odb_core.ranks.node_groups import NodeTransports
+from odb_core.ranks.moves_ahead import MoveLane, MovesInFlight, OverlappedMoves
+from odb_core.ranks.node_groups import NodeTransports, lane_transport
 from odb_core.ranks.sync import Transport
 from odb_core.settings.config import ODBConfig
 
@@ -40,7 +42,7 @@ class RankRound:
     final: bool
     n_split: int
     n_pushed_back: int
-    arrivals: Arrivals | None = None
+    arrivals: Arrivals | MovesInFlight | None = None  # MovesInFlight: NOTE [ Moves overlap training ]
     owned_by_step: tuple[tuple[int, ...], ...] | None = None
     abandoned: bool = False
 
@@ -58,6 +60,9 @@ def leave(engine: BufferEngine, transport: Transport) -> None:
     """This rank's consumer abandoned the epoch: take part in the next round's state exchange once, saying so."""
     transport.all_gather(engine.leaving_state().to_ints())
     engine.end_early()
+
+
+Mover = SendMoves | FetchMoves | OverlappedMoves
 
 
 class Rounds(Protocol):
@@ -102,7 +107,7 @@ def _pooled_ints(engine: PooledEngine, transport: Transport, states: Sequence[Ra
 class PooledRounds:
     """Global planning: the `RankState`s, then every buffered item (padded to the longest buffer), then the moves."""
 
-    def __init__(self, engine: PooledEngine, transport: Transport, mover: SendMoves | FetchMoves) -> None:
+    def __init__(self, engine: PooledEngine, transport: Transport, mover: Mover) -> None:
         self.engine, self.transport, self.mover = engine, transport, mover
 
     def plan(self, active: bool, take_own: Callable[[int], Any]) -> RankRound:
@@ -129,7 +134,7 @@ class NodeRounds:
     pool exchange but still reports across nodes, so every node ends the epoch in the same round (NOTE [ Leaving an
     epoch ]). The node plan's owners are local ranks; the returned round speaks in world ranks."""
 
-    def __init__(self, engine: NodeEngine, nodes: NodeTransports, mover: SendMoves | FetchMoves) -> None:
+    def __init__(self, engine: NodeEngine, nodes: NodeTransports, mover: Mover) -> None:
         self.engine, self.nodes, self.mover = engine, nodes, mover
 
     def plan(self, active: bool, take_own: Callable[[int], Any]) -> RankRound:
@@ -165,10 +170,12 @@ def _slot_in_cluster(slot: Slot, offset: int) -> Slot:
     return dataclasses.replace(slot, items=tuple(it._replace(owner=it.owner + offset) for it in slot.items))
 
 
-def _in_cluster(arrivals: Arrivals, offset: int) -> Arrivals:
+def _in_cluster(arrivals: Arrivals | MovesInFlight, offset: int) -> Arrivals | MovesInFlight:
     """Arrivals keyed by world-rank owners (see `_slot_in_cluster`)."""
     if not offset:
         return arrivals
+    if isinstance(arrivals, MovesInFlight):
+        return arrivals.in_cluster(offset)
     by_key: defaultdict[tuple[int, int], deque[Any]] = defaultdict(deque)
     by_key.update({(owner + offset, index): queue for (owner, index), queue in arrivals.by_key.items()})
     return dataclasses.replace(arrivals, by_key=by_key)
@@ -185,6 +192,7 @@ class RoundsFactory:
     map_style: bool
     length_fn: LengthFn | None = None  # checks a sample re-read under move="fetch" against what its owner read
     nodes: NodeTransports | None = None
+    lane: MoveLane | None = None  # moves overlap training: NOTE [ Moves overlap training ]
 
     def __call__(self, epoch: int) -> LocalRounds | PooledRounds | NodeRounds:
         rank, world = self.transport.rank, self.transport.world_size
@@ -195,11 +203,22 @@ class RoundsFactory:
             return NodeRounds(NodeEngine(self.config, epoch, local), self.nodes, self._mover(local, self.nodes.node))
         return PooledRounds(PooledEngine(self.config, epoch, rank), self.transport, self._mover(rank, self.transport))
 
-    def _mover(self, rank: int, transport: Transport) -> SendMoves | FetchMoves:
+    def _mover(self, rank: int, transport: Transport) -> Mover:
         """How samples reach the ranks of `transport` (`rank` is this rank's number there)."""
         if move_mode(self.config, self.map_style) == "fetch":
             return FetchMoves(rank, self.fetch, self.length_fn)
+        if self.lane is not None and self.lane.opened():
+            return OverlappedMoves(transport, self.lane, self.length_fn)
         return SendMoves(transport)
+
+
+def move_lane(config: ODBConfig, transport: Transport, layout: NodeLayout, map_style: bool) -> MoveLane | None:
+    """The loader's move lane (NOTE [ Moves overlap training ]): under global planning at W > 1 with
+    `move="send"` and `overlap_moves`; else None (moves run in line). Opened by the first epoch (`MoveLane`)."""
+    pooled = is_pooled(config, transport.world_size)
+    if not (config.overlap_moves and pooled and move_mode(config, map_style) == "send"):
+        return None
+    return MoveLane(functools.partial(lane_transport, transport, layout))
 
 
 def move_mode(config: ODBConfig, map_style: bool) -> str:

@@ -5,7 +5,9 @@ every rank (see NOTE [ Rounds and termination ]):
   * `all_gather(values)` once per round: each rank's `RankState` (`STATE_FIELDS`, 10 ints), O(W) ints per rank;
   * `all_reduce_sum(values)` once per round: 6 ints per step of the round (`STEP_SUM_FIELDS`), O(T) ints;
   * under global planning, a second `all_gather` of every buffered item (3 ints each, padded to the longest
-    buffer) and `all_to_all_bytes` of the samples that move to another rank (NOTE [ Moving samples ]).
+    buffer) and `all_to_all_bytes` of the samples that move to another rank (NOTE [ Moving samples ]), or, with a
+    move lane, of their facts (3 ints each; the samples travel on the lane's own group: NOTE [ Moves overlap
+    training ]).
 Three implementations: `LocalTransport` (one process), `GlooTransport` (a dedicated Gloo group, created
 collectively on the main thread with a timeout, isolated from the model's process group) and `VirtualTransport`
 (W ranks as threads of one process, for tests and simulation of the full loader).

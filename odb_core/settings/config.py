@@ -112,6 +112,10 @@ class ODBConfig:
         collate_ahead: collate the step after the one just taken in a thread while the consumer trains (NOTE [
             Collating the next step ahead ] in epoch/collate_ahead.py): with `PadCollator`, e.g. a VLM step's
             `pixel_values` concatenation. Does not change the batches; off with `prefetch_steps > 0`.
+        overlap_moves: under global planning with `move="send"`, move a round's samples between ranks on a Gloo
+            group and a thread of their own while its steps train (NOTE [ Moves overlap training ] in
+            ranks/moves_ahead.py); False moves them before the round's first step. Does not change the batches;
+            every rank must set the same value.
         sync_timeout_s: how long a Gloo collective waits for a live peer that does not take part (a peer may pause
             legitimately: a checkpoint save, an evaluation); then it raises. A dead peer raises at once.
         liveness_timeout_s: a peer whose heartbeat stops this long (frozen, hung, unreachable) makes a waiting
@@ -142,6 +146,7 @@ class ODBConfig:
     fetch_chunk: int = 8
     reader_thread: bool = True
     collate_ahead: bool = True
+    overlap_moves: bool = True
     sync_timeout_s: float = 300.0
     liveness_timeout_s: float = 30.0
     worker_timeout_s: float = 0.0
@@ -193,6 +198,7 @@ class ODBConfig:
                  "it must be an int >= 1")
         _require(isinstance(self.reader_thread, bool), "reader_thread", self.reader_thread, "it must be True or False")
         _require(isinstance(self.collate_ahead, bool), "collate_ahead", self.collate_ahead, "it must be True or False")
+        _require(isinstance(self.overlap_moves, bool), "overlap_moves", self.overlap_moves, "it must be True or False")
         _require(_is_number(self.sync_timeout_s) and self.sync_timeout_s > 0, "sync_timeout_s", self.sync_timeout_s, "it must be > 0 seconds")
         _require(_is_number(self.liveness_timeout_s) and self.liveness_timeout_s > 0, "liveness_timeout_s",
                  self.liveness_timeout_s, "it must be > 0 seconds")

@@ -1,0 +1,243 @@
+"""Moves that overlap training: a round's moved samples travel on a lane of their own while its steps train.
+
+NOTE [ Moves overlap training ]
+Under global planning most of a round's samples run on another rank than the one that read them (NOTE [ Moving
+samples ]). Moved in line, the round's steps could not be released before the move had ended: the round's
+all_reduce needs every step's supervised and input tokens, and a rank can count a moved sample only once it holds
+it. For a VLM round that is about a second per round at W = 64 (docs/design.md, "Keeping the accelerator fed",
+item 4) with the accelerator idle. So, when the loader has a move lane (`overlap_moves=True`, `move="send"`,
+global planning, W > 1; `MoveLane`):
+  1. right after the plan, on the thread that runs the rounds, each owner takes the samples it sends, counts each
+     one's facts (`FACT_FIELDS` ints: supervised tokens as a label-preserving collator counts them, whether it has
+     labels, and its input tokens when a `length_fn` sets the length) and pickles them with their arrays out of
+     band (the pickling is where a sample that cannot travel fails, on its owner, at once: `SampleError`);
+  2. the facts travel in one `all_to_all_bytes` on the metadata transport, in the rounds' collective order (every
+     rank calls it every pooled round, with or without moves): a few ints per moved sample, and the size of each
+     chunk's frame (so `LoaderMetrics.moved_bytes` is counted at the plan, as in line);
+  3. the samples travel on the lane, a second Gloo group with a courier thread of its own, driven by one
+     `ThreadPoolExecutor` thread per loader ("odb-moves"): the frames are written (the one copy of the arrays),
+     exchanged and decoded there, in chunks of steps (`step_chunks`: step 0, then 1-2, 3-6, ..., one exchange
+     each), in step order and round order on every rank. One exchange for the whole round would end only when
+     the round's last byte came, and the round's first step, which mixes samples from every rank, would wait for
+     all of it: with chunks it waits for its own samples, and each later chunk moves while the steps before it
+     train;
+  4. the round's steps are counted from the samples this rank holds and the facts of those it waits for (a
+     `Moved` stands for each), the all_reduce runs and the steps are released at once; a step waits for its
+     moved samples only when it is collated (taken, or collated ahead), so only the part of the move that the
+     steps before it did not cover is a stall. A collator that is not label-preserving collates at plan time,
+     so its round waits for the move as before (the facts exchange still runs: the collective order must not
+     depend on the collator).
+The plan, the collectives on the metadata transport and their order, the batches and every `StepInfo` field are
+those of moving in line: the counts are sums of the same per-sample facts (tested against `overlap_moves=False`
+on virtual and Gloo ranks). The lane's exchanges never wait for a step: exchange k needs only every rank's lane
+thread, which starts it right after plan k, so it ends whatever the consumers do, and the lanes' exchanges pair
+up in order (one thread each; every rank has the same steps, so the same chunks). The next round's start and the
+epoch's end wait for the exchanges in flight, so at most one round's are. Faults: a peer
+that dies mid-move fails the lane's collective (its sockets close, or the shared heartbeat finds it silent within
+`liveness_timeout_s`), and the step that waits for the move raises that `PeerError`. Cost: the frames of one
+round in flight (sent and received) beside the buffer; one Gloo group and two threads per loader.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+from collections import defaultdict
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from odb_core.data.collate import sample_supervised_tokens
+from odb_core.data.sample import LengthFn, input_tokens
+from odb_core.data.sendable import pack_sample, unpack_sample
+from odb_core.planning.pooled import PooledRound
+from odb_core.ranks.moves import (Pickled, decode_samples, frame_of, frame_size, incoming, outgoing, pickle_samples,
+                                  unsendable)
+from odb_core.ranks.sync import Transport
+
+FACT_FIELDS = 3  # per moved sample: supervised tokens, has labels (0/1), input tokens (with a length_fn; else 0)
+
+
+def sample_facts(sample: Mapping[str, Any], length_fn: LengthFn | None) -> tuple[int, int, int]:
+    """What a receiving rank needs to count a moved sample into its step before the sample arrives."""
+    return (sample_supervised_tokens([sample]), int("labels" in sample),
+            input_tokens(sample) if length_fn is not None else 0)
+
+
+@dataclass(frozen=True, slots=True)
+class Received:
+    """What one round's exchange on the lane brought: the samples per owner (in the order sent), and the bytes."""
+
+    samples: dict[int, list[Any]]
+    bytes_in: int
+    bytes_out: int
+
+
+@dataclass(frozen=True, slots=True)
+class Moved:
+    """A moved sample's place in a planned step until it arrives: its facts, and where it will be."""
+
+    flight: MovesInFlight
+    owner: int  # the owner's rank on the lane (a node's local rank under node-aware rounds)
+    position: int
+    supervised: int
+    labelled: bool
+    input_tokens: int
+
+    def sample(self) -> Any:
+        """The sample itself, waiting for the round's exchange if it has not ended."""
+        return self.flight.sample(self.owner, self.position)
+
+
+@dataclass(slots=True)
+class MovesInFlight:
+    """One round's moves on the lane: the facts now, the samples as each exchange of `futures` ends (one per
+    chunk of steps, `step_chunks`; `starts[owner][c]` is the position of chunk c's first sample from `owner`).
+    `take` hands out the `Moved` of the next item from an owner, in the order sent (`RankRound.arrivals`'
+    interface)."""
+
+    facts: dict[int, list[list[int]]]
+    futures: list[Future[Received]]
+    starts: dict[int, list[int]]
+    samples: int
+    bytes_in: int  # the frames' bytes this rank receives (their sizes travel with the facts)
+    offset: int = 0  # what `take` subtracts from an owner (world ranks under node-aware rounds)
+    bytes_out: int = 0  # `Arrivals`' field: bytes sent on the metadata transport (the lane has its own stats)
+    claimed: defaultdict[int, int] = field(default_factory=lambda: defaultdict(int))
+
+    def take(self, key: tuple[int, int]) -> Moved:
+        owner = key[0] - self.offset
+        position = self.claimed[owner]
+        self.claimed[owner] = position + 1
+        supervised, labelled, tokens = self.facts[owner][position]
+        return Moved(self, owner, position, supervised, bool(labelled), tokens)
+
+    def sample(self, owner: int, position: int) -> Any:
+        """A received sample (waiting for its chunk's exchange), dropped from here once handed out, so that it is
+        freed with its step."""
+        starts = self.starts[owner]
+        chunk = bisect.bisect_right(starts, position) - 1  # the last chunk that starts at or before it
+        box = self.futures[chunk].result().samples[owner]
+        local = position - starts[chunk]
+        sample, box[local] = box[local], None
+        return sample
+
+    def settle(self) -> None:
+        """Wait for every exchange of the round; raises what an exchange raised."""
+        for future in self.futures:
+            future.result()
+
+    def in_cluster(self, offset: int) -> MovesInFlight:
+        return dataclasses.replace(self, offset=offset)
+
+
+def step_chunks(n_steps: int) -> list[range]:
+    """The round's steps as the lane moves their samples, one exchange each: step 0, steps 1-2, 3-6, 7-14, ...
+    (each chunk twice the last). A step waits only for its own chunk, which moved while the steps before it
+    trained: the first step waits for one step's samples, not the round's."""
+    chunks, start, size = [], 0, 1
+    while start < n_steps:
+        chunks.append(range(start, min(start + size, n_steps)))
+        start, size = start + size, size * 2
+    return chunks
+
+
+class MoveLane:
+    """A loader's lane for samples (NOTE [ Moves overlap training ]): a transport of its own over the ranks that
+    exchange samples (the world, or the node), and the one thread that runs its exchanges in round order.
+
+    Opened by the first epoch that moves samples (`opened`, on the thread that calls `iter()`, at the same point
+    on every rank): opening is a collective, and runs the settings check first, so that ranks that disagree raise
+    `DesyncError` from their first exchange, as they do without a lane. `open_transport` returns None where the
+    transport cannot make a lane (moves then run in line)."""
+
+    def __init__(self, open_transport: Callable[[], Transport | None]) -> None:
+        self._open: Callable[[], Transport | None] | None = open_transport
+        self.transport: Transport | None = None
+        self._thread: ThreadPoolExecutor | None = None
+
+    def opened(self) -> bool:
+        if self._open is not None:
+            open_transport, self._open = self._open, None
+            self.transport = open_transport()
+            if self.transport is not None:
+                self._thread = ThreadPoolExecutor(1, thread_name_prefix="odb-moves")
+        return self._thread is not None
+
+    def submit(self, pickled: list[Pickled | None]) -> Future[Received]:
+        """One exchange (a chunk's frames per destination), run after those submitted before it."""
+        assert self._thread is not None and self.transport is not None, "submit() on a lane that is not open"
+        return self._thread.submit(_exchange, self.transport, pickled)
+
+    def close(self) -> None:
+        """End the thread after the exchange in flight (bounded by the lane's timeouts), then the transport."""
+        self._open = None
+        if self._thread is not None:
+            self._thread.shutdown(wait=True, cancel_futures=True)
+        if self.transport is not None:
+            self.transport.close()
+
+
+def _exchange(lane: Transport, pickled: list[Pickled | None]) -> Received:
+    """On the lane's thread: write the frames, exchange them, decode what came."""
+    frames: list[bytes | bytearray] = [b"" if p is None else frame_of(p) for p in pickled]
+    bytes_out = sum(len(f) for f in frames)
+    received = lane.all_to_all_bytes(frames)
+    del frames, pickled
+    bytes_in = sum(len(c) for r, c in enumerate(received) if r != lane.rank)
+    samples: dict[int, list[Any]] = {}
+    for owner, chunk in enumerate(received):
+        if owner != lane.rank and chunk:
+            samples[owner] = [unpack_sample(s) for s in decode_samples(chunk)]
+            received[owner] = b""  # its arrays hold the chunk now, and free it with their samples
+    return Received(samples, bytes_in, bytes_out)
+
+
+class OverlappedMoves:
+    """`move="send"` with a lane: facts on the metadata transport, samples on the lane (NOTE [ Moves overlap
+    training ]). `transport` and the lane number the same ranks the same way."""
+
+    def __init__(self, transport: Transport, lane: MoveLane, length_fn: LengthFn | None) -> None:
+        self.transport, self.lane, self.length_fn = transport, lane, length_fn
+
+    def exchange(self, plan: PooledRound, take_own: Callable[[int], Any]) -> MovesInFlight:
+        rank, world = self.transport.rank, self.transport.world_size
+        chunks: list[list[Pickled | None]] = []
+        facts_out: list[list[tuple[int, int, int]]] = [[] for _ in range(world)]
+        sizes_out = [[0] * len(step_chunks(len(plan.steps))) for _ in range(world)]  # frame bytes per chunk
+        starts: defaultdict[int, list[int]] = defaultdict(list)
+        arrived = [0] * world  # samples from each owner in the chunks so far
+        for c, steps in enumerate(step_chunks(len(plan.steps))):
+            part = dataclasses.replace(plan, steps=plan.steps[steps.start : steps.stop])
+            pickled: list[Pickled | None] = [None] * world
+            for dest, items in outgoing(part, rank).items():
+                samples = [take_own(it.index) for it in items]
+                facts_out[dest] += [sample_facts(s, self.length_fn) for s in samples]
+                packed = [pack_sample(s, limit_bytes=None) for s in samples]
+                try:
+                    pickled[dest] = pickle_samples(packed)
+                except Exception as exc:  # noqa: BLE001 - name the sample that cannot travel
+                    raise unsendable(items, packed, rank, dest) from exc
+                sizes_out[dest][c] = frame_size(pickled[dest])
+            chunks.append(pickled)
+            arriving = incoming(part, rank)
+            for owner in range(world):
+                starts[owner].append(arrived[owner])
+                arrived[owner] += len(arriving.get(owner, ()))
+        n_chunks = len(chunks)
+        facts_in = [np.frombuffer(bytes(b), dtype="<i8") for b in self.transport.all_to_all_bytes(
+            [np.array(sizes + [x for fact in f for x in fact], dtype="<i8").tobytes()
+             for sizes, f in zip(sizes_out, facts_out, strict=True)])]
+        expected = incoming(plan, rank)
+        facts = {owner: facts_in[owner][n_chunks:].reshape(-1, FACT_FIELDS).tolist() for owner in expected}
+        bytes_in = sum(int(v[:n_chunks].sum()) for owner, v in enumerate(facts_in) if owner != rank and len(v))
+        for owner, items in expected.items():
+            if len(facts[owner]) != len(items):
+                raise RuntimeError(f"rank {rank}: rank {owner} sent the facts of {len(facts[owner])} samples where "
+                                   f"the plan moves {len(items)} from it: the ranks do not run the same plan")
+        futures = [self.lane.submit(pickled) for pickled in chunks]  # in step order, on every rank
+        return MovesInFlight(facts, futures, dict(starts), samples=sum(len(v) for v in expected.values()),
+                             bytes_in=bytes_in)

@@ -1,0 +1,177 @@
+"""A round's moved samples travel on a lane of their own while its steps train (NOTE [ Moves overlap training ] in
+odb_core/ranks/moves_ahead.py; issue 27, item 4).
+
+With the lane (`overlap_moves=True`, the default) the batches, every `StepInfo` field and the loader's counters
+must be those of moving in line (`overlap_moves=False`), on virtual ranks (single node and node-aware) and on real
+Gloo ranks; the round's steps must be released before its move has ended; a peer that dies while samples are in
+flight must surface as an error within seconds, not a hang.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+from conftest import LengthDataset
+from dist_cases import Case, mixed_lengths, run_job
+
+from odb_core import ODBDataLoader, PadCollator, run_virtual_ranks
+from odb_core.ranks.moves_ahead import FACT_FIELDS, sample_facts, step_chunks
+
+LENGTHS = [8 + (i * 37) % 300 for i in range(240)]
+
+
+class MixedLabels(LengthDataset):
+    """Labels half masked (the base) or fully masked; or, `labelled=False`, no labels at all (a group then counts
+    each sample's input tokens less one)."""
+
+    def __init__(self, lengths, labelled: bool = True) -> None:
+        super().__init__(lengths)
+        self.labelled = labelled
+
+    def __getitem__(self, index: int) -> dict:
+        sample = super().__getitem__(index)
+        if index % 5 == 0:
+            sample["labels"] = torch.full_like(sample["labels"], -100)
+        if not self.labelled:
+            del sample["labels"]
+        return sample
+
+
+def _epoch_records(loader: ODBDataLoader) -> list[tuple]:
+    records = []
+    for batch in loader:
+        tensors = tuple((key, tuple(value.shape), value.flatten().tolist()) for key, value in sorted(batch.items())
+                        if isinstance(value, torch.Tensor))
+        records.append((batch.info, tensors))
+    return records
+
+
+def _run(world: int, overlap: bool, labelled: bool = True, **options) -> list[dict]:
+    def rank_body(rank, transport):
+        loader = ODBDataLoader(MixedLabels(LENGTHS, labelled), token_budget=1024, transport=transport, shuffle=True,
+                               window=48, overlap_moves=overlap, **options)
+        epochs = [_epoch_records(loader) for _ in range(2)]
+        metrics = loader.metrics.snapshot()
+        lane = loader._lane
+        loader.close()
+        return {"epochs": epochs, "metrics": metrics, "lane": lane is not None and lane.transport is not None}
+
+    return run_virtual_ranks(rank_body, world, timeout_s=60)
+
+
+@pytest.mark.parametrize(("world", "options"), [(2, {}), (3, {}), (4, {"nproc_per_node": 2}),
+                                                (2, {"length_fn": lambda s: 2 * len(s["input_ids"])}),
+                                                (2, {"labelled": False})],
+                         ids=["W2", "W3", "2x2-nodes", "length_fn", "no-labels"])
+def test_the_lane_gives_the_batches_step_infos_and_counters_of_moving_in_line(world, options):
+    lane = _run(world, True, **options)
+    inline = _run(world, False, **options)
+    assert all(r["lane"] for r in lane) and not any(r["lane"] for r in inline)
+    for got, want in zip(lane, inline, strict=True):
+        assert got["epochs"] == want["epochs"]
+        # wall time; the facts' exchange (metadata) on top; a frame's header and alignment per chunk of steps
+        differ = {"sync_seconds", "sync_bytes", "moved_bytes"}
+        assert {k: v for k, v in got["metrics"].items() if k not in differ} == \
+            {k: v for k, v in want["metrics"].items() if k not in differ}
+        assert got["metrics"]["sync_bytes"] > want["metrics"]["sync_bytes"]
+        inline_bytes = want["metrics"]["moved_bytes"]
+        assert inline_bytes <= got["metrics"]["moved_bytes"] <= 1.05 * inline_bytes
+    assert sum(r["metrics"]["moved_samples"] for r in lane) > 0  # samples did move
+    assert sum(r["metrics"]["moved_bytes"] for r in lane) > 0
+    seen = sorted(i for r in lane for info, _ in r["epochs"][0] for i in info.indices)
+    assert seen == list(range(len(LENGTHS)))  # identity coverage with the lane
+
+
+def test_a_moved_samples_facts_are_what_its_group_counts():
+    labelled = {"input_ids": torch.arange(10), "labels": torch.tensor([9] + [-100] * 3 + list(range(6)))}
+    unlabelled = {"input_ids": torch.arange(7)}
+    assert sample_facts(labelled, None) == (6, 1, 0)  # labels[1:] != -100: the first label (9) is never counted
+    assert sample_facts(unlabelled, None) == (6, 0, 0)
+    assert sample_facts(unlabelled, len) == (6, 0, 7)
+    assert FACT_FIELDS == len(sample_facts(labelled, len))
+
+
+def test_a_rounds_steps_move_in_chunks_that_double():
+    assert step_chunks(0) == []
+    assert step_chunks(1) == [range(0, 1)]
+    assert step_chunks(10) == [range(0, 1), range(1, 3), range(3, 7), range(7, 10)]
+    covered = [k for chunk in step_chunks(100) for k in chunk]
+    assert covered == list(range(100)) and len(step_chunks(100)) == 7
+
+
+ARRIVALS: list[float] = []
+ARRIVALS_LOCK = threading.Lock()
+
+
+def _arrive(delay_s: float) -> np.ndarray:
+    time.sleep(delay_s)  # the sample's bytes take this long to arrive: unpickled on the receiving side
+    with ARRIVALS_LOCK:
+        ARRIVALS.append(time.monotonic())
+    return np.zeros(1)
+
+
+class SlowToArrive:
+    def __init__(self, delay_s: float) -> None:
+        self.delay_s = delay_s
+
+    def __reduce__(self):
+        return _arrive, (self.delay_s,)
+
+
+class SlowDataset(LengthDataset):
+    def __getitem__(self, index: int) -> dict:
+        return {**super().__getitem__(index), "slow": SlowToArrive(0.02)}
+
+
+class DropSlow(PadCollator):
+    """`PadCollator` without the test's marker field; its labels and ids are PadCollator's."""
+
+    preserves_labels = True
+
+    def __call__(self, samples):
+        return super().__call__([{k: v for k, v in s.items() if k != "slow"} for s in samples])
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_a_rounds_steps_are_released_before_its_move_ends(overlap):
+    ARRIVALS.clear()
+
+    def rank_body(rank, transport):
+        released: list[float] = []
+        loader = ODBDataLoader(SlowDataset(LENGTHS[:120]), token_budget=1024, transport=transport, window=120,
+                               min_window=None, collate_fn=DropSlow(), overlap_moves=overlap,
+                               observer=lambda info: released.append(time.monotonic()))
+        steps = sum(1 for _ in loader)
+        moved = loader.metrics.moved_samples
+        loader.close()
+        return steps, moved, released
+
+    results = run_virtual_ranks(rank_body, 2, timeout_s=60)
+    assert all(moved > 10 for _, moved, _ in results)  # one round, most samples moved (each takes 20 ms to arrive)
+    first_release = min(min(released) for _, _, released in results)
+    last_arrival = max(ARRIVALS)
+    if overlap:
+        assert first_release < last_arrival - 0.1, "the steps waited for the whole move"
+    else:
+        assert first_release > last_arrival, "in line, a round's steps come after its move"
+
+
+def _gloo_steps(tmp_path, name: str, **options) -> dict[int, list]:
+    case = Case(world_size=2, lengths=mixed_lengths(300), window=32, shuffle=True, first_image=150,
+                options_by_rank={"0": options, "1": options})
+    result = run_job(case, "env", tmp_path / name, timeout_s=240)
+    assert not result.timed_out, result.output[-4000:]
+    return {rank: record["epochs"] for rank, record in result.records.items()}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_gloo_ranks_with_the_lane_run_the_batches_of_moving_in_line(tmp_path):
+    lane = _gloo_steps(tmp_path, "lane", overlap_moves=True)
+    inline = _gloo_steps(tmp_path, "inline", overlap_moves=False)
+    assert sorted(lane) == [0, 1] and lane == inline
+    assert sum(e["moved_samples"] for r in lane.values() for e in r) > 0
