@@ -45,9 +45,11 @@ def measured_setups(args: argparse.Namespace, folder: Path) -> list[dict]:
     for workload in args.workloads:
         feeding.prepare(workload, folder)
         for ms in args.process_ms if workload == "sleep" else [0.0]:
-            dataset = feeding.build(workload, args.samples, ms, folder)
+            payload = args.payload_kb if workload == "sleep" else 0
+            dataset = feeding.build(workload, args.samples, ms, folder, payload)
             longest = max(feeding.lengths(workload, dataset))
             out.append({"workload": workload, "samples": args.samples, "process_ms": ms, "folder": str(folder),
+                        "payload_kb": payload,
                         "budget": args.budget, "fixed_batch": max(args.budget // longest, 1),
                         "process_s": feeding.process_seconds(dataset, args.timing_samples)})
     return out
@@ -66,6 +68,7 @@ def markdown(rows: list[dict]) -> str:
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     for r in rows:
         workload = f"sleep {r['process_ms']:g} ms" if r["workload"] == "sleep" else r["workload"]
+        workload += f" + {r['payload_kb']} KiB" if r.get("payload_kb") else ""
         lines.append(f"| {workload} | {r['world_size']} | {r['planning'] or '-'} | {r['loader']} | "
                      f"{r['samples_per_s']:.0f} | {r['vs_plain']:.2f} | {r['busy']:.2f} | {r['efficiency']:.2f} | "
                      f"{'-' if r['bound'] is None else format(r['bound'], '.2f')} | "
@@ -79,6 +82,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--samples", type=int, default=3000)
     parser.add_argument("--workloads", nargs="+", choices=feeding.WORKLOADS, default=list(feeding.WORKLOADS))
     parser.add_argument("--process-ms", type=float, nargs="+", default=[2.0, 6.0], help="the sleep workload's")
+    parser.add_argument("--payload-kb", type=int, default=0, help="the sleep workload's pixel_values per sample")
     parser.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--workers", type=int, nargs="+", default=None,
                         help="per rank: one count, or one per --worlds entry (default 4 // W, at least 1)")

@@ -2,7 +2,9 @@
 whose `__getitem__` is the processing DataLoader workers run, with what the benchmark needs to know of them.
 
   * `sleep` (`SlowSamples`): lognormal token lengths (mean 900, CV 1.0, capped at 16,384); each fetch first waits
-    `process_ms` with the GIL released (image decoding's profile: native code in another process).
+    `process_ms` with the GIL released (image decoding's profile: native code in another process); with
+    `payload_kb`, each sample also carries that many KiB of float32 `pixel_values` (moves that weigh what a VLM
+    sample's do, on a device-bound run).
   * `tokenize` (`TokenizedChat`): real ChitChat conversations (>= 3 turns) templated and tokenized with the
     DeepSeek tokenizer in `__getitem__` (`chat_data.tokenize`, cut at 4096 tokens): real CPU-bound work.
   * `vlm` (`mm_mix.MMMixDataset`): the MM-Mix-like pipeline, real image processing (`Qwen2VLImageProcessorPil`)
@@ -34,15 +36,17 @@ MAX_LEN = 4096  # the tokenize workload's cut
 
 
 class SlowSamples(torch.utils.data.Dataset):
-    """Lognormal token lengths; each `__getitem__` first waits `process_ms` with the GIL released."""
+    """Lognormal token lengths; each `__getitem__` first waits `process_ms` with the GIL released, and adds
+    `payload_kb` KiB of `pixel_values` when asked."""
 
     def __init__(self, n: int, process_ms: float, mean: float = 900.0, cv: float = 1.0, cap: int = 16384,
-                 seed: int = 0) -> None:
+                 seed: int = 0, payload_kb: int = 0) -> None:
         rng = np.random.default_rng(seed)
         sigma2 = math.log(1 + cv * cv)
         raw = rng.lognormal(math.log(mean) - sigma2 / 2, math.sqrt(sigma2), n)
         self.lengths = np.clip(raw.round(), 8, cap).astype(int).tolist()
         self.process_s = process_ms / 1e3
+        self.payload_floats = payload_kb * 256
 
     def __len__(self) -> int:
         return len(self.lengths)
@@ -51,7 +55,10 @@ class SlowSamples(torch.utils.data.Dataset):
         time.sleep(self.process_s)
         n = self.lengths[index]
         ids = (torch.arange(n) * 7 + index) % 31000 + 3
-        return {"input_ids": ids, "labels": ids.clone()}
+        if not self.payload_floats:
+            return {"input_ids": ids, "labels": ids.clone()}
+        pixels = torch.full((self.payload_floats,), float(index % 255), dtype=torch.float32)
+        return {"input_ids": ids, "labels": ids.clone(), "pixel_values": pixels}
 
 
 class TokenizedChat(torch.utils.data.Dataset):
@@ -98,10 +105,12 @@ def prepare(workload: str, folder: Path) -> None:
         mm_mix.build_processor(folder / "processor")
 
 
-def build(workload: str, samples: int, process_ms: float, folder: Path) -> torch.utils.data.Dataset:
-    """The workload's dataset of `samples` samples (`process_ms`: the sleep workload's wait per sample)."""
+def build(workload: str, samples: int, process_ms: float, folder: Path,
+          payload_kb: int = 0) -> torch.utils.data.Dataset:
+    """The workload's dataset of `samples` samples (`process_ms` and `payload_kb`: the sleep workload's wait and
+    pixel bytes per sample)."""
     if workload == "sleep":
-        return SlowSamples(samples, process_ms)
+        return SlowSamples(samples, process_ms, payload_kb=payload_kb)
     if workload == "tokenize":
         return TokenizedChat(samples)
     if workload == "vlm":

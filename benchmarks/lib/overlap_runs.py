@@ -39,6 +39,7 @@ class Setup:
     workload: str
     samples: int
     process_ms: float  # the sleep workload's wait per sample
+    payload_kb: int = 0  # the sleep workload's KiB of pixel_values per sample
     folder: str  # where `feeding.prepare` put the workload's files
     budget: int
     fixed_batch: int  # plain's batch: the largest that fits the longest sample under the budget
@@ -80,7 +81,7 @@ def run_rank(setups: list[Setup], rank: int, world: int) -> list[list[dict]]:
     """Every loader of every setup on this rank: per setup, one `RankRun` (as a dict) per loader spec."""
     out = []
     for setup in setups:
-        dataset = feeding.build(setup.workload, setup.samples, setup.process_ms, Path(setup.folder))
+        dataset = feeding.build(setup.workload, setup.samples, setup.process_ms, Path(setup.folder), setup.payload_kb)
         dataset[0]  # load the tokenizer / processor once, before the workers fork
         runs = []
         for spec in loader_specs(setup, world):
@@ -134,6 +135,7 @@ def run_world(setups: list[Setup], world: int) -> list[dict]:
             rows.append({"workload": setup.workload, "loader": spec.name, "bound": allowed,
                          "planning": spec.planning if world > 1 or spec.planning is None else "any",
                          "window": spec.window, "workers_per_rank": setup.workers, "process_ms": setup.process_ms,
+                         "payload_kb": setup.payload_kb,
                          "process_s": setup.process_s, "fixed_batch": setup.fixed_batch, "budget": setup.budget,
                          "odb_options": setup.odb_options, **figures.row(),
                          "vs_plain": figures.samples_per_s / plain_rate,
