@@ -67,13 +67,7 @@ def sample_facts(sample: Mapping[str, Any], length_fn: LengthFn | None) -> tuple
             input_tokens(sample) if length_fn is not None else 0)
 
 
-@dataclass(frozen=True, slots=True)
-class Received:
-    """What one round's exchange on the lane brought: the samples per owner (in the order sent), and the bytes."""
-
-    samples: dict[int, list[Any]]
-    bytes_in: int
-    bytes_out: int
+Received = dict[int, list[Any]]  # what one exchange on the lane brought: the samples per owner, in the order sent
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,7 +82,7 @@ class Moved:
     input_tokens: int
 
     def sample(self) -> Any:
-        """The sample itself, waiting for the round's exchange if it has not ended."""
+        """The sample itself, waiting for its chunk's exchange if it has not ended."""
         return self.flight.sample(self.owner, self.position)
 
 
@@ -120,7 +114,7 @@ class MovesInFlight:
         freed with its step."""
         starts = self.starts[owner]
         chunk = bisect.bisect_right(starts, position) - 1  # the last chunk that starts at or before it
-        box = self.futures[chunk].result().samples[owner]
+        box = self.futures[chunk].result()[owner]
         local = position - starts[chunk]
         sample, box[local] = box[local], None
         return sample
@@ -184,16 +178,14 @@ class MoveLane:
 def _exchange(lane: Transport, pickled: list[Pickled | None]) -> Received:
     """On the lane's thread: write the frames, exchange them, decode what came."""
     frames: list[bytes | bytearray] = [b"" if p is None else frame_of(p) for p in pickled]
-    bytes_out = sum(len(f) for f in frames)
     received = lane.all_to_all_bytes(frames)
     del frames, pickled
-    bytes_in = sum(len(c) for r, c in enumerate(received) if r != lane.rank)
-    samples: dict[int, list[Any]] = {}
+    samples: Received = {}
     for owner, chunk in enumerate(received):
         if owner != lane.rank and chunk:
             samples[owner] = [unpack_sample(s) for s in decode_samples(chunk)]
             received[owner] = b""  # its arrays hold the chunk now, and free it with their samples
-    return Received(samples, bytes_in, bytes_out)
+    return samples
 
 
 class OverlappedMoves:
@@ -205,12 +197,13 @@ class OverlappedMoves:
 
     def exchange(self, plan: PooledRound, take_own: Callable[[int], Any]) -> MovesInFlight:
         rank, world = self.transport.rank, self.transport.world_size
+        step_ranges = step_chunks(len(plan.steps))
         chunks: list[list[Pickled | None]] = []
         facts_out: list[list[tuple[int, int, int]]] = [[] for _ in range(world)]
-        sizes_out = [[0] * len(step_chunks(len(plan.steps))) for _ in range(world)]  # frame bytes per chunk
+        sizes_out = [[0] * len(step_ranges) for _ in range(world)]  # frame bytes per chunk
         starts: defaultdict[int, list[int]] = defaultdict(list)
         arrived = [0] * world  # samples from each owner in the chunks so far
-        for c, steps in enumerate(step_chunks(len(plan.steps))):
+        for c, steps in enumerate(step_ranges):
             part = dataclasses.replace(plan, steps=plan.steps[steps.start : steps.stop])
             pickled: list[Pickled | None] = [None] * world
             for dest, items in outgoing(part, rank).items():
@@ -231,13 +224,12 @@ class OverlappedMoves:
         facts_in = [np.frombuffer(bytes(b), dtype="<i8") for b in self.transport.all_to_all_bytes(
             [np.array(sizes + [x for fact in f for x in fact], dtype="<i8").tobytes()
              for sizes, f in zip(sizes_out, facts_out, strict=True)])]
-        expected = incoming(plan, rank)
-        facts = {owner: facts_in[owner][n_chunks:].reshape(-1, FACT_FIELDS).tolist() for owner in expected}
+        facts = {owner: facts_in[owner][n_chunks:].reshape(-1, FACT_FIELDS).tolist()
+                 for owner in range(world) if arrived[owner]}
         bytes_in = sum(int(v[:n_chunks].sum()) for owner, v in enumerate(facts_in) if owner != rank and len(v))
-        for owner, items in expected.items():
-            if len(facts[owner]) != len(items):
-                raise RuntimeError(f"rank {rank}: rank {owner} sent the facts of {len(facts[owner])} samples where "
-                                   f"the plan moves {len(items)} from it: the ranks do not run the same plan")
+        for owner, sent in facts.items():
+            if len(sent) != arrived[owner]:
+                raise RuntimeError(f"rank {rank}: rank {owner} sent the facts of {len(sent)} samples where the plan "
+                                   f"moves {arrived[owner]} from it: the ranks do not run the same plan")
         futures = [self.lane.submit(pickled) for pickled in chunks]  # in step order, on every rank
-        return MovesInFlight(facts, futures, dict(starts), samples=sum(len(v) for v in expected.values()),
-                             bytes_in=bytes_in)
+        return MovesInFlight(facts, futures, dict(starts), samples=sum(arrived), bytes_in=bytes_in)
