@@ -27,8 +27,13 @@ from dist_cases import free_port
 from odb_core import PeerError, SampleError
 from odb_core.data.sendable import pack_sample, unpack_sample
 from odb_core.planning.budget import Item
-from odb_core.ranks.moves import ALIGN, SendMoves, decode_samples, encode_samples
+from odb_core.ranks.moves import ALIGN, SendMoves, decode_samples, encode_samples, pickle_samples
 from odb_core.ranks.sync import GlooTransport, LocalTransport
+
+
+def _read_only(array: np.ndarray) -> np.ndarray:
+    array.flags.writeable = False  # its out-of-band buffer is read-only: frame_of copies it before the cat
+    return array
 
 
 def _samples() -> list[dict]:
@@ -38,7 +43,7 @@ def _samples() -> list[dict]:
              "mask": torch.tensor([True, False]), "scalar": torch.tensor(3.5), "empty": torch.zeros(0, 4),
              "bf16": torch.ones(3, dtype=torch.bfloat16), "array": np.arange(12.0).reshape(3, 4),
              "fortran": np.asfortranarray(np.arange(12).reshape(3, 4)), "nested": [torch.arange(4), np.ones(2)],
-             "text": "a cat", "n": 7, "none": None},
+             "text": "a cat", "n": 7, "none": None, "frozen": _read_only(np.arange(6.0))},
             {"input_ids": torch.arange(3)}, ["a list", torch.arange(2)]]
 
 
@@ -82,6 +87,24 @@ def test_received_arrays_are_aligned_writable_views_into_the_frame():
     assert len(frame) < pixels.nbytes + received["input_ids"].nbytes * 4 + 4096
 
 
+def test_a_frame_is_written_into_uninitialised_memory_with_zeroed_gaps():
+    """The frame is a uint8 array whose alignment gaps are written as zeros (not left as whatever the memory held),
+    so two encodings of the same samples are the same bytes."""
+    samples = [pack_sample(s, limit_bytes=None) for s in _samples()]
+    first, second = encode_samples(samples), encode_samples(samples)
+    assert isinstance(first, np.ndarray) and first.dtype == np.uint8 and first.ndim == 1
+    assert np.array_equal(first, second)
+    header = np.frombuffer(first[:16].tobytes(), dtype="<i8")
+    sizes = np.frombuffer(first[16 : 16 + 8 * int(header[0])].tobytes(), dtype="<i8").tolist()
+    pieces = [16 + 8 * int(header[0]), int(header[1]), *sizes]
+    start, gaps = 0, 0
+    for size in pieces:  # each piece starts at a multiple of ALIGN; the bytes up to the next one are zeros
+        end = start + -(-size // ALIGN) * ALIGN
+        assert not first[start + size : end].any()
+        start, gaps = end, gaps + end - start - size
+    assert start == len(first) and gaps > 0
+
+
 class _Peer:
     """A transport stand-in for SendMoves' error path: the exchange must fail before any collective."""
 
@@ -98,11 +121,13 @@ def test_an_unpicklable_sample_is_named_by_its_index_before_anything_is_sent():
         SendMoves(_Peer()).exchange(plan, own.pop)  # rank 1 runs two of rank 0's
 
 
-def _chunk(sender: int, dest: int) -> bytes | bytearray | memoryview:
-    """What `sender` sends `dest`: each kind of bytes-like chunk, the empty one included, over the pairs."""
-    kind = (sender + 2 * dest) % 4
-    data = bytes([16 * sender + dest]) * (0, 70_001, 1 << 20, 6)[kind]
-    return (bytes, bytearray, lambda d: memoryview(bytearray(d)), bytes)[kind](data)
+def _chunk(sender: int, dest: int) -> bytes | bytearray | memoryview | np.ndarray:
+    """What `sender` sends `dest`: each kind of bytes-like chunk (a frame is a numpy uint8 array), the empty one
+    included, over the pairs."""
+    kind = (sender + 2 * dest) % 5
+    data = bytes([16 * sender + dest]) * (0, 70_001, 1 << 20, 6, 300_007)[kind]
+    as_array = lambda d: np.frombuffer(bytearray(d), dtype=np.uint8)
+    return (bytes, bytearray, lambda d: memoryview(bytearray(d)), bytes, as_array)[kind](data)
 
 
 def _gloo_rank(rank: int, world: int, port: int) -> None:
@@ -153,3 +178,13 @@ def test_a_peer_dying_mid_move_raises_peer_error_within_the_timeout(tmp_path):
     got = json.loads(out.read_text())
     assert got["message"].startswith("rank 0: ODB metadata all_to_all failed"), got
     assert got["seconds"] <= timeout_s + 2.0, got
+
+
+def test_the_writers_of_the_frame_benchmark_write_the_same_bytes():
+    """`python -m benchmarks.frame_gil` times the writers before and after against each other: same frames."""
+    from benchmarks.frame_gil import WRITERS
+
+    samples = _samples()
+    frames = [bytes(np.asarray(write(pickle_samples([pack_sample(s, limit_bytes=None) for s in samples]))))
+              for write in WRITERS.values()]
+    assert len(frames) == 3 and frames[0] == frames[1] == frames[2]

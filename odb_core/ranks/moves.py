@@ -17,8 +17,8 @@ Under `send` most of a round's bytes are arrays (a VLM sample's `pixel_values`: 
 a pass over the round's moved bytes (GBs at W=4 with VLM samples; docs/benchmarks.md, "Moving samples"). So each
 destination's samples travel as one frame (`encode_samples`): a header (the buffer count, the stream's length and
 each buffer's), the pickle stream (protocol 5, every contiguous array out of band), and each array's bytes at a
-multiple of `ALIGN`, copied once, from the sample into the frame. `GlooTransport` sends a bytearray chunk from its
-own memory and receives each sender's chunk into its own bytearray (`_all_to_all_bytes`: a sizes all_to_all, then
+multiple of `ALIGN`, copied once, from the sample into the frame (one `torch.cat`, without the GIL).
+`GlooTransport` sends a bytearray or numpy chunk from its own memory and receives each sender's chunk into its own bytearray (`_all_to_all_bytes`: a sizes all_to_all, then
 one isend/irecv per pair of ranks with bytes to move); `decode_samples` unpickles with the buffers as views into
 it. The old path copied the arrays six times (pickle in band, `join`, `bytearray`, `tobytes`, a slice per sender,
 unpickle) and held up to four copies at once. Costs now: one copy on the sending rank, none on the receiving one;
@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import torch
 
 from odb_core.data.sample import LengthFn, inspect_sample
 from odb_core.data.sendable import pack_sample, unpack_sample, unpicklable_part
@@ -107,7 +108,7 @@ class SendMoves:
 
     def exchange(self, plan: PooledRound, take_own: Callable[[int], Any]) -> Arrivals:
         rank, world = self.transport.rank, self.transport.world_size
-        frames: list[bytes | bytearray] = [b""] * world
+        frames: list[bytes | np.ndarray] = [b""] * world
         for dest, items in outgoing(plan, rank).items():
             samples = [pack_sample(take_own(it.index), limit_bytes=None) for it in items]
             try:
@@ -125,7 +126,7 @@ class SendMoves:
         return arrivals
 
 
-def encode_samples(samples: list[Any]) -> bytearray:
+def encode_samples(samples: list[Any]) -> np.ndarray:
     """One frame of `samples` (NOTE [ Sending samples without copies ]): the header, the pickle stream (protocol
     5), and each out-of-band buffer (the bytes of a contiguous array) at a multiple of `ALIGN` bytes. The arrays'
     bytes are copied once, into the frame. Raises what pickling raises."""
@@ -154,20 +155,34 @@ def frame_size(pickled: Pickled) -> int:
     return _offsets([16 + 8 * len(sizes), len(pickled.stream), *sizes])[-1]
 
 
-def frame_of(pickled: Pickled) -> bytearray:
-    """The second half of `encode_samples`: the frame, the one copy of the arrays' bytes; releases the buffers."""
+def frame_of(pickled: Pickled) -> np.ndarray:
+    """The second half of `encode_samples`: the frame (uint8), the one copy of the arrays' bytes; releases the
+    buffers. Written by one `torch.cat` into uninitialised memory, which runs without the GIL (NOTE [ Sending
+    samples without copies ]): a frame written on the move lane's thread does not stall the training thread, as a
+    `bytearray().join` of the pieces did (it held the GIL for its whole copy). One call, not one numpy assignment
+    per piece: each of those would wait to take the GIL back from a busy training thread (`python -m
+    benchmarks.frame_gil`). The pickle stream, the header, and an array whose buffer is read-only are first copied
+    into a bytearray (the stream and header are small; torch views only writable memory without a warning)."""
     views = [b.raw() for b in pickled.buffers]
     header = np.array([len(views), len(pickled.stream), *(v.nbytes for v in views)], dtype="<i8").tobytes()
-    pieces = [header, pickled.stream, *views]
-    offsets = _offsets([len(p) for p in pieces])  # one pass over the bytes (no zero-filled frame written over)
-    gaps = [bytes(end - start - len(p)) for p, start, end in zip(pieces, offsets[:-1], offsets[1:], strict=True)]
-    frame = bytearray().join(x for pair in zip(pieces, gaps, strict=True) for x in pair)
+    pieces: list[Any] = [header, pickled.stream, *views]
+    offsets = _offsets([len(p) for p in pieces])
+    zeros = torch.zeros(ALIGN, dtype=torch.uint8)
+    parts = []
+    for piece, start, end in zip(pieces, offsets[:-1], offsets[1:], strict=True):
+        if len(piece):
+            writable = isinstance(piece, memoryview) and not piece.readonly
+            parts.append(torch.frombuffer(piece if writable else bytearray(piece), dtype=torch.uint8))
+        if end - start - len(piece):
+            parts.append(zeros[: end - start - len(piece)])  # the alignment gap
+    frame = torch.empty(offsets[-1], dtype=torch.uint8)
+    torch.cat(parts, out=frame)
     for buffer in pickled.buffers:
         buffer.release()
-    return frame
+    return frame.numpy()
 
 
-def decode_samples(frame: bytes | bytearray) -> list[Any]:
+def decode_samples(frame: bytes | bytearray | np.ndarray) -> list[Any]:
     """The samples of `encode_samples`' frame; the arrays are views into `frame` (writable when `frame` is a
     bytearray), which lives as long as any of them."""
     view = memoryview(frame)

@@ -177,12 +177,12 @@ class MoveLane:
 
 def _exchange(lane: Transport, pickled: list[Pickled | None]) -> Received:
     """On the lane's thread: write the frames, exchange them, decode what came."""
-    frames: list[bytes | bytearray] = [b"" if p is None else frame_of(p) for p in pickled]
+    frames: list[bytes | np.ndarray] = [b"" if p is None else frame_of(p) for p in pickled]
     received = lane.all_to_all_bytes(frames)
     del frames, pickled
     samples: Received = {}
     for owner, chunk in enumerate(received):
-        if owner != lane.rank and chunk:
+        if owner != lane.rank and len(chunk):
             samples[owner] = [unpack_sample(s) for s in decode_samples(chunk)]
             received[owner] = b""  # its arrays hold the chunk now, and free it with their samples
     return samples

@@ -42,6 +42,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -265,12 +266,13 @@ class GlooTransport(Transport):
         return received  # type: ignore[return-value] # bytearrays: no copy (NOTE [ Sending samples without copies ])
 
     def _send_and_receive(self, chunks: list[bytes], received: list[bytearray]) -> None:
-        """Each non-empty chunk to its rank (a bytearray from its own memory) and each into its own bytearray; `r`
+        """Each non-empty chunk to its rank (a bytearray or numpy uint8 array from its own memory) and each into its own bytearray; `r`
         is a rank of the group (a node's sub-group numbers its ranks from 0), sent to as its world rank."""
-        as_tensor = lambda b: torch.frombuffer(b if isinstance(b, bytearray) else bytearray(b), dtype=torch.uint8)
         peer = lambda r: dist.get_global_rank(self.group, r)
-        works = [dist.irecv(as_tensor(b), peer(r), self.group) for r, b in enumerate(received) if r != self.rank and b]
-        works += [dist.isend(as_tensor(c), peer(r), self.group) for r, c in enumerate(chunks) if r != self.rank and c]
+        works = [dist.irecv(_as_tensor(b), peer(r), self.group) for r, b in enumerate(received)
+                 if r != self.rank and len(b)]
+        works += [dist.isend(_as_tensor(c), peer(r), self.group) for r, c in enumerate(chunks)
+                  if r != self.rank and len(c)]
         for work in works:
             work.wait()
 
@@ -293,6 +295,13 @@ class GlooTransport(Transport):
             except ValueError:  # destroyed by the user already
                 pass
         del group  # the last reference: its work threads are joined here
+
+
+def _as_tensor(chunk: bytes | bytearray | memoryview | np.ndarray) -> torch.Tensor:
+    """A chunk's bytes as a uint8 tensor: its own memory for a bytearray or a numpy array, a copy otherwise."""
+    if isinstance(chunk, np.ndarray):
+        return torch.from_numpy(chunk.reshape(-1).view(np.uint8))
+    return torch.frombuffer(chunk if isinstance(chunk, bytearray) else bytearray(chunk), dtype=torch.uint8)
 
 
 _OPEN: weakref.WeakSet[GlooTransport] = weakref.WeakSet()  # transports not closed yet, for `_close_at_exit`
