@@ -9,12 +9,14 @@ from __future__ import annotations
 import math
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from benchmarks import buffer_memory
 from benchmarks.lib.accelerator import Step
 from benchmarks.lib.odb_options import parse_options
 from benchmarks.lib.overlap_runs import Setup, run_world
-from benchmarks.lib.round_model import epoch_seconds, rounds_of
+from benchmarks.lib.round_model import epoch_seconds, latency_bound, rounds_of
 from odb_core import ODBConfig
 
 SAMPLES = 48
@@ -78,3 +80,47 @@ def test_the_round_model_gives_the_times_a_pipeline_of_rounds_allows():
     assert epoch_seconds([256, 512], supply=256.0, demand=128.0, cap=4096) == pytest.approx((1.0, 7.0))
     # the device is slower: round 2 waits for it, not for reading
     assert epoch_seconds([256, 256], supply=1000.0, demand=100.0, cap=4096) == pytest.approx((0.256, 5.376))
+
+
+@settings(max_examples=300, deadline=None)
+@given(sizes=st.lists(st.integers(1, 400), min_size=1, max_size=12), supply=st.floats(10.0, 1000.0),
+       demand=st.floats(10.0, 1000.0), cap=st.integers(1, 2000))
+def test_no_schedule_of_whole_rounds_beats_the_latency_bound(sizes, supply, demand, cap):
+    """docs/design.md, issue 27 item 2: an epoch of whole rounds takes at least max over r of C_r / S +
+    (E - C_{r-1}) / D; reading that never stops attains it, and at S = D it is (E + the largest round) / S."""
+    cap = max(cap, max(sizes))  # a round fits the read-ahead (the loader reads at least a round ahead)
+    _, seconds = epoch_seconds(sizes, supply, demand, cap)
+    bound = latency_bound(sizes, supply, demand)
+    assert seconds >= bound * (1 - 1e-9)
+    _, unbounded = epoch_seconds(sizes, supply, demand, cap=sum(sizes))
+    assert unbounded == pytest.approx(bound, rel=1e-9)
+    assert latency_bound(sizes, supply, supply) == pytest.approx((sum(sizes) + max(sizes)) / supply, rel=1e-9)
+
+
+def test_the_latency_bound_of_the_default_rounds_at_supply_equal_to_demand():
+    """The figure docs/design.md quotes: 12,000 samples on one rank in the default rounds (largest 4,080) at S = D
+    allow at most 12,000 / 16,080 = 0.746 of the workers' rate; rounds of at most 600 would allow 0.952."""
+    sizes = rounds_of(12000, ODBConfig(token_budget=1))
+    assert max(sizes) == 4080
+    assert 12000 / 667.0 / latency_bound(sizes, 667.0, 667.0) == pytest.approx(12000 / 16080)
+    assert 12000 / 667.0 / latency_bound([600] * 20, 667.0, 667.0) == pytest.approx(12000 / 12600)
+
+
+def test_the_round_rules_sweep_scores_the_loader_s_own_rule_and_restores_it():
+    """`python -m benchmarks.round_rules` swaps candidate rules into the planner for its what-if: the `current`
+    row is the loader's own rule (its steps are those of the real planner), and the swap is undone after."""
+    import odb_core.planning.planner as planner
+    import odb_core.planning.simulate as simulate
+    from benchmarks import round_rules
+    from odb_core.planning.round_sizes import round_target
+
+    fill = simulate._fill
+    result = round_rules.main(["--per-rank", "700", "--worlds", "1", "2", "--plannings", "global", "--ratios",
+                               "0.92", "3", "--out", "/dev/null"])
+    assert planner.round_target is round_target and simulate._fill is fill
+    rows = {row["rule"]: row for row in result["rows"]}
+    assert set(rows) == {c.name for c in round_rules.RULES}
+    assert rows["current"]["worst_change"] == 0.0 and rows["current"]["steps_change"] == 0.0
+    assert all(0.2 < x <= 1.0 + 1e-9 for row in rows.values() for x in row["mean_by_ratio"])
+    epoch = round_rules.plan_epoch(round_rules.RULES[0], 1400, 2, "global", 4096)
+    assert epoch.steps == result["steps"]["current"][1] and epoch.reads[-1] == 700  # every sample read

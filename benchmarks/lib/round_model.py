@@ -11,6 +11,8 @@ CPU, no collectives, no per-step granularity, no core shared by ranks and worker
 
 from __future__ import annotations
 
+from itertools import accumulate
+
 from odb_core.planning.round_sizes import round_target
 from odb_core.settings.config import ODBConfig
 
@@ -27,23 +29,41 @@ def rounds_of(samples: int, config: ODBConfig) -> list[int]:
 
 def epoch_seconds(sizes: list[int], supply: float, demand: float, cap: int) -> tuple[float, float]:
     """(seconds to the first batch, seconds of the epoch) for rounds `sizes` (see the module docstring)."""
+    return epoch_seconds_of(list(accumulate(sizes)), [size / demand for size in sizes], supply, cap)
+
+
+def epoch_seconds_of(reads: list[int], device_seconds: list[float], supply: float, cap: int) -> tuple[float, float]:
+    """`epoch_seconds` for rounds given by where each one's reading ends (`reads`: samples read, cumulative) and
+    its device seconds (a planned round's steps, `python -m benchmarks.round_rules`)."""
     planned_at: list[float] = []  # when each round is planned
-    admitted = [0]  # samples admitted by the plans so far, after each round
     read = 0.0  # when the last sample was read
     device_free = 0.0
     sample = 0
-    for size in sizes:
-        for _ in range(size):
+    for end, seconds in zip(reads, device_seconds, strict=True):
+        for _ in range(end - sample):
             ready = read + 1.0 / supply
-            m = next((j for j, total in enumerate(admitted[1:]) if total >= sample + 1 - cap), None)
+            # the sample waits while `cap` samples are read and not yet admitted by a plan
+            m = next((j for j, total in enumerate(reads[: len(planned_at)]) if total >= sample + 1 - cap), None)
             if sample + 1 - cap > 0 and m is not None:
                 ready = max(ready, planned_at[m])
             read, sample = ready, sample + 1
         plan = max(read, device_free)
         planned_at.append(plan)
-        admitted.append(admitted[-1] + size)
-        device_free = plan + size / demand
+        device_free = plan + seconds
     return planned_at[0], device_free
+
+
+def latency_bound(sizes: list[int], supply: float, demand: float) -> float:
+    """The fewest seconds an epoch of whole rounds `sizes` can take (docs/design.md, issue 27 item 2): round r can
+    be planned only once the stream is read to its end, at C_r / S (C_r: the samples of rounds 1..r), and from then
+    the device still trains rounds r..R, (E - C_{r-1}) / D seconds; so the epoch takes at least the largest of
+    C_r / S + (E - C_{r-1}) / D over r. Reading that never stops (no cap) attains it: `epoch_seconds` with
+    cap >= E equals it, a schedule's max-plus recursion unrolled."""
+    total, before, best = sum(sizes), 0, 0.0
+    for size in sizes:
+        best = max(best, (before + size) / supply + (total - before) / demand)
+        before += size
+    return best
 
 
 def bound(samples: int, supply: float, demand: float, config: ODBConfig) -> float:

@@ -1,0 +1,174 @@
+"""Other rules of round sizes, what-if (issue 27): would a different `round_target` feed the device better?
+
+    python -m benchmarks.round_rules                       # the sweep of docs/design.md, item 2
+    python -m benchmarks.round_rules --per-rank 1200 6000 --worlds 1 --ratios 0.92 3
+
+The loader's rounds trade two costs (NOTE [ Round sizes ], docs/design.md item 2): a round trains only once all of
+it is read, so large rounds keep the device waiting where the workers are about as fast as it (S ~ D); small rounds
+pack less tightly, so the device has more steps to train where it is the bound. This sweep puts candidate rules
+side by side on both at once. For each rule, world size, planning mode and epoch length it plans the epoch with
+the real planner (`simulate_epoch`, lognormal lengths with mean 900 and CV 1, budget 16,384) with the rule swapped
+in for `odb_core.planning.planner.round_target` (for this process only; restored after), records each round's
+read boundary (the furthest any rank's stream was read when the round planned) and its device seconds (per step
+the largest rank's padded tokens x 1.5 us, summed), and runs the pipeline of benchmarks/lib/round_model.py on
+them (reading at S per rank while fewer than a window wait unplanned, round j trained once read and once round
+j-1 is trained). Score = samples / the modelled epoch seconds / min(W x S, D_full), where D_full is the device rate
+of whole-window rounds (the best packing): the samples/s a user gets, packing included, as a fraction of what the
+workers or the best-packed device allow. S = ratio x D_full / W for each `--ratios` value.
+
+Rules (`RULES`): `current` (odb's), and variants of its three parts: the smallest round (`min_window`), the rest of
+a short stream planned whole (`whole`: while the rounds grow, a rest up to twice the round's size, odb's; or only
+up to twice `min_window`), and the share of the rest a round may plan (`share`: 1/2, odb's; or 1/4, 1/8).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+import odb_core.planning.planner as planner
+import odb_core.planning.simulate as simulate
+from benchmarks import RESULTS
+from benchmarks.data.feeding import SlowSamples
+from benchmarks.lib.round_model import epoch_seconds_of
+from odb_core.planning.budget import Item
+from odb_core.planning.round_sizes import round_target
+from odb_core.settings.config import ODBConfig
+
+STEP_US_PER_TOKEN = 1.5
+Rule = Callable[[ODBConfig, int, int, "int | None"], int]
+
+
+def variant(share: int = 2, whole: str = "grown") -> Rule:
+    """`round_target` with another share of the rest (1/`share`) and another rest planned whole (`whole`)."""
+
+    def target(config: ODBConfig, round_index: int, buffered: int, left: int | None) -> int:
+        smallest = config.min_window
+        if smallest is None or smallest >= config.window:
+            return config.window
+        grown = min(config.window, smallest << min(round_index, 62))
+        if left is None:
+            return grown
+        rest = buffered + left
+        limit = (2 * grown if grown < config.window else 0) if whole == "grown" else 2 * smallest
+        if rest <= limit:
+            return min(config.window, rest + 1)
+        return min(grown, max(smallest, -(-rest // share)))
+
+    return target
+
+
+@dataclass(frozen=True)
+class Candidate:
+    name: str
+    rule: Rule
+    min_window: int | None
+
+
+RULES = (Candidate("current", round_target, 256), Candidate("current, min_window 128", round_target, 128),
+         Candidate("whole <= 2 x min_window", variant(whole="min_window"), 256),
+         Candidate("whole <= 2 x min_window, 128", variant(whole="min_window"), 128),
+         Candidate("share 1/4", variant(share=4), 256),
+         Candidate("share 1/4, whole <= 2 x min_window, 128", variant(share=4, whole="min_window"), 128),
+         Candidate("share 1/8", variant(share=8), 256))
+FULL = Candidate("whole windows", round_target, None)
+
+
+@contextlib.contextmanager
+def swapped(rule: Rule, reads: list[int]) -> Iterator[None]:
+    """`rule` as the planner's round target, and each fill's furthest read position appended to `reads`."""
+    fill = simulate._fill
+
+    def traced(engines, streams, cursors, *args, **kwargs):  # noqa: ANN001, ANN202 - simulate's own signature
+        active = fill(engines, streams, cursors, *args, **kwargs)
+        reads.append(max(cursors))
+        return active
+
+    planner.round_target, simulate._fill = rule, traced
+    try:
+        yield
+    finally:
+        planner.round_target, simulate._fill = round_target, fill
+
+
+@dataclass(frozen=True)
+class PlannedEpoch:
+    reads: list[int]  # per round, the furthest position read on any rank when it planned
+    device_seconds: list[float]  # per round
+    steps: int
+
+
+def plan_epoch(candidate: Candidate, samples: int, world: int, planning: str, window: int) -> PlannedEpoch:
+    lengths = SlowSamples(samples, process_ms=0).lengths
+    order = np.random.default_rng(1).permutation(samples)
+    streams = [[Item(int(i), lengths[i], owner=rank) for i in order[rank::world]] for rank in range(world)]
+    config = ODBConfig(token_budget=16384, window=window, min_window=candidate.min_window, planning=planning)
+    reads: list[int] = []
+    with swapped(candidate.rule, reads):
+        plan = simulate.simulate_epoch(streams, config)
+    seconds, start = [], 0
+    for steps in plan.targets:
+        tokens = sum(max(slot.size * max(it.length for it in slot.items) if slot is not None else 0
+                         for slot in (rank[k] for rank in plan.steps)) for k in range(start, start + steps))
+        seconds.append(tokens * STEP_US_PER_TOKEN * 1e-6)
+        start += steps
+    return PlannedEpoch(reads, seconds, plan.n_steps)
+
+
+def score(epoch: PlannedEpoch, samples: int, world: int, ratio: float, full_rate: float, window: int) -> float:
+    supply = ratio * full_rate / world
+    _, total = epoch_seconds_of(epoch.reads, epoch.device_seconds, supply, window)
+    return samples / total / min(world * supply, full_rate)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--per-rank", type=int, nargs="+", default=[500, 800, 1200, 1700, 2500, 3300, 4500, 6000,
+                                                                     8000, 11000, 15000])
+    parser.add_argument("--worlds", type=int, nargs="+", default=[1, 4])
+    parser.add_argument("--plannings", nargs="+", default=["global", "local"], choices=["global", "local"])
+    parser.add_argument("--ratios", type=float, nargs="+", default=[0.5, 0.92, 1.4, 3.0, 10.0],
+                        help="S/D: the workers' rate over the device's")
+    parser.add_argument("--window", type=int, default=4096)
+    parser.add_argument("--out", type=Path, default=RESULTS / "round_rules.json")
+    args = parser.parse_args(argv)
+    cases = [(w, p, n) for w in args.worlds for p in (args.plannings if w > 1 else ["global"]) for n in args.per_rank]
+    scores: dict[str, list[list[float]]] = {c.name: [] for c in RULES}
+    steps: dict[str, list[int]] = {c.name: [] for c in RULES}
+    for world, planning, per_rank in cases:
+        samples = per_rank * world
+        full = plan_epoch(FULL, samples, world, planning, args.window)
+        full_rate = samples / sum(full.device_seconds)
+        for candidate in RULES:
+            epoch = plan_epoch(candidate, samples, world, planning, args.window)
+            scores[candidate.name].append([score(epoch, samples, world, r, full_rate, args.window)
+                                           for r in args.ratios])
+            steps[candidate.name].append(epoch.steps)
+    base = np.array(scores["current"])
+    header = " | ".join(f"S/D {r:g}" for r in args.ratios)
+    print(f"| rule | {header} | mean | worst change vs current | steps vs current |")
+    print("|---|" + "---|" * (len(args.ratios) + 3))
+    rows = []
+    for candidate in RULES:
+        mine = np.array(scores[candidate.name])
+        change = (mine - base).min()
+        more_steps = sum(steps[candidate.name]) / sum(steps["current"]) - 1
+        rows.append({"rule": candidate.name, "mean_by_ratio": mine.mean(0).tolist(), "mean": float(mine.mean()),
+                     "worst_change": float(change), "steps_change": more_steps})
+        print(f"| {candidate.name} | " + " | ".join(f"{x:.3f}" for x in mine.mean(0)) +
+              f" | {mine.mean():.3f} | {change:+.3f} | {100 * more_steps:+.1f} % |")
+    result = {"command": vars(args) | {"out": str(args.out)}, "cases": cases, "rows": rows, "scores": scores,
+              "steps": steps}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2))
+    return result
+
+
+if __name__ == "__main__":
+    main()
