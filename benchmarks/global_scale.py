@@ -38,9 +38,12 @@ WORLDS = (8, 64, 256)
 TARGETS = {(17_545, 64): 0.95, (200_000, 256): 0.97}  # issue 14's done-when, as a ratio to the oracle
 
 
+EXTRA: list[str] = []  # --plan-arg values, passed on to every `odb plan`
+
+
 def plan_command(lengths: str, world: int | str) -> list[str]:
     return ["python", "-m", "odb_core.cli", "plan", lengths, "--world-size", str(world), "--token-budget", str(L_MAX),
-            "--json"]
+            "--json", *EXTRA]
 
 
 def odb_plan(path: Path, world: int) -> tuple[dict, float]:
@@ -125,7 +128,10 @@ def markdown(result: dict) -> str:
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument("--plan-arg", action="append", default=[],
+                   help="an `odb plan` argument for every cell, e.g. --plan-arg=--pool-window --plan-arg=none")
     args = p.parse_args(argv)
+    EXTRA[:] = args.plan_arg
     result = run()
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "global_scale.json").write_text(json.dumps(result, indent=1))

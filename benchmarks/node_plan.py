@@ -61,6 +61,9 @@ def profile(name: str, n: int) -> tuple[list[int], str]:
     return workloads.bimodal(n), "MM-Mix-like (bimodal VLM lengths)"
 
 
+OPTIONS: dict[str, object] = {}  # ODBConfig fields from the command line (--pool-window)
+
+
 def cell(lengths: list[int], nodes: int) -> dict:
     """The three modes at W = nodes x PER_NODE on these lengths, with the oracle's utilization."""
     world, groups = nodes * PER_NODE, oracle_steps(lengths, BUDGET)
@@ -69,7 +72,7 @@ def cell(lengths: list[int], nodes: int) -> dict:
     node_groups = [oracle_steps([it.length for r in range(n * PER_NODE, (n + 1) * PER_NODE) for it in streams[r]],
                                 BUDGET) for n in range(nodes)]
     start = time.perf_counter()
-    columns = node_columns(lengths, ODBConfig(token_budget=BUDGET), world, StepTimeModel(), PER_NODE)
+    columns = node_columns(lengths, ODBConfig(token_budget=BUDGET, **OPTIONS), world, StepTimeModel(), PER_NODE)
     row = {"nodes": nodes, "per_node": PER_NODE, "samples": len(lengths), "oracle": oracle,
            "dealt_oracle": sum(lengths) / (math.ceil(groups / world) * world * BUDGET),
            "global_bound_steps": math.ceil(groups / world),
@@ -123,7 +126,11 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--cells", default=",".join(f"{n}x{PER_NODE}:{s}" for n, s in CELLS))
     p.add_argument("--profiles", default="sharegpt,mm_mix")
     p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument("--pool-window", default="default", help="ODBConfig.pool_window: an int, none, or the default")
     args = p.parse_args(argv)
+    OPTIONS.clear()
+    if args.pool_window != "default":
+        OPTIONS["pool_window"] = None if args.pool_window == "none" else int(args.pool_window)
     rows = []
     for name in args.profiles.split(","):
         for nodes, samples in parse_cells(args.cells):
@@ -133,7 +140,9 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"{label} {nodes}x{PER_NODE} {samples}: " + "  ".join(
                 f"{key} {r[key]['utilization']:.4f} ({r[key]['vs_global']:.4f} x global)" for key, _ in MODES)
                 + f" [{r['seconds']} s]", flush=True)
-    result = {"command": "python -m benchmarks.node_plan --cells " + args.cells, "token_budget": BUDGET, "rows": rows}
+    command = "python -m benchmarks.node_plan --cells " + args.cells + (
+        f" --pool-window {args.pool_window}" if args.pool_window != "default" else "")
+    result = {"command": command, "token_budget": BUDGET, "rows": rows}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "node_plan.json").write_text(json.dumps(result, indent=1))
     (args.out / "node_plan.md").write_text(markdown(result))

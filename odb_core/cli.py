@@ -155,7 +155,7 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def _min_window(text: str) -> int | None:
+def _int_or_none(text: str) -> int | None:
     return None if text.lower() == "none" else int(text)
 
 
@@ -170,9 +170,12 @@ def build_parser() -> OneLineParser:
     p.add_argument("--cost", choices=COST_NAMES, default="padded")
     p.add_argument("--attention-alpha", type=float, default=0.0)
     p.add_argument("--window", type=int, default=4096)
-    p.add_argument("--min-window", type=_min_window, default=ODBConfig.__dataclass_fields__["min_window"].default,
+    p.add_argument("--min-window", type=_int_or_none, default=ODBConfig.__dataclass_fields__["min_window"].default,
                    help="the first (and last) round's samples per rank (NOTE [ Round sizes ]); 'none': every round "
                         "a full window")
+    p.add_argument("--pool-window", type=_int_or_none, default=ODBConfig.__dataclass_fields__["pool_window"].default,
+                   help="the most samples one pooled plan holds (NOTE [ Pooled round sizes ]): past it each rank's "
+                        "window and min window shrink; 'none': each rank keeps --window")
     p.add_argument("--no-join", action="store_true", help="quota closure instead of draining every rank")
     p.add_argument("--planning", choices=("both", "global", "local"), default="both",
                    help="global (the loader's default at W > 1), rank-local, or both side by side")
@@ -201,7 +204,8 @@ def plan(args: argparse.Namespace) -> int:
     plannings = ("global", "local") if args.planning == "both" and args.world_size > 1 else (
         ("global",) if args.planning == "both" else (args.planning,))
     configs = [ODBConfig(token_budget=args.token_budget, cost=args.cost, attention_alpha=args.attention_alpha,
-                         window=args.window, min_window=args.min_window, join=not args.no_join,
+                         window=args.window, min_window=args.min_window, pool_window=args.pool_window,
+                         join=not args.no_join,
                          accumulation_steps=args.accumulation_steps, planning=planning, seed=args.seed)
                for planning in plannings]
     model = StepTimeModel(*args.time_model)

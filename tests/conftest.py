@@ -50,6 +50,15 @@ def lognormal_lengths(n: int, cv: float, mean: float = 512.0, seed: int = 0, lo:
     return np.clip(rng.lognormal(mu, np.sqrt(sigma2), n).astype(int), lo, hi).tolist()
 
 
+def saved_without(state: dict, field: str) -> dict:
+    """A loader `state` as an odb before the fingerprint field `field` existed wrote it (digest recomputed)."""
+    from odb_core.resume.fields import digest_of
+
+    config = {k: v for k, v in state["config"].items() if k != field}
+    old = {k: v for k, v in {**state, "config": config}.items() if k != "digest"}
+    return {**old, "digest": digest_of(old)}
+
+
 @pytest.fixture
 def small_dataset() -> LengthDataset:
     return LengthDataset(lognormal_lengths(300, cv=1.0, mean=128, seed=1, hi=1024))

@@ -124,3 +124,17 @@ def test_the_round_rules_sweep_scores_the_loader_s_own_rule_and_restores_it():
     assert all(0.2 < x <= 1.0 + 1e-9 for row in rows.values() for x in row["mean_by_ratio"])
     epoch = round_rules.plan_epoch(round_rules.RULES[0], 1400, 2, "global", 4096)
     assert epoch.steps == result["steps"]["current"][1] and epoch.reads[-1] == 700  # every sample read
+
+
+def test_the_pool_rounds_benchmark_compares_the_capped_pool_with_the_uncapped_one():
+    """`python -m benchmarks.pool_rounds`: each (W, epoch) twice, without and with the default `pool_window`, the
+    rank's window and min_window as `rounds_for_pool` sizes them, and the real planner's steps."""
+    from benchmarks import pool_rounds
+
+    result = pool_rounds.main(["--worlds", "4", "--per-rank", "400", "--ratios", "0.92", "10", "--out", "/dev/null"])
+    uncapped, capped = result["rows"]
+    assert (uncapped["pool_window"], uncapped["window"], uncapped["min_window"]) == (None, 4096, 256)
+    assert (capped["pool_window"], capped["window"], capped["min_window"]) == (8192, 2048, 128)
+    assert capped["first_batch_s"] == pytest.approx(0.128) and uncapped["first_batch_s"] == pytest.approx(0.4)
+    assert abs(capped["steps"] - uncapped["steps"]) <= 2
+    assert all(0.2 < x <= 1.0 + 1e-9 for row in result["rows"] for x in row["scores"])

@@ -463,7 +463,8 @@ def _regression_plan_digest(config: ODBConfig) -> str:
 # that is meant to alter grouping must update them and say why. attention_non_join_patches re-recorded when the
 # short-end top-up became tokens-only (NOTE [ Grouping ]): under a patch cap it used to pad short samples into
 # groups whose long end the cap had stopped. Rounds of the full window only (`min_window=None`), as recorded; the
-# `rounds_*` cases have the rounds of NOTE [ Round sizes ] (recorded when they landed).
+# `rounds_*` cases have the rounds of NOTE [ Round sizes ] (recorded when they landed; `pool_window=None` keeps
+# them at the rounds they recorded), `pooled_*` those of NOTE [ Pooled round sizes ] (recorded when it landed).
 REGRESSION_CASES = {
     "padded_default": (
         ODBConfig(min_window=None, token_budget=8192, seed=3, planning="local"),
@@ -499,8 +500,12 @@ REGRESSION_CASES = {
         "e50a455a487cb45d953f2ed09e9572d18eae7d7dbf61e54f2efb0315ae0e6af4",
     ),
     "rounds_global_padded": (
-        ODBConfig(token_budget=8192, min_window=64, seed=3),
+        ODBConfig(token_budget=8192, min_window=64, seed=3, pool_window=None),
         "e35f42362eae6b8f364a2baf4372f5a7c166c43bf7a71e00aed4bc1b350c50f3",
+    ),
+    "pooled_global_padded": (  # the same at the default pool_window: 4 x 4096 > 8192, so window 2048, min_window 32
+        ODBConfig(token_budget=8192, min_window=64, seed=3),
+        "bcde69e9839463c280b451b26868751282d785a01019157930464460f6346cbc",
     ),
     "rounds_global_tokens_accumulation": (
         ODBConfig(token_budget=4096, cost="tokens", window=1024, min_window=16, accumulation_steps=3, seed=11),

@@ -18,7 +18,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from batch_record import LengthStream
-from conftest import CountingDataset, LengthDataset
+from conftest import CountingDataset, LengthDataset, saved_without
 from odb_core import Item, ODBConfig, ODBDataLoader, run_virtual_ranks, simulate_epoch
 from odb_core.data.sample import compact_ids
 from odb_core.data.sendable import pack_sample, payload_bytes
@@ -261,15 +261,6 @@ def test_the_exact_schedule_counts_the_steps_of_rounds_cut_by_the_byte_bound(pla
         assert unbounded != taken  # the bound changes the plan here: the check can fail
 
 
-def _as_saved_before_halving(state: dict) -> dict:
-    """`state` as the odb before halving rounds wrote it: no `round_ends` in its config (digest recomputed)."""
-    from odb_core.resume.fields import digest_of
-
-    config = {k: v for k, v in state["config"].items() if k != "round_ends"}
-    old = {k: v for k, v in {**state, "config": config}.items() if k != "digest"}
-    return {**old, "digest": digest_of(old)}
-
-
 def test_a_state_saved_when_the_last_round_left_min_window_is_refused_not_replayed_differently():
     """Halving the last rounds changed which rounds a map-style epoch plans at its end; a state saved by the odb
     before it (its config has no `round_ends`) cannot be replayed to the same batches, so it is refused, naming why
@@ -282,7 +273,7 @@ def test_a_state_saved_when_the_last_round_left_min_window_is_refused_not_replay
         it = iter(loader)
         for _ in range(5):
             next(it)
-        state = _as_saved_before_halving(json.loads(json.dumps(loader.state_dict())))
+        state = saved_without(json.loads(json.dumps(loader.state_dict())), "round_ends")
         rest = [b.info for b in it]
         loader.close()
         again = ODBDataLoader(data, **options)

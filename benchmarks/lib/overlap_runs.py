@@ -148,9 +148,11 @@ def round_bound(setup: Setup, spec: LoaderSpec, figures) -> float:
     """The efficiency ODB's round sizes allow one rank (benchmarks/lib/round_model.py) at this row's supply and
     demand per rank and samples per rank."""
     world = figures.world_size
-    options = {k: setup.odb_options[k] for k in ("min_window",) if k in setup.odb_options}
-    config = ODBConfig(token_budget=setup.budget, window=spec.window, **options)
-    return bound(setup.samples // world, figures.supply / world, figures.demand / world, config)
+    options = {k: setup.odb_options[k] for k in ("min_window", "pool_window") if k in setup.odb_options}
+    planning = "local" if spec.planning == "local" else "global"
+    config = ODBConfig(token_budget=setup.budget, window=spec.window, planning=planning, **options)
+    return bound(setup.samples // world, figures.supply / world, figures.demand / world,
+                 config.rounds_for_pool(world))  # a rank's rounds: NOTE [ Pooled round sizes ]
 
 
 def per_rank(run: RankRun) -> dict:

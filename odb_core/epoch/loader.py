@@ -204,7 +204,7 @@ class ODBDataLoader:
     def _agreed_settings(self) -> dict[str, object]:
         """What every rank must share (NOTE [ Ranks agree on their settings ]): the batching fingerprint (with the
         node layout), `oversize`, `move`, and ODB's own sharded index source (size, shuffle, seed)."""
-        settings: dict[str, object] = {**fingerprint(self.config, self.layout.aware_per_node),
+        settings: dict[str, object] = {**fingerprint(self.config, self.layout),
                                        "oversize": self.config.oversize, "move": self.config.move,
                                        "overlap_moves": self.config.overlap_moves}
         source = self._stream.source()
@@ -215,7 +215,7 @@ class ODBDataLoader:
     # -- state ----------------------------------------------------------------------------------------------
     def _identity(self) -> LoaderIdentity:
         return LoaderIdentity(world_size=self.transport.world_size, rank=self.transport.rank,
-                              config=fingerprint(self.config, self.layout.aware_per_node), source=self._stream.source())
+                              config=fingerprint(self.config, self.layout), source=self._stream.source())
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's position, as plain JSON-serialisable data (save one per rank, after the same step).

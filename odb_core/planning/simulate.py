@@ -176,9 +176,11 @@ def simulate_epoch(streams: Sequence[Sequence[Item]], config: ODBConfig, epoch: 
 def _engines(mode: str, config: ODBConfig, epoch: int, layout: NodeLayout) -> list[BufferEngine]:
     """One engine per rank; node-aware engines know their local rank."""
     if mode == "node":
-        return [NodeEngine(config, epoch, rank % layout.per_node) for rank in range(layout.world)]
-    engine_type = PooledEngine if mode == "global" else RankEngine
-    return [engine_type(config, epoch, rank) for rank in range(layout.world)]
+        pooled = config.rounds_for_pool(layout.per_node)  # NOTE [ Pooled round sizes ]
+        return [NodeEngine(pooled, epoch, rank % layout.per_node) for rank in range(layout.world)]
+    if mode == "global":
+        return [PooledEngine(config.rounds_for_pool(layout.world), epoch, rank) for rank in range(layout.world)]
+    return [RankEngine(config, epoch, rank) for rank in range(layout.world)]
 
 
 def metadata_bytes(sizes: Sequence[int], layout: NodeLayout) -> Metadata:

@@ -200,8 +200,10 @@ class RoundsFactory:
             return LocalRounds(RankEngine(self.config, epoch, rank), self.transport)
         if self.nodes is not None:
             local = self.nodes.node.rank
-            return NodeRounds(NodeEngine(self.config, epoch, local), self.nodes, self._mover(local, self.nodes.node))
-        return PooledRounds(PooledEngine(self.config, epoch, rank), self.transport, self._mover(rank, self.transport))
+            pooled = self.config.rounds_for_pool(self.nodes.node.world_size)  # NOTE [ Pooled round sizes ]
+            return NodeRounds(NodeEngine(pooled, epoch, local), self.nodes, self._mover(local, self.nodes.node))
+        pooled = self.config.rounds_for_pool(world)
+        return PooledRounds(PooledEngine(pooled, epoch, rank), self.transport, self._mover(rank, self.transport))
 
     def _mover(self, rank: int, transport: Transport) -> Mover:
         """How samples reach the ranks of `transport` (`rank` is this rank's number there)."""

@@ -39,7 +39,7 @@ READABLE_VERSIONS = (1, 2, 3)
 MERGED_FORMAT = "merged"
 # Fingerprint fields added after states were first written, with the behaviour those states had.
 LEGACY_FINGERPRINT = {"planning": "local", "samples_per_step": None, "tokens_per_step": None, "min_window": None,
-                      "max_buffer_bytes": None, "nproc_per_node": None, "round_ends": None}
+                      "max_buffer_bytes": None, "nproc_per_node": None, "round_ends": None, "pool_window": None}
 
 
 # -- positions ------------------------------------------------------------------------------------------------

@@ -6,8 +6,8 @@ and the allowed range. There are no aliases and no environment-variable knobs; e
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, replace
+from typing import Literal, Protocol
 
 CostName = Literal["padded", "tokens", "attention"]
 OversizePolicy = Literal["alone", "error"]
@@ -22,13 +22,15 @@ MOVE_MODES: tuple[str, ...] = ("auto", "send", "fetch")
 # The fields that decide which samples share a step: a saved state records them, and ranks must agree on them
 # (`fingerprint` adds the node layout as it acts: `nproc_per_node`).
 FINGERPRINT = ("token_budget", "cost", "attention_alpha", "max_patches", "max_batch_size", "window", "min_window",
-               "max_buffer_bytes", "join", "accumulation_steps", "samples_per_step", "tokens_per_step", "planning",
-               "seed", "shuffle_steps")
+               "pool_window", "max_buffer_bytes", "join", "accumulation_steps", "samples_per_step", "tokens_per_step",
+               "planning", "seed", "shuffle_steps")
 
 
 # How the rounds of a known-length stream end (NOTE [ Round sizes ]), in every state's fingerprint: states saved
 # without it left `min_window` samples for the last round, which a replay here cannot reproduce (resume/state.py).
 ROUND_ENDS = "halving"
+# The least `window` and `min_window` a rank's rounds shrink to under `pool_window` (NOTE [ Pooled round sizes ]).
+POOL_WINDOW_FLOOR, POOL_MIN_WINDOW_FLOOR = 64, 32
 
 
 def _require(ok: bool, field: str, value: object, allowed: str) -> None:
@@ -65,6 +67,13 @@ class ODBConfig:
             known length (map-style data), the rounds shrink again toward `min_window` as its end nears, so the last
             round's steps, which no reading can overlap, are short. None: every round fills `window` (the only
             behaviour before this field; states saved then resume with min_window=None).
+        pool_window: under pooled planning (`global`, node-aware or not, and `cluster`, at W > 1) the most samples
+            one plan pools: when the pooled ranks x `window` exceed it, each rank's `window` and `min_window` shrink
+            by the same factor (to at least 64 and 32), so the pool packs as tightly as a window of this size while
+            each rank reads fewer samples per round (NOTE [ Pooled round sizes ] in planning/round_sizes.py): the
+            first step comes sooner and less of an epoch's end waits for a round to be read. The default, 8,192,
+            acts from W = 3 at the default `window` (W = 4: 2,048 and 128 per rank). None: every rank keeps
+            `window` and `min_window`.
         max_buffer_bytes: a bound on the bytes of the tensor payloads (tensors, arrays) of the samples buffered on
             one rank, beside `window`: a fill stops at the sample that reaches it (docs/design.md, "Keeping the
             accelerator fed"). The default, 1 GiB, holds ~500 samples of a VLM pipeline averaging 2 MB of
@@ -131,6 +140,7 @@ class ODBConfig:
     max_batch_size: int | None = None
     window: int = 4096
     min_window: int | None = 256
+    pool_window: int | None = 8192
     max_buffer_bytes: int | None = 1 << 30
     join: bool = True
     oversize: OversizePolicy = "alone"
@@ -167,6 +177,9 @@ class ODBConfig:
         _require(self.min_window is None or (_is_int(self.min_window) and self.min_window >= 1), "min_window",
                  self.min_window, "it must be None (every round fills `window`) or an int >= 1 (the first round's "
                  "samples; the default 256 starts training after 256 processed samples)")
+        _require(self.pool_window is None or (_is_int(self.pool_window) and self.pool_window >= 1), "pool_window",
+                 self.pool_window, "it must be None (each rank keeps `window`) or an int >= 1 (samples one pooled "
+                 "plan holds at most, e.g. 8192)")
         _require(self.max_buffer_bytes is None or (_is_int(self.max_buffer_bytes) and self.max_buffer_bytes >= 1),
                  "max_buffer_bytes", self.max_buffer_bytes, "it must be None (no bound) or an int >= 1 (bytes of "
                  "buffered tensor payloads per rank, e.g. 1 << 30)")
@@ -205,6 +218,24 @@ class ODBConfig:
         _require(_is_number(self.worker_timeout_s) and self.worker_timeout_s >= 0, "worker_timeout_s", self.worker_timeout_s,
                  "it must be >= 0 seconds (0 = no timeout)")
 
+    def rounds_for_pool(self, ranks: int) -> ODBConfig:
+        """This config as the rounds of a plan that pools `ranks` ranks' buffers run it (NOTE [ Pooled round sizes ]
+        in planning/round_sizes.py): `window` and `min_window` shrunk by the factor that keeps ranks x `window`
+        within `pool_window`, or this config itself where `pool_window` does not act."""
+        window = self._pooled_window(ranks)
+        if window == self.window:
+            return self
+        smallest = self.min_window
+        if smallest is not None:
+            smallest = max(POOL_MIN_WINDOW_FLOOR, -(-smallest * window // self.window))
+        return replace(self, window=window, min_window=smallest)
+
+    def _pooled_window(self, ranks: int) -> int:
+        bound = self.pool_window
+        if bound is None or self.planning == "local" or ranks <= 1 or ranks * self.window <= bound:
+            return self.window
+        return max(min(POOL_WINDOW_FLOOR, self.window), -(-bound // ranks))
+
     @property
     def step_target(self) -> tuple[str, int] | None:
         """("samples" | "tokens", amount) when optimizer steps have a target size, else None (G micro-batches)."""
@@ -215,14 +246,29 @@ class ODBConfig:
         return None
 
 
-def fingerprint(config: ODBConfig, node_ranks: int | None = None) -> dict[str, object]:
+class Layout(Protocol):
+    """What `fingerprint` needs of a run's node layout (`planning.nodes.NodeLayout`)."""
+
+    @property
+    def per_node(self) -> int: ...  # the ranks one plan pools under global planning (the world on one node)
+
+    @property
+    def aware_per_node(self) -> int | None: ...  # the ranks per node of node-aware rounds, else None
+
+
+def fingerprint(config: ODBConfig, layout: Layout | None = None) -> dict[str, object]:
     """The `FINGERPRINT` fields of `config` as they act: `min_window` reads None when it does not shrink any round
     (`min_window >= window`), so such a state resumes on a loader with either value. `planning` reads `global` for
     `cluster` (one pool over every rank, which is what `global` is on one node and was on several before
     node-aware rounds), `round_ends` is `ROUND_ENDS` while `min_window` shrinks rounds, and `nproc_per_node` is the
     ranks per node of node-aware rounds over more than one node
-    (`node_ranks`, from the loader), else None: states saved on one node, or before the field, resume alike."""
+    (`layout.aware_per_node`), else None: states saved on one node, or before the field, resume alike.
+    `pool_window` reads None where it shrinks no round (at `layout.per_node` pooled ranks), so states saved before
+    the field resume wherever it does not act."""
     values: dict[str, object] = {name: getattr(config, name) for name in FINGERPRINT}
+    if layout is None or config.rounds_for_pool(layout.per_node) is config:
+        values["pool_window"] = None
+    node_ranks = None if layout is None else layout.aware_per_node
     if config.min_window is not None and config.min_window >= config.window:
         values["min_window"] = None
     values["round_ends"] = None if values["min_window"] is None else ROUND_ENDS
