@@ -285,6 +285,9 @@ def run_interrupt() -> None:
     """Iterate a slow loader (2 workers, background producer) and report the worker pids, until SIGINT."""
     from odb_core import ODBDataLoader
 
+    # Python's own Ctrl-C handler, whatever this process inherited: a shell without job control starts background
+    # jobs with SIGINT ignored, and a test suite run as one (`make test &`) passed that on to this child
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     loader = ODBDataLoader(SlowDataset(mixed_lengths(4000), delay_s=0.01), token_budget=1024, num_workers=2,
                            prefetch_steps=2, window=16, multiprocessing_context="fork")
     it = iter(loader)

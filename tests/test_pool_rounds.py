@@ -31,6 +31,7 @@ def test_past_pool_window_each_rank_s_window_and_min_window_shrink_by_one_factor
     assert _sizes(config, 1024) == (64, 32)  # 8 per rank, raised to the floor of 64
     assert _sizes(ODBConfig(token_budget=1, window=8192), 2) == (4096, 128)  # the user's window, shrunk alike
     assert _sizes(ODBConfig(token_budget=1, min_window=None), 8) == (1024, None)
+    assert _sizes(ODBConfig(token_budget=1, min_window=10), 8) == (1024, 10)  # the floor never raises a min_window
     window, smallest = _sizes(ODBConfig(token_budget=1, window=100), 1024)  # min_window 256 >= window: no ramp
     assert window == 64 and smallest >= window  # (still none: the same factor)
     for unchanged in (ODBConfig(token_budget=1, pool_window=None), ODBConfig(token_budget=1, planning="local")):

@@ -65,6 +65,19 @@ def test_elastic_resume_emits_every_index_exactly_once(old, new, planning):
         assert [info.step for info in after[0]] == list(range(stop, stop + len(after[0])))  # numbering continues
 
 
+@pytest.mark.parametrize("old,new", [(2, 4), (4, 2)])
+def test_elastic_resume_across_world_sizes_where_pool_window_acts_at_one_of_them(old, new):
+    """window 200 and pool_window 512: the cap leaves 2 ranks alone (400 <= 512) and shrinks the rounds of 4 (800 >
+    512: 128 per rank), so the fingerprints record pool_window None and 512; the same setting still resumes."""
+    options = dict(window=200, pool_window=512)
+    total = epoch_steps(old, **options)
+    before, states = stop_after(old, total // 3, **options)
+    after = continue_at(new, merge_states(states), **options)
+    assert {s["config"]["pool_window"] for s in states} == {None if old == 2 else 512}
+    assert Counter(indices(before) + indices(after)) == Counter(range(N))
+    assert len({len(infos) for infos in after}) == 1
+
+
 def test_elastic_resume_after_the_last_step_starts_the_next_epoch():
     total = epoch_steps(2)
     _, states = stop_after(2, total)

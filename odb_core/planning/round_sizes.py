@@ -31,20 +31,21 @@ a pool of 64 samples packs less tightly than one of 4096 (docs/benchmarks.md "Ke
 
 NOTE [ Pooled round sizes ]
 Under pooled planning one plan packs the buffers of P ranks (the world, or a node's ranks under node-aware rounds),
-so its packing depends on the pool, P x `window` samples, not on one rank's share: 8 ranks of 4,096 pool 32,768,
-64 ranks 262,144, far past what packing needs (docs/benchmarks.md, "Pooled round sizes": capped at 8,192, 0 to
-2 more steps per epoch at W = 4-64). A rank's share is what the device waits for: a round trains only once all
-of it is read, at the epoch's start (the first round) and at its end (the rounds in flight when reading ends; at
-S = D the efficiency is at most E / (E + the largest round), docs/design.md). And at scale a rank's epoch is
-short (a million samples over 256 ranks: ~3,900 each), so rounds of up to 4,096 made most epochs one or two
-rounds. So `ODBConfig.pool_window` (8,192 by default) caps the pool: when P x `window` exceeds it, the rounds run
-with `window` = max(ceil(pool_window / P), 64) and `min_window` shrunk by the same factor (at least 32): at P = 4,
-2,048 and 128; at 8, 1,024 and 64; at 64, 128 and 32 (`ODBConfig.rounds_for_pool`, applied where the engines are
-built: the loader's rounds and `simulate_epoch`). The rule of the rounds is the same (`round_target`), only its
-two sizes change; they are a function of the config and P, so plans stay independent of worker timing (G7), and
-`pool_window` is in the fingerprint where it acts (a state saved before the field, at a P where it acts, is
-refused naming `pool_window=None`). Rank-local planning and P x `window` <= `pool_window` (W <= 2 at the defaults)
-are unchanged.
+so its packing depends on the pool, P x `window` samples, not on one rank's share: 8 ranks of 4,096 pool 32,768, 64
+ranks 262,144, far past what packing needs (docs/benchmarks.md, "Pooled round sizes": capped at 8,192, 0 to 2 more
+steps per epoch at W = 4-64). A rank's share is what the device waits for: a round trains only once all of it is
+read, at the epoch's start (the first round) and at its end (the rounds in flight when reading ends; at S = D the
+efficiency is at most E / (E + the largest round), docs/design.md). And at scale a rank's epoch is short (a million
+samples over 256 ranks: ~3,900 each), so rounds of up to 4,096 made most epochs one or two rounds. So
+`ODBConfig.pool_window` (8,192 by default) caps the pool: when P x `window` exceeds it, the rounds run with
+`window` = max(ceil(pool_window / P), 64) and `min_window` shrunk by the same factor (at least 32, or its own value
+if smaller): at P = 4, 2,048 and 128; at 8, 1,024 and 64; at 64, 128 and 32 (`ODBConfig.rounds_for_pool`, applied
+where the engines are built: the loader's rounds and `simulate_epoch`). The rule of the rounds is the same
+(`round_target`), only its two sizes change; they are a function of the config and P, so plans stay independent of
+worker timing (G7), and `pool_window` is in the fingerprint where it acts (a state saved before the field, at a P
+where it acts, is refused naming `pool_window=None`; an elastic resume, which plans the remainder anew at another
+layout, leaves it out of the comparison, as it does the node layout). Rank-local planning and P x `window` <=
+`pool_window` (W <= 2 at the defaults) are unchanged.
 
 `max_buffer_bytes` bounds the same buffer in bytes: `fill_more` is the rule of a fill (the loader's and the
 simulator's); the read-ahead pulls up to the bytes the next fill may add (`SampleReader.byte_space`).

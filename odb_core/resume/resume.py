@@ -151,8 +151,10 @@ def _layout(config: Mapping[str, Any]) -> object:
 
 
 def _batching(config: Mapping[str, Any]) -> dict[str, Any]:
-    """The fingerprint without the node layout, which an elastic resume may change (it plans the remainder)."""
-    return {k: v for k, v in config.items() if k != "nproc_per_node"}
+    """The fingerprint without the node layout, which an elastic resume may change (it plans the remainder), nor
+    `pool_window`, which the fingerprint records only where the layout lets it act (NOTE [ Pooled round sizes ]):
+    the same setting reads None at 2 ranks and 8,192 at 4, and the remainder is planned with this loader's."""
+    return {k: v for k, v in config.items() if k not in ("nproc_per_node", "pool_window")}
 
 
 def remainder_plan(states: Sequence[LoaderState], new_world_size: int) -> RemainderSource | None:

@@ -69,9 +69,10 @@ class ODBConfig:
             behaviour before this field; states saved then resume with min_window=None).
         pool_window: under pooled planning (`global`, node-aware or not, and `cluster`, at W > 1) the most samples
             one plan pools: when the pooled ranks x `window` exceed it, each rank's `window` and `min_window` shrink
-            by the same factor (to at least 64 and 32), so the pool packs as tightly as a window of this size while
-            each rank reads fewer samples per round (NOTE [ Pooled round sizes ] in planning/round_sizes.py): the
-            first step comes sooner and less of an epoch's end waits for a round to be read. The default, 8,192,
+            by the same factor (to at least 64 and 32, neither above its own value), so the pool packs as tightly
+            as a window of this size while each rank reads fewer samples per round (NOTE [ Pooled round sizes ] in
+            planning/round_sizes.py): the first step comes sooner and less of an epoch's end waits for a round to
+            be read. The default, 8,192,
             acts from W = 3 at the default `window` (W = 4: 2,048 and 128 per rank). None: every rank keeps
             `window` and `min_window`.
         max_buffer_bytes: a bound on the bytes of the tensor payloads (tensors, arrays) of the samples buffered on
@@ -227,7 +228,7 @@ class ODBConfig:
             return self
         smallest = self.min_window
         if smallest is not None:
-            smallest = max(POOL_MIN_WINDOW_FLOOR, -(-smallest * window // self.window))
+            smallest = max(min(POOL_MIN_WINDOW_FLOOR, smallest), -(-smallest * window // self.window))
         return replace(self, window=window, min_window=smallest)
 
     def _pooled_window(self, ranks: int) -> int:
