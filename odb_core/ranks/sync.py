@@ -266,8 +266,9 @@ class GlooTransport(Transport):
         return received  # type: ignore[return-value] # bytearrays: no copy (NOTE [ Sending samples without copies ])
 
     def _send_and_receive(self, chunks: list[bytes], received: list[bytearray]) -> None:
-        """Each non-empty chunk to its rank (a bytearray or numpy uint8 array from its own memory) and each into its own bytearray; `r`
-        is a rank of the group (a node's sub-group numbers its ranks from 0), sent to as its world rank."""
+        """Each non-empty chunk to its rank (a bytearray or numpy uint8 array, from its own memory) and each into
+        its own bytearray; `r` is a rank of the group (a node's sub-group numbers its ranks from 0), sent to as its
+        world rank."""
         peer = lambda r: dist.get_global_rank(self.group, r)
         works = [dist.irecv(_as_tensor(b), peer(r), self.group) for r, b in enumerate(received)
                  if r != self.rank and len(b)]
