@@ -188,7 +188,9 @@ class HalfSentDataset(LengthDataset):
         sample = super().__getitem__(index)
         if index == self.big_index and get_worker_info() is not None:
             wait_until((self.folder / "go").exists, timeout_s=60.0)
-            (self.folder / "sending").write_text(str(os.getpid()))
+            written = self.folder / f"sending.{os.getpid()}"  # renamed once whole: the test never reads it empty
+            written.write_text(str(os.getpid()))
+            written.replace(self.folder / "sending")
             sample["blob"] = bytes(self.PAYLOAD_BYTES)
         return sample
 

@@ -100,3 +100,34 @@ def test_an_epoch_left_early_with_persistent_workers_leaves_the_next_epoch_whole
     assert [b.info.indices for b in loader] == expected
     assert sorted(i for step in expected for i in step) == list(range(400))
     loader.close()
+
+
+class SizedPayloads(torch.utils.data.Dataset):
+    """Samples whose `pixel_values` weigh 256 KiB, 512 KiB or 1 MiB by index, valued by the index."""
+
+    SIZES = (1 << 18, 1 << 19, 1 << 20)
+
+    def __len__(self) -> int:
+        return 12
+
+    def __getitem__(self, index: int) -> dict:
+        floats = self.SIZES[index % 3] // 4
+        return {"input_ids": torch.arange(8) + 3, "pixel_values": torch.full((floats,), float(index))}
+
+
+def test_tensors_up_to_the_pipe_limit_are_pickled_and_larger_ones_travel_in_shared_memory():
+    """NOTE [ The pipe or shared memory ]: a worker packs a tensor of up to 512 KiB into the pipe and hands a larger
+    one over as a tensor (in shared memory); through the loader both arrive as the dataset made them."""
+    from odb_core.data.sendable import PACK_LIMIT_BYTES, PackedTensor, pack_sample
+
+    assert PACK_LIMIT_BYTES == 1 << 19
+    dataset = SizedPayloads()
+    kinds = [type(pack_sample(dataset[i])["pixel_values"]) for i in range(3)]
+    assert kinds == [PackedTensor, PackedTensor, torch.Tensor]
+    loader = ODBDataLoader(dataset, token_budget=64, num_workers=2, max_batch_size=2)
+    seen = []
+    for batch in loader:
+        expected = torch.cat([dataset[i]["pixel_values"] for i in batch.info.indices])
+        assert torch.equal(batch["pixel_values"], expected)
+        seen += batch.info.indices
+    assert sorted(seen) == list(range(len(dataset)))

@@ -11,6 +11,7 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 from torch.utils.data import default_collate
 
+from odb_core.data.arenas import ArenaPool
 from odb_core.data.sample import IGNORE_INDEX, INTEGER_DTYPES, sequence_length
 
 CollateFn = Callable[[list[Any]], Any]
@@ -56,6 +57,7 @@ class PadCollator:
 
     def __init__(self, pad_token_id: int = 0) -> None:
         self.pad_token_id = pad_token_id
+        self._arenas = ArenaPool()  # NOTE [ Reused collation memory ]
 
     def __call__(self, samples: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         keys = list(dict.fromkeys(chain.from_iterable(samples)))  # every sample's keys, first seen first
@@ -70,7 +72,7 @@ class PadCollator:
             longest = stacked.shape[1]
         for key in keys:
             if key in CONCATENATED:
-                batch[key] = torch.cat([torch.as_tensor(s[key]) for s in samples if key in s], dim=0)
+                batch[key] = self._concatenated([torch.as_tensor(s[key]) for s in samples if key in s])
                 continue
             if key == "input_ids":
                 batch[key] = stacked if stacked is not None else self._pad_field(ids, longest, self.pad_token_id,
@@ -88,6 +90,19 @@ class PadCollator:
                                        else torch.from_numpy((np.arange(longest) < np.asarray(lengths)[:, None])
                                                              .astype(np.int64)))
         return batch
+
+    def _concatenated(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        """The parts along dim 0, in memory reused across steps (NOTE [ Reused collation memory ])."""
+        arenas = self.__dict__.get("_arenas")
+        if arenas is None:  # a subclass that sets its own fields without calling this class's __init__
+            arenas = self.__dict__.setdefault("_arenas", ArenaPool())
+        return arenas.cat(parts)
+
+    def release_memory(self) -> None:
+        """Give back the concatenation memory no batch uses any more (NOTE [ Reused collation memory ])."""
+        arenas = self.__dict__.get("_arenas")
+        if arenas is not None:
+            arenas.release()
 
     def _pad_field(self, values: list[Any], length: int, value: int, *, stack: bool) -> torch.Tensor:
         """`_pad`, or with this class's own padding and `stack=False`, the same without trying `torch.stack`."""

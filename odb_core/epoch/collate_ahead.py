@@ -65,7 +65,8 @@ class CollateAhead:
         self._step, self._future = step, self._pool.submit(self.collation.take, step, False)
 
     def close(self) -> None:
-        """End the thread, after the collation it may be running; a batch collated ahead is dropped. Called on a
+        """End the thread, after the collation it may be running; a batch collated ahead is dropped, and the
+        collator's reusable memory that no batch uses is given back (`PadCollator.release_memory`). Called on a
         collating thread itself (a garbage collection there finalized the loader), it does not wait: a thread
         cannot join itself."""
         self._step, self._future = None, None
@@ -73,3 +74,6 @@ class CollateAhead:
             on_collating_thread = threading.current_thread().name.startswith(COLLATE_THREAD)
             self._pool.shutdown(wait=not on_collating_thread, cancel_futures=True)
             self._pool = None
+        release = getattr(self.collation.collate_fn, "release_memory", None)  # NOTE [ Reused collation memory ]
+        if callable(release):
+            release()
