@@ -131,3 +131,23 @@ def test_tensors_up_to_the_pipe_limit_are_pickled_and_larger_ones_travel_in_shar
         assert torch.equal(batch["pixel_values"], expected)
         seen += batch.info.indices
     assert sorted(seen) == list(range(len(dataset)))
+
+
+def test_pin_memory_is_accepted_and_not_passed_on_to_the_workers_loader():
+    """NOTE [ Pinned memory ]: the buffered samples are not pinned; torch's own DataLoader warns here, without an
+    accelerator, when it is asked to pin (so the warning shows whether ODB passed the option on)."""
+    import warnings
+
+    dataset = LengthDataset([12] * 24)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plain = torch.utils.data.DataLoader(dataset, num_workers=1, pin_memory=True, collate_fn=lambda x: x)
+        list(plain)
+    assert any("pin_memory" in str(w.message) for w in caught), "torch no longer warns: the check below is blind"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loader = ODBDataLoader(dataset, token_budget=64, num_workers=1, pin_memory=True)
+        seen = sorted(i for batch in loader for i in batch.info.indices)
+        loader.close()
+    assert seen == list(range(24))
+    assert not [w for w in caught if "pin_memory" in str(w.message)], [str(w.message) for w in caught]

@@ -7,9 +7,11 @@ from __future__ import annotations
 import time
 from dataclasses import fields, replace
 
+import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 import hf_support
+from odb_core import ODBDataLoader
 from odb_core.data.collate import PadCollator
 from odb_core.settings.config import ODBConfig
 from odb_core.steps.metrics import LoaderMetrics, StepCounts, StepMeter
@@ -136,3 +138,51 @@ def test_the_trainer_logs_a_first_samples_per_second_without_the_set_up_time(tmp
     first = set_up.logs[0]
     seconds = infos[0].global_samples / first["odb/samples_per_second"]  # the first interval, as the meter timed it
     assert seconds < set_up.seconds / 2, f"the first interval ({seconds:.2f} s) counted the {set_up.seconds} s set-up"
+
+
+def test_the_data_wait_fraction_is_the_share_of_the_interval_spent_waiting_for_batches():
+    """NOTE [ Waiting for data ]: the loader's wait over the log's interval; the first batch's wait is set-up."""
+    clock, metrics = ManualClock(), LoaderMetrics(token_budget=100, world_size=1)
+    meter = StepMeter(ODBConfig(token_budget=100), metrics, clock=clock)
+    assert meter.flush()["odb/data_wait_fraction"] == 0.0  # nothing consumed yet
+    metrics.wait_seconds += 7.0  # the first batch: workers start, the first round fills
+    meter.add(_step(samples=4, tokens=80))
+    clock.now += 2.0
+    metrics.wait_seconds += 0.5  # the next batches: half a second of the two
+    meter.add(_step(samples=4, tokens=80))
+    assert meter.flush()["odb/data_wait_fraction"] == 0.25
+    clock.now += 1.0
+    metrics.wait_seconds += 1.0
+    assert meter.flush()["odb/data_wait_fraction"] == 1.0
+    assert "wait_seconds" not in metrics.snapshot()  # a wall time: not part of a saved state
+
+
+class SlowSamples(torch.utils.data.Dataset):
+    def __init__(self, n: int, seconds: float) -> None:
+        self.n, self.seconds = n, seconds
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> dict:
+        time.sleep(self.seconds)
+        return {"input_ids": torch.arange(4 + index % 5) + 3}
+
+
+def _wait_fraction(read_s: float, step_s: float) -> float:
+    loader = ODBDataLoader(SlowSamples(96, read_s), token_budget=32, window=16, min_window=8, max_batch_size=4,
+                           num_workers=1, fetch_chunk=2)
+    meter = StepMeter(loader.config, loader.metrics)
+    for batch in loader:
+        meter.add(batch.info)
+        time.sleep(step_s)
+    loader.close()
+    return meter.flush()["odb/data_wait_fraction"]
+
+
+def test_a_trainer_waiting_on_slow_reads_logs_a_high_data_wait_and_a_fed_one_a_low_one():
+    """Through the real loader and a worker process: reads of 10 ms per sample against steps of 1 ms keep the
+    trainer waiting most of the time, reads of 0 against steps of 20 ms almost never."""
+    starved, fed = _wait_fraction(read_s=0.01, step_s=0.001), _wait_fraction(read_s=0.0, step_s=0.02)
+    assert starved > 0.6, starved
+    assert fed < 0.2, fed

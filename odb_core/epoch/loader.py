@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import random
+import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
@@ -28,7 +28,7 @@ from odb_core.data.sample import LengthFn
 from odb_core.epoch.estimate import ExactPlan, estimate_steps, plan_epochs_exactly
 from odb_core.epoch.pipeline import EpochReport, EpochRun, RunContext
 from odb_core.epoch.prefetch import BackgroundIterator
-from odb_core.epoch.stream import SampleStream, StreamOptions
+from odb_core.epoch.stream import SampleStream, StreamOptions, worker_seed
 from odb_core.ranks.node_groups import node_layout, node_transports
 from odb_core.ranks.rounds import RoundsFactory, move_lane, move_mode
 from odb_core.ranks.sync import Transport, default_transport
@@ -60,17 +60,6 @@ def _config(token_budget: int | None, config: ODBConfig | None, fields_given: di
     if token_budget is not None or fields_given:
         raise TypeError("pass either config=ODBConfig(...) or individual config fields, not both")
     return config
-
-
-def worker_seed(seed: int, epoch: int) -> int:
-    """NOTE [ ODB draws nothing from the global RNG ]
-    Each `iter()` of a torch DataLoader draws its workers' base seed (even at num_workers=0) from its `generator`,
-    else from the global torch RNG, which the model's dropout uses too. A resumed trainer restores that RNG before
-    the resumed epoch's `iter()`, while the uninterrupted run drew before the save: one draw more, other dropout
-    masks (G8a). So the worker DataLoader draws from ODB's own generator, seeded with this function of (seed,
-    epoch) at every `iter()`: iterating, resuming and planning leave the global torch, Python and numpy RNGs alone.
-    A user's `generator=` option replaces ODB's."""
-    return random.Random(f"odb-workers:{seed}:{epoch}").getrandbits(63)
 
 
 class _LoaderCall:
@@ -106,8 +95,8 @@ class ODBDataLoader:
         shard_iterable: for an `IterableDataset`, whether ODB shards it over ranks by stream position.
         observer: optional callable receiving every yielded `StepInfo` (e.g. to log emitted indices).
         **options: `ODBConfig` fields and DataLoader worker options (persistent_workers, multiprocessing_context,
-            pin_memory, prefetch_factor, worker_init_fn, generator: the workers' base seeds, which are otherwise
-            drawn from ODB's own generator; NOTE [ ODB draws nothing from the global RNG ]).
+            prefetch_factor, worker_init_fn, generator: the workers' seeds, else drawn from ODB's own generator,
+            NOTE [ ODB draws nothing from the global RNG ]; pin_memory: NOTE [ Pinned memory ] in stream.py).
     """
 
     def __init__(self, dataset: Any, *, token_budget: int | None = None, config: ODBConfig | None = None,
@@ -324,8 +313,10 @@ class _EpochIterator(Iterator[ODBBatch]):
         self.finished = False
 
     def __next__(self) -> ODBBatch:
+        asked = time.perf_counter()
         try:
             batch = next(self.source)
+            self.loader.metrics.wait_seconds += time.perf_counter() - asked  # NOTE [ Waiting for data ]
         except StopIteration:
             self.finished = True
             if self.run.report is not None:

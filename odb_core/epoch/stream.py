@@ -6,12 +6,22 @@ tagged samples ] in sources.py), and the two ways to get one sample again in the
 (map-style) or from the replay cache of a re-read stream (iterable). Workers start in `open()`, on the calling
 thread, and are read through `WatchedChunks`: a worker that dies mid-epoch raises `WorkerDiedError` instead of
 blocking the rank (NOTE [ A rank watches its workers ] in watch.py).
+
+NOTE [ Pinned memory ]
+`pin_memory=True` (the HF Trainer's default) is accepted and not passed on to the workers' DataLoader. There it
+would pin each sample as it arrives: a round's samples wait in the buffer until their step, so up to
+`max_buffer_bytes` (1 GiB) per rank would be page-locked, and every sample copied once more by the pin thread,
+while the step's batch is a fresh tensor that the collator makes from them (pageable whatever its inputs), the
+one the trainer copies to the device. Pinning that batch instead (in the collating thread, with torch's caching
+pinned allocator, which knows when a non-blocking copy from it has ended) is the design for it; not built, as
+this project's machines have no accelerator to run it on.
 """
 
 from __future__ import annotations
 
 import itertools
 import os
+import random
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +40,17 @@ from odb_core.resume.state import ResumePoint
 
 Chunk = list[tuple[int, Any]]
 IN_PROCESS_CHUNK = 64
+
+
+def worker_seed(seed: int, epoch: int) -> int:
+    """NOTE [ ODB draws nothing from the global RNG ]
+    Each `iter()` of a torch DataLoader draws its workers' base seed (even at num_workers=0) from its `generator`,
+    else from the global torch RNG, which the model's dropout uses too. A resumed trainer restores that RNG before
+    the resumed epoch's `iter()`, while the uninterrupted run drew before the save: one draw more, other dropout
+    masks (G8a). So the worker DataLoader draws from ODB's own generator, seeded with this function of (seed,
+    epoch) at every `iter()`: iterating, resuming and planning leave the global torch, Python and numpy RNGs alone.
+    A user's `generator=` option replaces ODB's."""
+    return random.Random(f"odb-workers:{seed}:{epoch}").getrandbits(63)
 
 
 class _CheckedDataset(IndexedDataset):
@@ -124,7 +145,8 @@ class SampleStream:
         timeout = options.worker_timeout_s if options.num_workers > 0 else 0
         # In-process reads (no workers) cost a DataLoader step per chunk and nothing per byte: take larger ones.
         chunk = options.fetch_chunk if options.num_workers > 0 else max(options.fetch_chunk, IN_PROCESS_CHUNK)
-        self._loader_options = {**options.worker_options, "num_workers": options.num_workers,
+        passed = {key: value for key, value in options.worker_options.items() if key != "pin_memory"}
+        self._loader_options = {**passed, "num_workers": options.num_workers,  # NOTE [ Pinned memory ]
                                 "collate_fn": keep_chunk, "timeout": timeout}
         self._watch: WorkerWatch | None = None
         if options.num_workers > 0:  # NOTE [ Workers die with their rank ], NOTE [ A rank watches its workers ]

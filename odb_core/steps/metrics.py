@@ -116,6 +116,9 @@ class StepCounts:
 STEP_FIELDS = tuple(f.name for f in fields(StepCounts))
 
 
+UNSAVED = ("counts", "moves", "wait_seconds")  # fields a state leaves out: saved as its own fields, derived, wall time
+
+
 @dataclass(slots=True)
 class LoaderMetrics:
     """Cumulative counters of this rank's loader: the yielded steps' `StepCounts` and the per-round counters the
@@ -133,13 +136,14 @@ class LoaderMetrics:
     moved_bytes: int = 0  # and their bytes (move="send"), received by this rank
     sync_bytes: int = 0
     sync_seconds: float = 0.0
+    wait_seconds: float = 0.0  # the consumer's wall seconds inside next(), waiting (NOTE [ Waiting for data ])
     # (moved samples, moved bytes, local samples) after the last whole round, published in one assignment so that
     # a reader on the trainer's thread never sees a round's moves without its samples; derived, not saved
     moves: tuple[int, int, int] = (0, 0, 0)
 
     def snapshot(self) -> dict[str, float | int]:
         """Raw counters, for a loader state dict (flat: the step counts beside the round counters)."""
-        own = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("counts", "moves")}
+        own = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in UNSAVED}
         return {**own, **asdict(self.counts)}
 
     def publish_moves(self) -> None:
@@ -209,6 +213,8 @@ class StepMeter:
       * `odb/idle_steps`: IDLE micro-batches on this rank; `odb/samples_per_step`: global samples per optimizer step,
         and `odb/samples_per_step_std` their standard deviation over the logged steps (how near `samples_per_step`
         the steps come); with `tokens_per_step`, `odb/tokens_per_step` and `odb/tokens_per_step_std` too;
+      * `odb/data_wait_fraction`: the share of the interval this rank's trainer spent inside the loader's `next()`,
+        waiting for its batch (NOTE [ Waiting for data ]);
       * `odb/moved_fraction`, `odb/moved_bytes` (global planning, world > 1): of the samples this rank's loader
         planned since the previous log, the share read by another rank, and the bytes received for them (these two
         come from the loader's own counters, `loader_metrics`, which run up to `prefetch_steps` ahead of the trainer).
@@ -221,6 +227,15 @@ class StepMeter:
     first steps, not of the set-up (which once logged 0.2 instead of ~60). Later intervals run from flush to flush
     and include the time the trainer waits for its batches. A flush before any `add()` reports 0 per second and
     leaves the clock unstarted. Cost: one `is None` test per `add()`.
+
+    NOTE [ Waiting for data ]
+    Whether the loader keeps the accelerator fed is what a user needs to see first (docs/benchmarks.md, "Keeping
+    the accelerator fed"): the loader's iterator adds the wall seconds each `next()` takes to
+    `LoaderMetrics.wait_seconds` (two clock reads per step), and `odb/data_wait_fraction` is that over the log's
+    interval. The first batch's wait falls before the first interval (it starts at the first `add()`), so it is
+    left out with the set-up. Near 0: the next batch was ready when the step ended. High: the trainer waited,
+    for the workers (more `num_workers`), for the rounds (a smaller `window`: docs/design.md, "A bound no rule of
+    round sizes escapes"), or for the other ranks' exchange. A wall time, so not part of a saved state.
     """
 
     def __init__(self, config: ODBConfig, loader_metrics: LoaderMetrics, *,
@@ -232,10 +247,11 @@ class StepMeter:
         self.last: StepInfo | None = None  # the latest consumed micro-batch
         self.clock = clock
         self.since: float | None = None  # start of the current interval; None until the first add() (NOTE above)
+        self.waited = 0.0  # the loader's wait_seconds at the start of the interval (NOTE [ Waiting for data ])
 
     def add(self, info: StepInfo) -> None:
         if self.since is None:
-            self.since = self.clock()
+            self.since, self.waited = self.clock(), self.loader_metrics.wait_seconds
         self.seen, self.last = self.seen.add(info), info
 
     def flush(self) -> dict[str, float]:
@@ -248,6 +264,8 @@ class StepMeter:
             "odb/padding_ratio": delta.padding_ratio,
             "odb/budget_utilization": delta.budget_utilization(config.token_budget, self.world_size),
             "odb/idle_steps": float(delta.idle_steps),
+            "odb/data_wait_fraction": min((self.loader_metrics.wait_seconds - self.waited) / seconds, 1.0)
+            if self.since is not None else 0.0,
         }
         for unit in ("samples", "tokens") if config.tokens_per_step is not None else ("samples",):
             logs[f"odb/{unit}_per_step"], logs[f"odb/{unit}_per_step_std"] = delta.step_size(unit)
@@ -257,7 +275,7 @@ class StepMeter:
             logs.update(self._moves())
         self.logged = self.seen
         if self.since is not None:
-            self.since = now
+            self.since, self.waited = now, self.loader_metrics.wait_seconds
         return logs
 
     def _moves(self) -> dict[str, float]:
