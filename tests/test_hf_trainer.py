@@ -150,8 +150,9 @@ def test_logged_odb_metrics_reach_tensorboard(chat_data, tmp_path):
     events = EventAccumulator(str(event_files[-1])).Reload()
     tags = set(events.Tags()["scalars"])
     assert {"train/odb/budget_utilization", "train/odb/padding_ratio", "train/odb/tokens_per_second",
-            "train/odb/samples_per_second", "train/odb/idle_steps"} <= tags
+            "train/odb/samples_per_second", "train/odb/idle_steps", "train/odb/data_wait_fraction"} <= tags
     assert 0 < events.Scalars("train/odb/budget_utilization")[-1].value <= 1
+    assert all(0 <= e.value <= 1 for e in events.Scalars("train/odb/data_wait_fraction"))
 
 
 def test_samples_over_the_budget_are_warned_once_per_run_and_fitting_samples_not_at_all(chat_data, tmp_path,

@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
 from conftest import LengthDataset, lognormal_lengths
 from odb_core import ODBDataLoader
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 class LengthStream(torch.utils.data.IterableDataset):
@@ -133,6 +140,7 @@ def test_tensors_up_to_the_pipe_limit_are_pickled_and_larger_ones_travel_in_shar
     assert sorted(seen) == list(range(len(dataset)))
 
 
+@pytest.mark.skipif(torch.accelerator.is_available(), reason="torch warns of pin_memory only without an accelerator")
 def test_pin_memory_is_accepted_and_not_passed_on_to_the_workers_loader():
     """NOTE [ Pinned memory ]: the buffered samples are not pinned; torch's own DataLoader warns here, without an
     accelerator, when it is asked to pin (so the warning shows whether ODB passed the option on)."""
@@ -151,3 +159,43 @@ def test_pin_memory_is_accepted_and_not_passed_on_to_the_workers_loader():
         loader.close()
     assert seen == list(range(24))
     assert not [w for w in caught if "pin_memory" in str(w.message)], [str(w.message) for w in caught]
+
+
+OPEN_FILES_SCRIPT = """
+import resource, sys, torch
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (int(sys.argv[1]), int(sys.argv[2]) if sys.argv[2] != "hard" else hard))
+from odb_core import ODBDataLoader
+class Images(torch.utils.data.Dataset):  # 600 KiB of pixels each: over the pipe limit, one shared file apiece
+    def __len__(self): return int(sys.argv[3])
+    def __getitem__(self, i): return {"input_ids": torch.arange(8) + 3, "pixel_values": torch.full((600 * 256,), 1.0)}
+loader = ODBDataLoader(Images(), token_budget=64, window=512, num_workers=2, max_batch_size=8)
+seen = sum(len(batch.info.indices) for batch in loader)
+print("read", seen, "soft limit", resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+"""
+
+
+def _run_with_open_files(soft: int, hard: str, samples: int) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-c", OPEN_FILES_SCRIPT, str(soft), hard, str(samples)], env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_a_loader_raises_the_open_files_limit_its_buffered_shared_tensors_need():
+    """NOTE [ The pipe or shared memory ]: 400 buffered samples each keep a shared-memory file open. Under a soft
+    limit of 200 torch failed ("Too many open files"); the loader now raises the soft limit (the hard one allows
+    it) to what its buffers may need, and reads them all."""
+    from odb_core.data.sendable import open_files_needed
+
+    done = _run_with_open_files(200, "hard", 400)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert f"read 400 soft limit {open_files_needed(1 << 30, 512)}" in done.stdout, done.stdout
+
+
+def test_a_hard_limit_too_low_for_the_buffers_is_said_with_the_fixes():
+    done = _run_with_open_files(300, "300", 40)  # few samples: the run itself fits
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "read 40 soft limit 300" in done.stdout
+    warned = [line for line in done.stderr.splitlines() if line.startswith("odb: warning: this process may keep")]
+    assert len(warned) == 1, done.stderr[-2000:]
+    assert "may open only 300" in warned[0] and "max_buffer_bytes" in warned[0] and "file_system" in warned[0]

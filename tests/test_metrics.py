@@ -152,7 +152,7 @@ def test_the_data_wait_fraction_is_the_share_of_the_interval_spent_waiting_for_b
     meter.add(_step(samples=4, tokens=80))
     assert meter.flush()["odb/data_wait_fraction"] == 0.25
     clock.now += 1.0
-    metrics.wait_seconds += 1.0
+    metrics.wait_seconds += 1.5  # a next() that began before the interval: at most the whole interval
     assert meter.flush()["odb/data_wait_fraction"] == 1.0
     assert "wait_seconds" not in metrics.snapshot()  # a wall time: not part of a saved state
 
@@ -176,8 +176,9 @@ def _wait_fraction(read_s: float, step_s: float) -> float:
     for batch in loader:
         meter.add(batch.info)
         time.sleep(step_s)
+    fraction = meter.flush()["odb/data_wait_fraction"]
     loader.close()
-    return meter.flush()["odb/data_wait_fraction"]
+    return fraction
 
 
 def test_a_trainer_waiting_on_slow_reads_logs_a_high_data_wait_and_a_fed_one_a_low_one():

@@ -65,7 +65,6 @@ def test_buffer_memory_reports_the_peaks_of_both_loaders(tmp_path):
         assert row["peak_mib"] > 0 and row["workers_mib"] > 0 and row["shared_mib"] >= 0, row
         assert row["added_and_shared_mib"] == pytest.approx(row["added_mib"] + row["shared_mib"])
     assert rows[1]["shared_mib"] > 0, "the plain loader's batches travel in shared memory"
-    assert buffer_memory.SharedPeak.used() > 0 or rows[1]["shared_mib"] > 0
 
 
 def test_the_round_model_gives_the_times_a_pipeline_of_rounds_allows():

@@ -4,7 +4,7 @@ NOTE [ Reused collation memory ]
 ODB collates in the trainer process (a step's samples are known only once its round is planned), so a VLM step's
 `pixel_values` (~67 images of ~2 MB: ~140 MB) are concatenated there, into fresh memory: an allocation that large
 is a new mapping, and the kernel faults and zeroes each of its 4 KiB pages on the first write. On this project's
-machine that is 77 ms of CPU for a 140 MB step, of which the copy itself is 16 ms (`python -m
+machine that is 72 ms of CPU for a 141 MB step, of which the copy itself is 13 ms (`python -m
 benchmarks.collate_memory`); a plain DataLoader pays the same in its workers, ODB on the rank's own cores, and
 in the epoch's last round, after the last read, on the critical path.
 
@@ -15,11 +15,13 @@ writes into an arena again only once that reference is dead. Nothing in use is e
 consumer keeps; what it keeps only makes the pool allocate (or, with every arena in use, fall back to a plain
 `torch.cat`).
   * Same values: the concatenation is `torch.cat(parts, dim=0, out=...)` of the same parts, dtype and shape.
-  * Memory: at most `arenas` arenas per pool, each at most 1/8 larger than the largest concatenation it served
-    (rounded up to 1 MiB); a consumer's loop holds about three steps at once (the one it trains, the one
-    collated ahead, the one being collated), what fresh allocations held too. `release()` drops the free ones.
-  * Only for what gains: CPU tensors of one dtype and trailing shape, without grad, of at least `min_bytes`
-    together; anything else goes to `torch.cat` as before.
+  * Memory: at most `arenas` arenas per pool; a new one is 1/8 larger than the concatenation that needed it, or
+    as large as the largest held (rounded up to 1 MiB), so the arenas grow to the epoch's largest step and are
+    reused; a consumer's loop holds about three steps at once (the one it trains, the one collated ahead, the
+    one being collated), what fresh allocations held too, now each as large as the largest. `release()` forgets
+    them all (the loader calls it at an epoch's end when its collator is a `PadCollator`).
+  * Only for what gains: dense CPU tensors of one dtype and trailing shape, at least 1-D, without grad, of at
+    least `min_bytes` together; anything else goes to `torch.cat` as before.
   * Thread-safe: a lock guards the arenas (the collating thread and the consumer's may collate).
 """
 
@@ -65,9 +67,15 @@ class ArenaPool:
         return torch.cat(parts, dim=0, out=out)
 
     def release(self) -> None:
-        """Drop the arenas no tensor uses (their memory goes back to the allocator)."""
-        with self._lock:
-            self._held = [arena for arena in self._held if not arena.free()]
+        """Forget every arena: a free one's memory goes back to the allocator now, one in use when the tensors over
+        it are freed (they hold it). Skipped if the pool is busy: a loader finalized by a garbage collection that
+        runs inside `_lease`, on the thread holding the lock, would otherwise wait for itself."""
+        if not self._lock.acquire(blocking=False):
+            return
+        try:
+            self._held = []
+        finally:
+            self._lock.release()
 
     def _lease(self, nbytes: int) -> np.ndarray | None:
         with self._lock:
@@ -103,7 +111,7 @@ def _allocate(nbytes: int) -> np.ndarray:
 
 def _eligible_bytes(parts: list[torch.Tensor]) -> int:
     """The bytes of the parts' concatenation, or 0 when an arena cannot hold it as `torch.cat` would make it: not
-    all CPU tensors of one dtype and trailing shape without grad, or zero-dimensional."""
+    all dense (strided, not quantized) CPU tensors of one dtype, rank and trailing shape without grad, or 0-D."""
     if not parts or type(parts[0]) is not torch.Tensor:
         return 0
     first = parts[0]
@@ -112,8 +120,9 @@ def _eligible_bytes(parts: list[torch.Tensor]) -> int:
         return 0
     rows = 0
     for part in parts:
-        if (type(part) is not torch.Tensor or part.dtype != dtype or part.shape[1:] != trailing
-                or part.device.type != "cpu" or part.requires_grad):
+        if (type(part) is not torch.Tensor or part.ndim != first.ndim or part.dtype != dtype
+                or part.shape[1:] != trailing or part.layout != torch.strided or part.device.type != "cpu"
+                or part.requires_grad or part.is_quantized):
             return 0
         rows += part.shape[0]
     return rows * trailing.numel() * first.element_size()

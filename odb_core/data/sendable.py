@@ -15,6 +15,7 @@ moves (ranks/moves.py) and names the sample that fails the same way (`unpicklabl
 from __future__ import annotations
 
 import pickle
+import resource
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
@@ -31,8 +32,14 @@ _SKIPPED = (tuple, ())  # what a tensor or array is reduced to while probing: no
 # running; samples/s pipe / shared memory): 256 KiB 1,640 / 1,130, 384 KiB 1,150 / 970, 512 KiB 840 / 860,
 # 1 MiB 470 / 640. So tensors of up to 512 KiB take the pipe and larger ones shared memory. Samples buffered for a
 # round then hold their larger tensors in /dev/shm until collated (up to `max_buffer_bytes` a rank): a container
-# needs a /dev/shm that large per rank (docs/guide.md).
+# needs a /dev/shm that large per rank (docs/guides/multimodal.md). And under torch's default sharing strategy
+# (`file_descriptor`) the rank keeps each such tensor's file open while the tensor lives: a round's samples and the
+# next buffer, up to 2 x `max_buffer_bytes` / 512 KiB = 4,096 files at the default bound, past the 1,024 that many
+# systems allow a process (torch then fails: "Too many open files"). So a loader with workers raises the process's
+# soft limit of open files to what its buffers may need (`open_files_needed`), within the hard limit, and says
+# so when the hard limit is lower (`raise_open_files`).
 PACK_LIMIT_BYTES = 1 << 19
+OTHER_FILES = 1024  # files a training process holds besides its buffered tensors: libraries, sockets, pipes
 
 
 class PackedTensor(NamedTuple):
@@ -42,6 +49,30 @@ class PackedTensor(NamedTuple):
     (a frozen dataclass's state is set field by field: 1.8 µs more per two-tensor sample)."""
 
     array: np.ndarray
+
+
+def open_files_needed(max_buffer_bytes: int | None, window: int) -> int:
+    """The open files a rank's buffered samples may hold (NOTE [ The pipe or shared memory ]): one per tensor over
+    the pipe limit, in two buffers' worth of samples (the round being trained and the next fill), plus the rest of
+    the process's; without a byte bound, two tensors per sample of two windows."""
+    tensors = 2 * max_buffer_bytes // PACK_LIMIT_BYTES if max_buffer_bytes is not None else 4 * window
+    return tensors + OTHER_FILES
+
+
+def raise_open_files(needed: int) -> str | None:
+    """Raise this process's soft limit of open files to `needed`, within its hard limit; a warning's text when the
+    hard limit is lower (None when enough files are allowed)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= needed:
+        return None
+    allowed = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
+    if allowed > soft:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (allowed, hard))
+    if allowed >= needed:
+        return None
+    return (f"odb: warning: this process may keep up to {needed} files open (a shared-memory file per buffered tensor "
+            f"over {PACK_LIMIT_BYTES // 1024} KiB) and may open only {allowed} (`ulimit -n`, hard limit); raise the "
+            "limit, lower max_buffer_bytes, or call torch.multiprocessing.set_sharing_strategy('file_system')")
 
 
 def pack_sample(sample: Any, limit_bytes: int | None = PACK_LIMIT_BYTES) -> Any:

@@ -28,7 +28,7 @@ from typing import Any
 
 from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
-from odb_core.data.sendable import payload_bytes, unpack_sample
+from odb_core.data.sendable import payload_bytes, raise_open_files, unpack_sample
 from odb_core.data.sources import (ChunkSampler, DatasetFetchError, Handover, IndexedDataset, IndexedIterable,
                                    IndexListSampler, ShardedSampler, integer_columns, keep_chunk, map_style_size,
                                    worker_parts)
@@ -37,6 +37,7 @@ from odb_core.epoch.watch import WatchedChunks, WorkerWatch, rescued_by_sigchld
 from odb_core.resume.fields import StateError
 from odb_core.resume.source_state import CustomSource, RemainderSource, ShardedSource, Source, StreamSource
 from odb_core.resume.state import ResumePoint
+from odb_core.settings.console import LOGGER
 
 Chunk = list[tuple[int, Any]]
 IN_PROCESS_CHUNK = 64
@@ -93,6 +94,7 @@ class StreamOptions:
     idle_sample: Mapping[str, Any] | None
     compact_ids: bool = False  # NOTE [ Compact buffered samples ]
     reader_thread: bool = True  # NOTE [ A thread reads the workers ] in reader_thread.py
+    open_files: int = 0  # what the buffers may hold open (NOTE [ The pipe or shared memory ] in sendable.py)
 
 
 class ReadChunk(list):
@@ -145,6 +147,8 @@ class SampleStream:
         timeout = options.worker_timeout_s if options.num_workers > 0 else 0
         # In-process reads (no workers) cost a DataLoader step per chunk and nothing per byte: take larger ones.
         chunk = options.fetch_chunk if options.num_workers > 0 else max(options.fetch_chunk, IN_PROCESS_CHUNK)
+        if options.num_workers > 0 and (warning := raise_open_files(options.open_files)) is not None:
+            LOGGER.warning(warning)  # NOTE [ The pipe or shared memory ] in sendable.py
         passed = {key: value for key, value in options.worker_options.items() if key != "pin_memory"}
         self._loader_options = {**passed, "num_workers": options.num_workers,  # NOTE [ Pinned memory ]
                                 "collate_fn": keep_chunk, "timeout": timeout}
