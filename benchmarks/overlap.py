@@ -34,8 +34,8 @@ from benchmarks.lib.odb_options import parse_options
 from benchmarks.lib.overlap_runs import Setup, run_world
 
 DEFAULT_WINDOWS = (4096, 512)
-COLUMNS = ("workload", "W", "planning", "loader", "samples/s", "vs plain", "busy", "efficiency", "bound",
-           "first batch s", "training CPU s", "peak RSS MB rank / worker", "supply", "demand")
+COLUMNS = ("workload", "W", "planning", "loader", "samples/s", "vs plain", "busy", "data wait", "efficiency",
+           "bound", "first batch s", "training CPU s", "peak RSS MB rank / worker", "supply", "demand")
 
 
 def measured_setups(args: argparse.Namespace, folder: Path) -> list[dict]:
@@ -70,7 +70,8 @@ def markdown(rows: list[dict]) -> str:
         workload = f"sleep {r['process_ms']:g} ms" if r["workload"] == "sleep" else r["workload"]
         workload += f" + {r['payload_kb']} KiB" if r.get("payload_kb") else ""
         lines.append(f"| {workload} | {r['world_size']} | {r['planning'] or '-'} | {r['loader']} | "
-                     f"{r['samples_per_s']:.0f} | {r['vs_plain']:.2f} | {r['busy']:.2f} | {r['efficiency']:.2f} | "
+                     f"{r['samples_per_s']:.0f} | {r['vs_plain']:.2f} | {r['busy']:.2f} | "
+                     f"{'-' if r.get('data_wait') is None else format(r['data_wait'], '.2f')} | {r['efficiency']:.2f} | "
                      f"{'-' if r['bound'] is None else format(r['bound'], '.2f')} | "
                      f"{r['first_batch_s']:.2f} | {r['cpu_s']:.1f} | {r['rss_mb']:.0f} / {r['worker_rss_mb']:.0f} | "
                      f"{r['supply']:.0f} | {r['demand']:.0f} |")

@@ -98,3 +98,4 @@ def test_the_overlap_benchmark_reports_every_loader_with_efficiencies_in_range(t
     assert [r["loader"] for r in rows] == ["plain", "odb window 64"]
     for row in rows:
         assert row["samples"] == 160 and 0 < row["busy"] <= 1.0 and 0 < row["efficiency"] <= 1.05, row
+    assert rows[0]["data_wait"] is None and 0 <= rows[1]["data_wait"] <= 1  # ODB's own metric; plain has none

@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from benchmarks.lib.peak_memory import WorkerPeaks, peak_mb, reset_peak
 
-MOVE_FIELDS = ("rounds", "moved_samples", "moved_bytes", "sync_bytes", "sync_seconds")
+MOVE_FIELDS = ("rounds", "moved_samples", "moved_bytes", "sync_bytes", "sync_seconds", "wait_seconds")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -47,7 +47,7 @@ class RankRun:
     rss_mb: float
     worker_rss_mb: float
     indices: tuple[int, ...] = ()
-    moves: dict = field(default_factory=dict)  # ODB's rounds and moves (`LoaderMetrics`: moved_bytes, sync_seconds)
+    moves: dict = field(default_factory=dict)  # ODB's counters (`LoaderMetrics`: moved_bytes, sync_seconds, wait_seconds)
     step_s: tuple[float, ...] = ()  # the simulated device seconds of each step, in order
 
     @property
@@ -116,6 +116,7 @@ class Figures:
     cpu_s: float
     rss_mb: float
     worker_rss_mb: float
+    data_wait: float | None  # ODB's own `odb/data_wait_fraction` over the run, mean over ranks (None: plain)
 
     def row(self) -> dict:
         return asdict(self)
@@ -136,7 +137,9 @@ def aggregate(runs: list[RankRun], workers_per_rank: int, process_s: float) -> F
                    efficiency=rate / min(supply, demand), synced_demand=synced_demand,
                    synced_efficiency=rate / min(supply, synced_demand), first_batch_s=max(r.first_batch_s for r in runs),
                    cpu_s=max(r.cpu_s for r in runs), rss_mb=max(r.rss_mb for r in runs),
-                   worker_rss_mb=max(r.worker_rss_mb for r in runs))
+                   worker_rss_mb=max(r.worker_rss_mb for r in runs),
+                   data_wait=statistics.fmean(r.moves["wait_seconds"] / r.wall_s for r in runs)
+                   if all("wait_seconds" in r.moves for r in runs) else None)
 
 
 def synced_device_s(runs: list[RankRun]) -> float:
