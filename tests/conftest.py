@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 
@@ -57,6 +58,19 @@ def saved_without(state: dict, field: str) -> dict:
     config = {k: v for k, v in state["config"].items() if k != field}
     old = {k: v for k, v in {**state, "config": config}.items() if k != "digest"}
     return {**old, "digest": digest_of(old)}
+
+
+def saved_midway(loader, steps: int, field: str) -> tuple[dict, list]:
+    """Take `steps` steps of `loader`'s epoch, save its state as an odb before `field` existed wrote it
+    (`saved_without`, through JSON as a checkpoint holds it), then run the rest of the epoch and close the loader:
+    the state and the rest's `StepInfo`s, which a resume of that state must give or refuse."""
+    it = iter(loader)
+    for _ in range(steps):
+        next(it)
+    state = saved_without(json.loads(json.dumps(loader.state_dict())), field)
+    rest = [b.info for b in it]
+    loader.close()
+    return state, rest
 
 
 @pytest.fixture

@@ -5,12 +5,11 @@ what the simulator plans, every sample once, and a state saved before the field 
 
 from __future__ import annotations
 
-import json
 
 import numpy as np
 import pytest
 
-from conftest import LengthDataset, saved_without
+from conftest import LengthDataset, saved_midway
 from odb_core import Item, ODBConfig, ODBDataLoader, run_virtual_ranks, simulate_epoch
 from odb_core.planning.nodes import NodeLayout
 from odb_core.settings.config import fingerprint
@@ -88,13 +87,7 @@ def test_a_state_saved_before_pool_window_is_refused_only_where_it_acts(pool_win
     options = dict(token_budget=512, window=512, min_window=64, pool_window=pool_window, seed=5)
 
     def rank_main(rank, transport):
-        loader = ODBDataLoader(data, transport=transport, **options)
-        it = iter(loader)
-        for _ in range(3):
-            next(it)
-        state = saved_without(json.loads(json.dumps(loader.state_dict())), "pool_window")
-        rest = [b.info for b in it]
-        loader.close()
+        state, rest = saved_midway(ODBDataLoader(data, transport=transport, **options), 3, "pool_window")
         again = ODBDataLoader(data, transport=transport, **options)
         try:
             again.load_state_dict(state)

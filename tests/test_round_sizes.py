@@ -18,7 +18,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from batch_record import LengthStream
-from conftest import CountingDataset, LengthDataset, saved_without
+from conftest import CountingDataset, LengthDataset, saved_midway
 from odb_core import Item, ODBConfig, ODBDataLoader, run_virtual_ranks, simulate_epoch
 from odb_core.data.sample import compact_ids
 from odb_core.data.sendable import pack_sample, payload_bytes
@@ -269,13 +269,7 @@ def test_a_state_saved_when_the_last_round_left_min_window_is_refused_not_replay
     data = [{"input_ids": np.arange(n)} for n in lengths]
     for smallest, refused in ((4, True), (None, False)):
         options = dict(token_budget=512, window=128, min_window=smallest, seed=5)
-        loader = ODBDataLoader(data, **options)
-        it = iter(loader)
-        for _ in range(5):
-            next(it)
-        state = saved_without(json.loads(json.dumps(loader.state_dict())), "round_ends")
-        rest = [b.info for b in it]
-        loader.close()
+        state, rest = saved_midway(ODBDataLoader(data, **options), 5, "round_ends")
         again = ODBDataLoader(data, **options)
         if refused:
             with pytest.raises(ValueError, match="earlier odb, whose last round of an epoch left `min_window`"):

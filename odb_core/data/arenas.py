@@ -61,9 +61,8 @@ class ArenaPool:
         view = self._lease(nbytes) if nbytes and nbytes >= self.min_bytes else None
         if view is None:
             return torch.cat(parts, dim=0)
-        first = parts[0]
-        shape = (sum(p.shape[0] for p in parts), *first.shape[1:])
-        out = torch.from_numpy(view).view(first.dtype).view(shape)
+        first = parts[0]  # the rows follow from the bytes `_eligible_bytes` counted
+        out = torch.from_numpy(view).view(first.dtype).view(-1, *first.shape[1:])
         return torch.cat(parts, dim=0, out=out)
 
     def release(self) -> None:
