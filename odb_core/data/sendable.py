@@ -14,6 +14,7 @@ moves (ranks/moves.py) and names the sample that fails the same way (`unpicklabl
 
 from __future__ import annotations
 
+import os
 import pickle
 import resource
 from collections.abc import Mapping
@@ -40,6 +41,16 @@ _SKIPPED = (tuple, ())  # what a tensor or array is reduced to while probing: no
 # so when the hard limit is lower (`raise_open_files`).
 PACK_LIMIT_BYTES = 1 << 19
 OTHER_FILES = 1024  # files a training process holds besides its buffered tensors: libraries, sockets, pipes
+SHM_DIR = "/dev/shm"  # where torch's shared-memory files live on Linux
+_MIB = 1 << 20
+# NOTE [ Shared memory runs out ]
+# A worker's tensor over the pipe limit is moved into a shared-memory file when it is sent. Left to the queue's
+# feeder thread (torch's reducer, as it pickles the chunk), a failure there (/dev/shm full: Docker gives a
+# container 64 MB, while a rank may buffer a GiB of images) is printed by that thread and the chunk is dropped, so
+# the rank waited for it forever. So the worker moves such tensors itself, before handing the chunk on
+# (`share_large`; the feeder then sends the file it finds, without a second copy), and a tensor that does not fit
+# turns its sample into an `Unsendable`: the rank raises a `SampleError` naming the sample, the field, /dev/shm's
+# size and free space, and the fixes (tests/test_shared_memory.py runs it under a 16 MiB /dev/shm).
 
 
 class PackedTensor(NamedTuple):
@@ -86,6 +97,35 @@ def pack_sample(sample: Any, limit_bytes: int | None = PACK_LIMIT_BYTES) -> Any:
                 and (limit_bytes is None or value.numel() * value.element_size() <= limit_bytes)):
             packed[key] = PackedTensor(value.numpy())
     return packed
+
+
+def share_large(sample: Any) -> Any:
+    """Worker side, after `pack_sample`: the tensors it left (over the pipe limit) moved into shared memory now, in
+    the worker's own thread, or an `Unsendable` naming the field when that fails (NOTE [ Shared memory runs out ])."""
+    if type(sample) is not dict:
+        return sample
+    for key, value in sample.items():
+        for tensor in value if isinstance(value, list | tuple) else (value,):
+            if type(tensor) is torch.Tensor and tensor.device.type == "cpu" and not tensor.is_shared():
+                try:
+                    tensor.share_memory_()
+                except RuntimeError as exc:
+                    return Unsendable(_shm_failure(key, tensor, exc))
+    return sample
+
+
+def _shm_failure(key: str, tensor: torch.Tensor, exc: RuntimeError) -> str:
+    try:
+        stats = os.statvfs(SHM_DIR)
+        room = (f"{SHM_DIR} holds {stats.f_blocks * stats.f_frsize / _MIB:,.0f} MiB, "
+                f"{stats.f_bavail * stats.f_frsize / _MIB:,.0f} MiB free now")
+    except OSError:
+        room = f"{SHM_DIR} could not be measured"
+    return (f"field {key!r} (a tensor of {tensor.numel() * tensor.element_size() / _MIB:,.1f} MiB) could not be put "
+            f"in shared memory to leave its DataLoader worker ({exc}); {room}. A rank keeps its buffered tensors over "
+            f"{PACK_LIMIT_BYTES // 1024} KiB there, up to about 2 x max_buffer_bytes (a round and the next fill), "
+            "and every rank on the host as much: give the host or container a larger /dev/shm (docker run "
+            "--shm-size, a Kubernetes emptyDir with medium: Memory), or lower max_buffer_bytes")
 
 
 def unpack_sample(sample: Any) -> Any:

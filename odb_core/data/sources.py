@@ -21,7 +21,7 @@ import torch
 from torch.utils.data import Dataset, IterableDataset, Sampler, get_worker_info
 
 from odb_core.data.sample import ID_FIELDS, ID_KEYS, compact_ids
-from odb_core.data.sendable import pack_sample, sendable
+from odb_core.data.sendable import pack_sample, sendable, share_large
 
 
 class DatasetFetchError(RuntimeError):
@@ -96,9 +96,10 @@ class ChunkSampler(Sampler[list[int]]):
 
 @dataclass(frozen=True, slots=True)
 class Handover:
-    """What the stream does to each sample before handing it on: `pack` small tensors for the pipe (worker
-    processes, see `PackedTensor`; a sample that cannot be pickled goes as an `Unsendable`, NOTE [ Samples that
-    cannot travel ]), `compact` lists of ids into arrays (NOTE [ Compact buffered samples ])."""
+    """What the stream does to each sample before handing it on: `pack` small tensors for the pipe and move larger
+    ones into shared memory (worker processes, see `PackedTensor` and NOTE [ Shared memory runs out ]; a sample that
+    cannot be pickled or shared goes as an `Unsendable`, NOTE [ Samples that cannot travel ]), `compact` lists of
+    ids into arrays (NOTE [ Compact buffered samples ])."""
 
     pack: bool = False
     compact: bool = False
@@ -112,7 +113,7 @@ class Handover:
         tensors) is not compacted: the look at every sample would find nothing to convert."""
         if self.compact and samples and holds_id_list(samples[0]):
             samples = [compact_ids(sample, self.integer_keys) for sample in samples]
-        return [sendable(pack_sample(sample)) for sample in samples] if self.pack else samples
+        return [sendable(share_large(pack_sample(sample))) for sample in samples] if self.pack else samples
 
 
 def holds_id_list(sample: Any) -> bool:

@@ -1,0 +1,86 @@
+"""NOTE [ Shared memory runs out ] (odb_core/data/sendable.py): a worker moves its tensors over the pipe limit into
+shared memory itself, so that a full /dev/shm is an error naming the sample instead of a chunk dropped by the
+queue's feeder thread and a rank that waits for it forever.
+
+The end-to-end cases run a loader in a child process with a /dev/shm of its own (a tmpfs mounted in a new user
+and mount namespace, `unshare -rm`); they are skipped where the machine does not allow one."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from odb_core.data.sendable import PACK_LIMIT_BYTES, PackedTensor, pack_sample, share_large
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_share_large_puts_what_the_pipe_does_not_take_in_shared_memory():
+    big = torch.arange(PACK_LIMIT_BYTES // 4 + 1, dtype=torch.float32)  # just over the limit
+    frames = [torch.full((PACK_LIMIT_BYTES // 2,), 7, dtype=torch.int16), torch.ones(3)]
+    sample = share_large(pack_sample({"input_ids": torch.arange(5), "pixel_values": big, "frames": frames}))
+    assert type(sample["input_ids"]) is PackedTensor  # small: the pipe, untouched here
+    assert sample["pixel_values"] is big and big.is_shared()
+    assert torch.equal(big, torch.arange(PACK_LIMIT_BYTES // 4 + 1, dtype=torch.float32))  # values kept
+    assert all(frame.is_shared() for frame in frames)  # tensors in a list value are sent as tensors too
+    assert torch.equal(frames[0], torch.full((PACK_LIMIT_BYTES // 2,), 7, dtype=torch.int16))
+    for other in ([1, 2], "text", None):
+        assert share_large(other) is other
+
+
+SCRIPT = """
+import sys, torch
+from odb_core import ODBDataLoader
+class Images(torch.utils.data.Dataset):  # 1 MiB of pixels each: over the pipe limit, one shared file apiece
+    def __len__(self): return 64
+    def __getitem__(self, i): return {"input_ids": torch.arange(8) + 3, "pixel_values": torch.full((1 << 18,), 1.0)}
+loader = ODBDataLoader(Images(), token_budget=64, window=64, num_workers=2, max_batch_size=8)
+try:
+    print("read", sorted(i for batch in loader for i in batch.info.indices) == list(range(64)))
+except Exception as exc:
+    print("error", type(exc).__name__, exc)
+"""
+
+
+def _run_with_shm(size_mib: int) -> subprocess.CompletedProcess:
+    shell = f"mount -t tmpfs -o size={size_mib}m tmpfs /dev/shm && exec {sys.executable} -c \"$SCRIPT\""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "SCRIPT": SCRIPT}
+    return subprocess.run(["unshare", "-rm", "sh", "-c", shell], env=env, capture_output=True, text=True, timeout=90)
+
+
+def _namespaces_allowed() -> bool:
+    if shutil.which("unshare") is None or sys.platform != "linux":
+        return False
+    probe = subprocess.run(["unshare", "-rm", "sh", "-c", "mount -t tmpfs -o size=1m tmpfs /dev/shm"],
+                           capture_output=True, timeout=30)
+    return probe.returncode == 0
+
+
+needs_namespace = pytest.mark.skipif(not _namespaces_allowed(), reason="no user and mount namespace here (unshare)")
+
+
+@needs_namespace
+def test_a_full_dev_shm_is_an_error_naming_the_sample_not_a_hang():
+    """64 samples of 1 MiB into a 16 MiB /dev/shm: the rank buffers more than fits. Before, the feeder thread
+    printed the failure, dropped the chunk, and the run hung until this test's timeout."""
+    done = _run_with_shm(16)
+    assert done.returncode == 0, done.stderr[-2000:]
+    error = done.stdout.strip()
+    assert error.startswith("error SampleError sample "), (error, done.stderr[-2000:])
+    for said in ("field 'pixel_values' (a tensor of 1.0 MiB) could not be put in shared memory",
+                 "No space left on device", "/dev/shm holds 16 MiB", "--shm-size", "max_buffer_bytes"):
+        assert said in error, (said, error)
+
+
+@needs_namespace
+def test_the_same_run_reads_every_sample_once_when_dev_shm_has_room():
+    done = _run_with_shm(256)  # what the case above misses is room, not the namespace
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "read True", (done.stdout, done.stderr[-2000:])
+
