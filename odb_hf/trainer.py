@@ -36,7 +36,9 @@ from typing import Any
 
 import torch
 from transformers import Trainer
+from transformers.trainer_utils import RemoveColumnsCollator
 
+from odb_core.data.collate import is_label_preserving
 from odb_core.epoch.epoch_length import EpochView
 from odb_core.steps.accumulation import StepWindow, window_normalizer
 from odb_core.steps.loss import TokenLossScale, causal_lm_loss_sum, logits_of
@@ -110,7 +112,7 @@ class ODBTrainerMixin:
         if _is_arrow_dataset(dataset):  # the Trainer's own column handling, as in Trainer._get_dataloader
             dataset = self._remove_unused_columns(dataset, description="training")
         else:
-            collator = self._get_collator_with_removed_columns(collator, description="training")
+            collator = ColumnsRemoved.over(self._get_collator_with_removed_columns(collator, description="training"))
         check_collator_keeps_labels(collator, dataset)
         checks = 0 if self.is_deepspeed_enabled else self.args.gradient_accumulation_steps
         return odb.new_run(self.args, dataset, collator, loss_checks=checks)
@@ -195,6 +197,37 @@ class ODBTrainerMixin:
 
 class ODBTrainer(ODBTrainerMixin, Trainer):
     """A `transformers.Trainer` with ODB: `ODBTrainer(..., callbacks=[ODBCallback(token_budget=16384)])`."""
+
+
+class ColumnsRemoved:
+    """HF's `RemoveColumnsCollator` over a label-preserving collator (`PadCollator`), as one label-preserving
+    collator. The Trainer wraps its collator so when the dataset is not an Arrow one; the wrapper removes only
+    the columns the model's forward does not take, never `input_ids` or the label columns, so the batches keep
+    `PadCollator`'s layout and ODB may count a step from its samples and collate it when it is taken (NOTE [ A
+    step is collated when it is taken ] in odb_core/epoch/collation.py) and give the collator's reused memory back
+    at the epoch's end (NOTE [ Reused collation memory ]). Hidden by the wrapper, a round's batches were all
+    collated at plan time and held until taken, and the memory was kept."""
+
+    preserves_labels = True
+
+    def __init__(self, removing: RemoveColumnsCollator) -> None:
+        self.removing = removing
+
+    @staticmethod
+    def over(collator: Any) -> Any:
+        """`collator` as a `ColumnsRemoved` where it qualifies, else itself."""
+        if (isinstance(collator, RemoveColumnsCollator) and is_label_preserving(collator.data_collator)
+                and {"input_ids", "labels"} <= set(collator.signature_columns or ())):
+            return ColumnsRemoved(collator)
+        return collator
+
+    def __call__(self, features: list[dict]) -> Any:
+        return self.removing(features)
+
+    def release_memory(self) -> None:
+        release = getattr(self.removing.data_collator, "release_memory", None)
+        if callable(release):
+            release()
 
 
 def _state(trainer: ODBTrainerMixin) -> RunState:

@@ -9,6 +9,7 @@ import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 import hf_support
+from dist_cases import wait_until
 from odb_core.data.collate import PadCollator
 from odb_core.epoch.loader import ODBDataLoader
 from odb_hf import ODBCallback, ODBSetupError, ODBTrainer, ODBTrainerMixin, ODBTrainerTraits
@@ -253,6 +254,45 @@ def test_a_data_method_override_is_accepted_only_from_a_class_that_declares_odb_
         make_trainer(tmp_path, chat_data.train[:8], [ODBCallback(token_budget=512)], Undeclared)
     with pytest.raises(ValueError, match=r"ODBTrainerTraits.bypassed_compute_loss=\[<class .*a tuple of Trainer"):
         ODBTrainerTraits(bypassed_compute_loss=[Trainer])
+
+
+class CountingPad(PadCollator):
+    """PadCollator counting its collations and the times its reused memory is given back."""
+
+    preserves_labels = True
+
+    def __init__(self) -> None:
+        super().__init__(pad_token_id=hf_support.PAD)
+        self.calls, self.released = 0, 0
+
+    def __call__(self, samples):
+        self.calls += 1
+        return super().__call__(samples)
+
+    def release_memory(self) -> None:
+        self.released += 1
+        super().release_memory()
+
+
+@pytest.mark.parametrize("remove_unused_columns", [True, False])
+def test_a_pad_collator_behind_the_trainers_column_remover_is_collated_when_taken(chat_data, tmp_path,
+                                                                                  remove_unused_columns):
+    """A non-Arrow dataset makes the Trainer wrap its collator in RemoveColumnsCollator (the default
+    remove_unused_columns=True). Behind it a PadCollator was not seen as label-preserving: the round's first step
+    collated every step of the round (here all 30 samples' steps), and its reused memory was never given back."""
+    collator = CountingPad()
+    trainer = make_trainer(tmp_path, chat_data.train[:30], [ODBCallback(token_budget=160)],
+                           remove_unused_columns=remove_unused_columns)
+    trainer.data_collator = collator
+    loader = trainer.get_train_dataloader()
+    checked = collator.calls  # the label check's collation of a sample
+    steps = iter(loader)
+    first = next(steps)
+    assert wait_until(lambda: collator.calls == checked + 2, timeout_s=5.0), collator.calls  # and the next, ahead
+    rest = list(steps)
+    assert first.info.round == 0 and len(rest) >= 4 and collator.calls == checked + 1 + len(rest)
+    assert sorted(i for b in [first, *rest] for i in b.info.indices) == list(range(30))
+    assert collator.released >= 1  # at the epoch's end
 
 
 def test_collator_that_drops_labels_is_refused(chat_data, tmp_path):
