@@ -250,6 +250,37 @@ def test_a_sample_that_cannot_be_pickled_in_a_worker_raises_naming_the_index_ins
             loader.close()
 
 
+class GradSample(torch.utils.data.Dataset):
+    """`BAD_INDEX` carries a tensor computed with autograd (at the top level, or in a list: the probe's two paths),
+    which torch's reducer refuses in the queue's feeder thread: before, the chunk was dropped and the rank hung."""
+
+    def __init__(self, nested: bool) -> None:
+        self.good, self.nested = LengthDataset([8 + 3 * i for i in range(12)]), nested
+
+    def __len__(self) -> int:
+        return len(self.good)
+
+    def __getitem__(self, index: int):
+        sample = self.good[index]
+        if index == BAD_INDEX:
+            feats = torch.ones(4, requires_grad=True) * 2
+            sample = {**sample, "feats": [feats] if self.nested else feats}
+        return sample
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("nested", [False, True])
+def test_a_tensor_computed_with_autograd_in_a_worker_raises_naming_the_index_instead_of_hanging(nested):
+    kind = "list" if nested else "Tensor"
+    with pytest.raises(SampleError, match=rf"^sample {BAD_INDEX}: field 'feats' \(a {kind}\) cannot be pickled "
+                                          r"\(RuntimeError: a tensor computed with autograd .*detach\(\) it\)"):
+        loader = ODBDataLoader(GradSample(nested), token_budget=64, num_workers=2)
+        try:
+            list(loader)
+        finally:
+            loader.close()
+
+
 def test_a_sample_that_cannot_be_pickled_names_its_index_when_it_moves_to_another_rank():
     def run(rank, transport):
         loader = ODBDataLoader(LockedSample(all_locked=True), token_budget=64, transport=transport, move="send")

@@ -6,10 +6,12 @@ A sample read in a DataLoader worker reaches the rank through a pipe, pickled by
 thread; one that cannot be pickled (a lock, an open file, a generator, a lambda) makes that thread print a
 traceback and drop the message, and the rank then waits for it forever. So a worker probes each sample before
 handing it over (`sendable`): a mapping whose values are all tensors, arrays or plain scalars passes at a
-glance (about 0.5 µs, in the worker); any other is pickled into nothing, with tensors and arrays skipped (they
-always pickle, and their bytes are what costs), and one that fails travels as an `Unsendable` naming the field
-and the error instead; `inspect_sample` raises it on the rank as a `SampleError` naming the index. Under `move="send"` the owner pickles the samples it
-moves (ranks/moves.py) and names the sample that fails the same way (`unpicklable_part`).
+glance (about 0.5 µs, in the worker; but for a tensor computed with autograd, which torch's reducer refuses);
+any other is pickled into nothing, with tensors and arrays skipped (they pickle unless computed with autograd,
+and their bytes are what costs), and one that fails travels as an `Unsendable` naming the field and the error
+instead; `inspect_sample` raises it on the rank as a `SampleError` naming the index. Under `move="send"` the
+owner pickles the samples it moves (ranks/moves.py) and names the sample that fails the same way
+(`unpicklable_part`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ import numpy as np
 import torch
 
 _SKIPPED = (tuple, ())  # what a tensor or array is reduced to while probing: nothing
+# torch's reducer refuses a tensor that is an autograd result (it would have failed in the queue's feeder thread)
+NON_LEAF = "a tensor computed with autograd (it requires grad and is not a leaf) cannot leave its process; detach() it"
 # NOTE [ The pipe or shared memory ]
 # A worker's tensor reaches the rank either pickled into the pipe (a `PackedTensor`: the worker copies it into the
 # pickle, the kernel through the pipe, the rank out of the pickle; each copy costs both sides CPU in proportion to
@@ -164,6 +168,8 @@ class _Discard:
 
 class _Probe(pickle.Pickler):
     def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor) and obj.grad_fn is not None:
+            raise RuntimeError(NON_LEAF)
         if isinstance(obj, torch.Tensor | np.ndarray):
             return _SKIPPED
         return NotImplemented
@@ -185,7 +191,9 @@ def unpicklable_part(sample: Any) -> str | None:
 
 def sendable(sample: Any) -> Any:
     """`sample` itself, or an `Unsendable` saying why it cannot leave this worker (NOTE above)."""
-    if type(sample) is dict and all(type(value) in _ALWAYS_SENDABLE for value in sample.values()):
+    if type(sample) is dict and all(type(value) in _ALWAYS_SENDABLE and (type(value) is not torch.Tensor
+                                                                         or value.grad_fn is None)
+                                    for value in sample.values()):
         return sample
     failure = unpicklable_part(sample)
     if failure is None:
