@@ -11,6 +11,7 @@ import os
 import shutil
 import subprocess
 import sys
+from collections import UserDict
 from pathlib import Path
 
 import pytest
@@ -34,12 +35,31 @@ def test_share_large_puts_what_the_pipe_does_not_take_in_shared_memory():
         assert share_large(other) is other
 
 
+def test_share_large_looks_into_mappings_and_lists_and_leaves_what_torch_sends_its_own_way():
+    """HF's processors return a `BatchFeature` (a UserDict); datasets nest images in dicts or lists; a parameter is
+    a tensor subclass. Sparse and nested tensors have no storage to share: torch's own reducers send them."""
+    pixels, frame, weight = torch.ones(1 << 18), torch.ones(3), torch.nn.Parameter(torch.ones(1 << 18))
+    sparse = torch.eye(3).to_sparse()
+    nested = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)], layout=torch.jagged)
+    sample = UserDict({"images": {"pixel_values": pixels}, "frames": [frame], "weight": weight, "ids": [1, 2, 3],
+                       "sparse": sparse, "nested": nested})
+    assert share_large(sample) is sample
+    assert pixels.is_shared() and frame.is_shared() and weight.is_shared()
+    assert torch.equal(pixels, torch.ones(1 << 18)) and sample["ids"] == [1, 2, 3]
+    assert torch.equal(sparse.to_dense(), torch.eye(3)) and nested.is_nested
+
+
 SCRIPT = """
 import sys, torch
+from collections import UserDict
 from odb_core import ODBDataLoader
 class Images(torch.utils.data.Dataset):  # 1 MiB of pixels each: over the pipe limit, one shared file apiece
     def __len__(self): return 64
-    def __getitem__(self, i): return {"input_ids": torch.arange(8) + 3, "pixel_values": torch.full((1 << 18,), 1.0)}
+    def __getitem__(self, i):
+        pixels = torch.full((1 << 18,), 1.0)
+        if sys.argv[1] == "nested":  # as an HF processor's BatchFeature (a UserDict), the images one level down
+            return UserDict({"input_ids": torch.arange(8) + 3, "images": {"pixel_values": pixels}})
+        return {"input_ids": torch.arange(8) + 3, "pixel_values": pixels}
 loader = ODBDataLoader(Images(), token_budget=64, window=64, num_workers=2, max_batch_size=8)
 try:
     print("read", sorted(i for batch in loader for i in batch.info.indices) == list(range(64)))
@@ -48,8 +68,8 @@ except Exception as exc:
 """
 
 
-def _run_with_shm(size_mib: int) -> subprocess.CompletedProcess:
-    shell = f"mount -t tmpfs -o size={size_mib}m tmpfs /dev/shm && exec {sys.executable} -c \"$SCRIPT\""
+def _run_with_shm(size_mib: int, kind: str = "flat") -> subprocess.CompletedProcess:
+    shell = f"mount -t tmpfs -o size={size_mib}m tmpfs /dev/shm && exec {sys.executable} -c \"$SCRIPT\" {kind}"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "SCRIPT": SCRIPT}
     return subprocess.run(["unshare", "-rm", "sh", "-c", shell], env=env, capture_output=True, text=True, timeout=90)
 
@@ -66,14 +86,15 @@ needs_namespace = pytest.mark.skipif(not _namespaces_allowed(), reason="no user 
 
 
 @needs_namespace
-def test_a_full_dev_shm_is_an_error_naming_the_sample_not_a_hang():
+@pytest.mark.parametrize(("kind", "field"), [("flat", "pixel_values"), ("nested", "images.pixel_values")])
+def test_a_full_dev_shm_is_an_error_naming_the_sample_not_a_hang(kind, field):
     """64 samples of 1 MiB into a 16 MiB /dev/shm: the rank buffers more than fits. Before, the feeder thread
     printed the failure, dropped the chunk, and the run hung until this test's timeout."""
-    done = _run_with_shm(16)
+    done = _run_with_shm(16, kind)
     assert done.returncode == 0, done.stderr[-2000:]
     error = done.stdout.strip()
     assert error.startswith("error SampleError sample "), (error, done.stderr[-2000:])
-    for said in ("field 'pixel_values' (a tensor of 1.0 MiB) could not be put in shared memory",
+    for said in (f"field '{field}' (a tensor of 1.0 MiB) could not be put in shared memory",
                  "No space left on device", "/dev/shm holds 16 MiB", "--shm-size", "max_buffer_bytes"):
         assert said in error, (said, error)
 

@@ -54,7 +54,10 @@ _MIB = 1 << 20
 # the rank waited for it forever. So the worker moves such tensors itself, before handing the chunk on
 # (`share_large`; the feeder then sends the file it finds, without a second copy), and a tensor that does not fit
 # turns its sample into an `Unsendable`: the rank raises a `SampleError` naming the sample, the field, /dev/shm's
-# size and free space, and the fixes (tests/test_shared_memory.py runs it under a 16 MiB /dev/shm).
+# size and free space, and the fixes (tests/test_shared_memory.py runs it under a 16 MiB /dev/shm, with the images
+# at the top level and inside a `BatchFeature`-like mapping). It looks into mappings, and lists or tuples holding
+# tensors or containers, 4 levels deep; sparse and nested tensors (no storage of their own) and anything deeper
+# are still shared by torch's reducer in the feeder, where a full /dev/shm would still hang the rank.
 
 
 class PackedTensor(NamedTuple):
@@ -104,32 +107,61 @@ def pack_sample(sample: Any, limit_bytes: int | None = PACK_LIMIT_BYTES) -> Any:
 
 
 def share_large(sample: Any) -> Any:
-    """Worker side, after `pack_sample`: the tensors it left (over the pipe limit) moved into shared memory now, in
-    the worker's own thread, or an `Unsendable` naming the field when that fails (NOTE [ Shared memory runs out ])."""
-    if type(sample) is not dict:
-        return sample
-    for key, value in sample.items():
-        for tensor in value if isinstance(value, list | tuple) else (value,):
-            if type(tensor) is torch.Tensor and tensor.device.type == "cpu" and not tensor.is_shared():
-                try:
-                    tensor.share_memory_()
-                except RuntimeError as exc:
-                    return Unsendable(_shm_failure(key, tensor, exc))
-    return sample
+    """Worker side, after `pack_sample`: the tensors it left (over the pipe limit, or not at the top level) moved
+    into shared memory now, in the worker's own thread, or an `Unsendable` naming the field when that fails (NOTE [
+    Shared memory runs out ]). Walks mappings (dicts, HF's `BatchFeature`) and lists or tuples that hold tensors,
+    lists or mappings (not lists of ids), down to `_SHARE_DEPTH` levels."""
+    failure = _share_in(sample, "", _SHARE_DEPTH)
+    return sample if failure is None else Unsendable(failure)
 
 
-def _shm_failure(key: str, tensor: torch.Tensor, exc: RuntimeError) -> str:
+_SHARE_DEPTH = 4  # levels of nesting `share_large` looks into; torch's reducer still shares anything deeper
+_NO_TENSOR = frozenset({PackedTensor, int, float, str, bool, bytes, type(None), np.ndarray})  # exact types
+
+
+def _share_in(value: Any, path: str, depth: int) -> str | None:
+    if isinstance(value, torch.Tensor):
+        if value.layout is not torch.strided or value.is_nested or value.device.type != "cpu":
+            return None  # torch's own reducers send these
+        try:
+            if not value.is_shared():
+                value.share_memory_()
+        except RuntimeError as exc:
+            return _shm_failure(path, value, exc)
+        return None
+    if depth == 0:
+        return None
+    if type(value) is dict or isinstance(value, Mapping):
+        items: Any = value.items()
+    elif isinstance(value, list | tuple) and value and type(value[0]) not in _NO_TENSOR:  # not a list of ids
+        items = enumerate(value)
+    else:
+        return None
+    for key, inner in items:
+        if type(inner) in _NO_TENSOR:
+            continue
+        where = f"{path}[{key}]" if isinstance(key, int) else (f"{path}.{key}" if path else str(key))
+        failure = _share_in(inner, where, depth - 1)
+        if failure is not None:
+            return failure
+    return None
+
+
+def _shm_failure(path: str, tensor: torch.Tensor, exc: RuntimeError) -> str:
+    what = (f"field {path!r} (a tensor of {tensor.numel() * tensor.element_size() / _MIB:,.1f} MiB) could not be "
+            f"put in shared memory to leave its DataLoader worker ({exc})")
+    if "No space left" not in str(exc):
+        return f"{what}; torch moves a worker's tensors to the rank through shared-memory files"
     try:
         stats = os.statvfs(SHM_DIR)
         room = (f"{SHM_DIR} holds {stats.f_blocks * stats.f_frsize / _MIB:,.0f} MiB, "
                 f"{stats.f_bavail * stats.f_frsize / _MIB:,.0f} MiB free now")
     except OSError:
         room = f"{SHM_DIR} could not be measured"
-    return (f"field {key!r} (a tensor of {tensor.numel() * tensor.element_size() / _MIB:,.1f} MiB) could not be put "
-            f"in shared memory to leave its DataLoader worker ({exc}); {room}. A rank keeps its buffered tensors over "
-            f"{PACK_LIMIT_BYTES // 1024} KiB there, up to about 2 x max_buffer_bytes (a round and the next fill), "
-            "and every rank on the host as much: give the host or container a larger /dev/shm (docker run "
-            "--shm-size, a Kubernetes emptyDir with medium: Memory), or lower max_buffer_bytes")
+    return (f"{what}; {room}. A rank keeps its buffered tensors there (those over {PACK_LIMIT_BYTES // 1024} KiB, "
+            "and any not at a sample's top level), up to about 2 x max_buffer_bytes (a round and the next fill), and "
+            "every rank on the host as much: give the host or container a larger /dev/shm (docker run --shm-size, "
+            "a Kubernetes emptyDir with medium: Memory), or lower max_buffer_bytes")
 
 
 def unpack_sample(sample: Any) -> Any:
