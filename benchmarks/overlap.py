@@ -12,7 +12,9 @@ user without ODB would size it, over a `DistributedSampler`. Both loaders read t
 workers per rank (--workers: one count per --worlds entry, or one for all). The seconds of processing per sample
 of `tokenize` and `vlm` (for the supply) are measured in this process before the runs (--timing-samples).
 `--odb-option key=value` (repeatable; ints, floats, true/false and none are parsed) goes to every ODBDataLoader;
-a `window` given that way replaces --windows. Writes a Markdown table to stdout and JSON to --out.
+a `window` given that way replaces --windows. `--host-copy` makes each simulated step first read the batch's bytes
+into a staging buffer, as a real step's copy to the device does (docs/benchmarks.md, "Where the VLM rows' gap lies
+on two cores"). Writes a Markdown table to stdout and JSON to --out.
 """
 
 from __future__ import annotations
@@ -93,6 +95,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--budget", type=int, default=16384)
     parser.add_argument("--step-us-per-token", type=float, default=1.5)
     parser.add_argument("--no-step-sync", action="store_true", help="no per-step all_reduce between ranks")
+    parser.add_argument("--host-copy", action="store_true",
+                        help="each step first copies the batch's bytes into a staging buffer (the host's part of the "
+                             "copy to a device; benchmarks/lib/accelerator.py)")
     parser.add_argument("--timing-samples", type=int, default=200)
     parser.add_argument("--out", default=str(RESULTS / "overlap.json"))
     args = parser.parse_args(argv)
@@ -104,7 +109,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     warnings.filterwarnings("ignore", message="This DataLoader will create")  # more workers than cores, knowingly
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # the W = 1 runs fork workers from this process
     torch.set_num_threads(1)
-    step = Step(us_per_token=args.step_us_per_token, sync=not args.no_step_sync)
+    step = Step(us_per_token=args.step_us_per_token, sync=not args.no_step_sync, host_copy=args.host_copy)
     rows = []
     with tempfile.TemporaryDirectory() as folder:
         measured = measured_setups(args, Path(folder))

@@ -9,11 +9,12 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from benchmarks import buffer_memory
-from benchmarks.lib.accelerator import Step
+from benchmarks.lib.accelerator import _STAGING, Step, copy_to_staging
 from benchmarks.lib.odb_options import parse_options
 from benchmarks.lib.overlap_runs import Setup, run_world
 from benchmarks.lib.round_model import epoch_seconds, latency_bound, rounds_of
@@ -24,16 +25,24 @@ POSITIVE = ("samples_per_s", "vs_plain", "busy", "busy_min", "efficiency", "firs
             "demand", "wall_s", "synced_demand", "synced_efficiency")
 
 
-def tiny_setup(workers: int) -> Setup:
+def tiny_setup(workers: int, host_copy: bool = False) -> Setup:
     return Setup(workload="sleep", samples=SAMPLES, process_ms=0.5, folder="", budget=4096, fixed_batch=2,
                  process_s=0.5e-3, workers=workers, windows=(16,), plannings=("global", "local"),
-                 step=Step(us_per_token=0.5))
+                 step=Step(us_per_token=0.5, host_copy=host_copy))
+
+
+def test_the_host_copy_reads_every_byte_of_the_batch():
+    pixels = torch.arange(24, dtype=torch.float32).view(4, 6).t()  # not contiguous
+    batch = {"input_ids": torch.arange(10).view(2, 5), "pixel_values": pixels, "info": "not a tensor"}
+    assert copy_to_staging(batch) == 10 * 8 + 24 * 4
+    staged = _STAGING[0][: 24 * 4].view(torch.float32).view(6, 4)  # the last tensor copied
+    assert torch.equal(staged, pixels)
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize(("world", "workers"), [(1, 2), (2, 1)])
-def test_every_loader_is_reported_and_odb_trains_each_sample_once(world, workers):
-    rows = run_world([tiny_setup(workers)], world)
+@pytest.mark.parametrize(("world", "workers", "host_copy"), [(1, 2, True), (2, 1, False)])
+def test_every_loader_is_reported_and_odb_trains_each_sample_once(world, workers, host_copy):
+    rows = run_world([tiny_setup(workers, host_copy)], world)
     planned = ["global", "local"] if world > 1 else ["any"]
     assert [(r["loader"], r["planning"]) for r in rows] == [("plain", None)] + [("odb window 16", p) for p in planned]
     for row in rows:
