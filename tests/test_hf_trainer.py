@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import math
 
 import pytest
@@ -293,6 +294,40 @@ def test_a_pad_collator_behind_the_trainers_column_remover_is_collated_when_take
     assert first.info.round == 0 and len(rest) >= 4 and collator.calls == checked + 1 + len(rest)
     assert sorted(i for b in [first, *rest] for i in b.info.indices) == list(range(30))
     assert collator.released >= 1  # at the epoch's end
+
+
+class HeldIdLists(torch.utils.data.Dataset):
+    """Samples whose ids are lists made at each read (lengths no other list in the process has); at each chunk read
+    it counts the lists of those lengths alive in the process: the samples the window holds, unless compacted."""
+
+    def __init__(self, n: int) -> None:
+        self.lengths, self.held = [700 + i for i in range(n)], []
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def __getitem__(self, index: int) -> dict:
+        ids = [3 + (k % 90) for k in range(self.lengths[index])]
+        return {"input_ids": ids, "labels": list(ids)}
+
+    def __getitems__(self, indices: list[int]) -> list[dict]:
+        wanted = set(self.lengths)
+        self.held.append(sum(1 for o in gc.get_objects() if type(o) is list and len(o) in wanted and o
+                             and type(o[0]) is int))
+        return [self[i] for i in indices]
+
+
+def test_ids_behind_the_trainers_column_remover_are_buffered_as_arrays(tmp_path):
+    """NOTE [ Compact buffered samples ]: behind the Trainer's column remover (a non-Arrow dataset) a PadCollator
+    gets the ids as int64 arrays, as without it: the filling window holds no list for the garbage collector to walk
+    (before: two lists per buffered sample, 0, 128, 256, 384 at the chunk reads)."""
+    dataset = HeldIdLists(200)
+    trainer = Trainer(model=hf_support.tiny_llama(), args=make_args(tmp_path), train_dataset=dataset,
+                      data_collator=PadCollator(pad_token_id=hf_support.PAD),
+                      callbacks=[ODBCallback(token_budget=4096, window=200, min_window=None)])
+    batch = next(iter(trainer.get_train_dataloader()))
+    assert batch["input_ids"].shape[1] >= 700
+    assert len(dataset.held) == 4 and dataset.held == [0, 0, 0, 0], dataset.held
 
 
 def test_collator_that_drops_labels_is_refused(chat_data, tmp_path):

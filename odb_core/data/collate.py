@@ -230,9 +230,17 @@ def is_label_preserving(collate_fn: CollateFn) -> bool:
     samples to such a collator and returns its labels and ids untouched may forward it (an attribute or a
     property). Any other collator, and anything without the attribute (a function, HF's DataCollatorForSeq2Seq
     and LLaMA-Factory's collators, which may mask, shift or pad labels to a multiple), is not: its batches are
-    counted on the batch itself. The adapters pass the framework's collator through (HF wraps it in its own
-    RemoveColumnsCollator), so only `PadCollator` and what a user declares count from the samples."""
+    counted on the batch itself. The adapters pass the framework's collator through; HF wraps it in its own
+    RemoveColumnsCollator, which odb_hf forwards the promise through (`ColumnsRemoved`) when it wraps one that
+    makes it. So only `PadCollator` and what a user declares count from the samples."""
     return getattr(collate_fn, "preserves_labels", False) is True
+
+
+def takes_id_arrays(collate_fn: CollateFn) -> bool:
+    """Whether `collate_fn` batches ids handed over as int64 arrays as it would the lists (NOTE [ Compact buffered
+    samples ] in sample.py): `PadCollator` itself (a subclass may read the lists its own way), or a collator whose
+    `takes_id_arrays` attribute is `True` (odb_hf's wrapper of HF's column remover over a `PadCollator`)."""
+    return type(collate_fn) is PadCollator or getattr(collate_fn, "takes_id_arrays", False) is True
 
 
 def sample_supervised_tokens(samples: Sequence[Mapping[str, Any]]) -> int:

@@ -152,9 +152,10 @@ def compact_ids(sample: Any, integer_keys: frozenset[str] = frozenset()) -> Any:
     A window buffers thousands of samples; as Python lists of ints a token costs ~36 bytes, and the cyclic garbage
     collector walks every element of every buffered list whenever a collection runs (a plain DataLoader frees its
     batch before one triggers; ODB holds the window across many). When ODB's own `PadCollator` batches the samples
-    and no `length_fn` reads them, the stream hands each 1-D list of integer ids under an `ID_FIELDS` key over as
-    an int64 ndarray instead: 8 bytes per token, nothing for the collector to walk, a memcpy when padded, and a
-    cheaper pickle from worker processes. The conversion costs what padding from the list cost before (one C
+    (`collate.takes_id_arrays`: also behind the HF Trainer's column remover) and no `length_fn` reads them, the
+    stream hands each 1-D list of integer ids under an `ID_FIELDS` key over as an int64 ndarray instead: 8 bytes
+    per token, nothing for the collector to walk, a memcpy when padded, and a cheaper pickle from worker
+    processes. The conversion costs what padding from the list cost before (one C
     pass), so it moves work rather than adding it. Lists that are empty, nested or not all integers stay lists,
     so `inspect_sample` reports them exactly as before; the dataset's own dict is never modified (a new one is
     built). The new dict is built key by key rather than copied: a dict that holds only arrays, numbers and

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch.utils.data import Sampler
 
-from odb_core.data.collate import CollateFn, PadCollator
+from odb_core.data.collate import CollateFn, PadCollator, takes_id_arrays
 from odb_core.data.sample import LengthFn
 from odb_core.data.sendable import open_files_needed
 from odb_core.epoch.estimate import ExactPlan, estimate_steps, plan_epochs_exactly
@@ -122,7 +122,7 @@ class ODBDataLoader:
                                        worker_timeout_s=config.worker_timeout_s, worker_options=worker_options,
                                        idle_sample=idle_sample, reader_thread=config.reader_thread,
                                        open_files=open_files_needed(config.max_buffer_bytes, config.window),
-                                       compact_ids=type(collate_fn) is PadCollator and length_fn is None)
+                                       compact_ids=takes_id_arrays(collate_fn) and length_fn is None)
         self._stream = SampleStream(dataset, stream_options, rank=self.transport.rank,
                                     world_size=self.transport.world_size)
         self.sampler = self._stream.sampler
