@@ -1,6 +1,7 @@
-"""NOTE [ Compact buffered samples ]: with ODB's own `PadCollator`, lists of ids wait in the window as int64
-arrays. The batches are the ones the lists give, the dataset's dicts are left alone, the garbage collector has no
-buffered list to walk, and a sample that is not integer ids is still refused naming its index."""
+"""NOTE [ Compact buffered samples ]: lists of ids wait in the window as int64 arrays, whatever the collator;
+`PadCollator` takes them, another collator gets lists again. The batches are the ones the lists give, the
+dataset's dicts are left alone, the garbage collector has no buffered list to walk, and a sample that is not
+integer ids is still refused naming its index."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from odb_core import ODBDataLoader, PadCollator, SampleError
-from odb_core.data.sample import compact_ids
+from odb_core import ODBDataLoader, PadCollator, SampleError, run_virtual_ranks
+from odb_core.data.sample import ID_FIELDS, compact_ids, is_compacted
 from odb_core.data.sources import Handover, IndexedDataset, arrow_arrays, integer_columns
 
 MODES = [pytest.param(0, 0, id="inline"), pytest.param(0, 2, id="thread"), pytest.param(2, 2, id="workers")]
@@ -38,7 +39,11 @@ def epoch(dataset, collate_fn=None, num_workers: int = 0, prefetch_steps: int = 
 
 
 def not_pad_collator(samples):
-    """PadCollator behind another callable: ODB cannot know what it expects, so it hands the lists over as read."""
+    """PadCollator behind another callable: ODB cannot know what it expects, so it hands the ids over as read
+    (lists), whatever it buffered them as."""
+    for sample in samples:
+        for key in ID_FIELDS:
+            assert key not in sample or type(sample[key]) is list, (key, type(sample[key]))
     return PadCollator()(samples)
 
 
@@ -79,18 +84,60 @@ class CountsHeldLists(torch.utils.data.Dataset):
         return self.arrow.__getitems__(indices)
 
 
+IDLE_LENGTHS = [100 if i % 2 == 0 else 4 for i in range(9)]  # IDLE steps on both ranks (test_collate_on_take.py)
+
+
+@pytest.mark.parametrize("options", [dict(planning="local", max_batch_size=4, token_budget=128, accumulation_steps=2),
+                                     dict(planning="global", shuffle=True, move="send", token_budget=1024)],
+                         ids=["idle", "moves"])
+def test_a_collator_that_does_not_take_arrays_gets_lists_in_idle_steps_and_moved_samples_too(options):
+    """The zero-weight dummy of an IDLE step is made from a compacted sample, and a moved sample is pickled
+    between ranks: both keep the mark, so the collator gets lists there too, and the batches are PadCollator's."""
+    lengths = IDLE_LENGTHS if options["planning"] == "local" else LENGTHS
+    rows = [conversation(i, n) for i, n in enumerate(lengths)]
+
+    def rank(transport, collate_fn):
+        loader = ODBDataLoader(rows, window=32, collate_fn=collate_fn, transport=transport, **options)
+        try:
+            steps = [(b.info.is_idle, b.info.indices, {k: b[k].tolist() for k in ("input_ids", "labels")})
+                     for b in loader]
+            return steps, loader.metrics.moved_samples
+        finally:
+            loader.close()
+
+    as_lists = run_virtual_ranks(lambda r, t: rank(t, not_pad_collator), 2)
+    assert as_lists == run_virtual_ranks(lambda r, t: rank(t, None), 2)
+    if options["planning"] == "local":
+        assert any(idle for steps, _ in as_lists for idle, _, _ in steps)
+    else:
+        assert all(moved > 0 for _, moved in as_lists)
+
+
+def test_ids_the_dataset_gives_as_arrays_reach_another_collator_as_arrays():
+    """Only what ODB compacted becomes a list again: a dataset's own arrays stay arrays."""
+    rows = [{key: np.asarray(value, dtype=np.int64) for key, value in conversation(i, n).items()}
+            for i, n in enumerate(LENGTHS[:30])]
+    seen = set()
+
+    def collate(samples):
+        seen.update(type(sample[key]) for sample in samples for key in ("input_ids", "labels"))
+        return PadCollator()(samples)
+
+    assert sorted(i for indices, _ in epoch(rows, collate_fn=collate) for i in indices) == list(range(30))
+    assert seen == {np.ndarray}
+
+
 @pytest.mark.parametrize("pad_collator", [True, False], ids=["PadCollator", "another_collator"])
 def test_a_filling_window_holds_no_list_for_the_collector_to_walk(pad_collator):
+    """Whatever the collator: a collator that does not take arrays gets the ids as lists again when it collates
+    (`not_pad_collator` checks), while the window holds arrays. Before, its window held two lists per buffered
+    sample: 0, 128, 256, 384 at the chunk reads."""
     dataset = CountsHeldLists([700 + i for i in range(200)])  # list lengths no other object in the process has
     loader = ODBDataLoader(dataset, token_budget=4096, window=200, min_window=None, prefetch_steps=0,
                            collate_fn=None if pad_collator else not_pad_collator)
     next(iter(loader))  # reads the whole window (in chunks of 64) before the first batch
     loader.close()
-    assert len(dataset.held) == 4  # chunks start after 0, 64, 128 and 192 samples are buffered
-    if pad_collator:
-        assert dataset.held == [0, 0, 0, 0]
-    else:  # the same window as lists: two per buffered sample (input_ids and labels)
-        assert dataset.held == [0, 128, 256, 384]
+    assert dataset.held == [0, 0, 0, 0]  # chunks start after 0, 64, 128 and 192 samples are buffered
 
 
 @pytest.mark.parametrize(("num_workers", "prefetch_steps"), MODES)
@@ -201,7 +248,10 @@ def test_ids_a_view_cannot_hold_and_rows_of_one_block_are_left_as_before():
     big = datasets.Dataset(pa.table({"input_ids": pa.array([[1, 2**64 - 1], [3, 4]], type=pa.list_(pa.uint64()))}))
     assert integer_columns(big) == {"input_ids"} and arrow_arrays(big, integer_columns(big)) is None  # no wrap
     same = as_arrow([conversation(i, 16) for i in range(8)])  # equal lengths: numpy gives one 8 x 16 block
-    indexed = IndexedDataset(same, Handover(compact=True, integer_keys=integer_columns(same)))
+    indexed = IndexedDataset(same, Handover(compact=True, mark=True, integer_keys=integer_columns(same)))
     rows = [sample for _, sample in indexed.__getitems__(list(range(8)))]
-    assert all(row[key].base is None for row in rows for key in ("input_ids", "labels"))  # each holds its own
+    for row in rows:  # each holds its own row (a marked view of it at most), not the chunk's block
+        for key in ("input_ids", "labels"):
+            owner = row[key] if row[key].base is None else row[key].base
+            assert owner.base is None and owner.nbytes == row[key].nbytes and is_compacted(row[key])
     assert [row["input_ids"].tolist() for row in rows] == same["input_ids"]

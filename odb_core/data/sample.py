@@ -145,35 +145,62 @@ _new_item = tuple.__new__  # Item's fields in order, without the named tuple's P
 
 ID_FIELDS = ("input_ids", "labels", "attention_mask", "position_ids", "token_type_ids", "mm_token_type_ids")
 ID_KEYS = frozenset(ID_FIELDS)
+_COMPACTED = {"odb": "ids compacted from a list"}
+ID_DTYPE = np.dtype(np.int64, metadata=_COMPACTED)  # int64 (equal to it), marked: `restore_id_lists` knows them
 
 
-def compact_ids(sample: Any, integer_keys: frozenset[str] = frozenset()) -> Any:
+def compact_ids(sample: Any, integer_keys: frozenset[str] = frozenset(), mark: bool = False) -> Any:
     """NOTE [ Compact buffered samples ]
     A window buffers thousands of samples; as Python lists of ints a token costs ~36 bytes, and the cyclic garbage
     collector walks every element of every buffered list whenever a collection runs (a plain DataLoader frees its
-    batch before one triggers; ODB holds the window across many). When ODB's own `PadCollator` batches the samples
-    (`collate.takes_id_arrays`: also behind the HF Trainer's column remover) and no `length_fn` reads them, the
+    batch before one triggers; ODB holds the window across many). When no `length_fn` reads the samples, the
     stream hands each 1-D list of integer ids under an `ID_FIELDS` key over as an int64 ndarray instead: 8 bytes
     per token, nothing for the collector to walk, a memcpy when padded, and a cheaper pickle from worker
-    processes. The conversion costs what padding from the list cost before (one C
-    pass), so it moves work rather than adding it. Lists that are empty, nested or not all integers stay lists,
-    so `inspect_sample` reports them exactly as before; the dataset's own dict is never modified (a new one is
-    built). The new dict is built key by key rather than copied: a dict that holds only arrays, numbers and
-    strings is then untracked by the collector, so a buffered sample adds nothing to what a full collection walks
-    or to the count of promoted objects that triggers one (docs/benchmarks.md, "The loader's hot path").
-    Under `integer_keys` (columns whose Arrow schema holds integers, see `sources.integer_columns`) the per-element
-    check is skipped: a float cannot be there, and a null makes the conversion fail, leaving the list to the
-    checks."""
+    processes. ODB's own `PadCollator` takes the arrays (`collate.takes_id_arrays`: also behind the HF Trainer's
+    column remover); any other collator (HF's `DataCollatorForSeq2Seq`, LLaMA-Factory's, TRL's, a user's
+    function) gets lists again, the values the dataset gave, when it collates a step (`restore_id_lists`, in
+    `Collation`): it sees what it saw before, while the window holds arrays. For it (`mark`) the arrays' dtype is
+    int64 marked as made from a list (`ID_DTYPE`, numpy dtype metadata: equal to int64 everywhere, kept by
+    pickling and copies), so that only what ODB compacted becomes a list again. For PadCollator the conversion
+    costs what padding from the list cost before (one C pass), so it moves work rather than adding it; for another
+    collator a step's `tolist` (~5 µs per 1,000 ids) is far less than the collector's walks it saves. Lists that
+    are empty, nested or not all integers stay lists, so `inspect_sample` reports them exactly as before; the
+    dataset's own dict is never modified (a new one is built). The new dict is built key by key rather than
+    copied: a dict that holds only arrays, numbers and strings is then untracked by the collector, so a buffered
+    sample adds nothing to what a full collection walks or to the count of promoted objects that triggers one
+    (docs/benchmarks.md, "The loader's hot path"). Under `integer_keys` (columns whose Arrow schema holds
+    integers, see `sources.integer_columns`) the per-element check is skipped: a float cannot be there, and a null
+    makes the conversion fail, leaving the list to the checks."""
     if type(sample) is not dict:
         return sample
     arrays = {}
     for key, value in sample.items():  # a sample has few keys: cheaper than looking every ID_FIELDS key up
         if type(value) is list and key in ID_KEYS and value and (key in integer_keys or non_integer(value) is None):
             try:  # ~13 µs per 1,000 ids: less than np.array(value), which infers a dtype first
-                arrays[key] = np.fromiter(value, dtype=np.int64, count=len(value))
+                arrays[key] = np.fromiter(value, dtype=ID_DTYPE if mark else np.int64, count=len(value))
             except (TypeError, ValueError, OverflowError):  # nested, or an id beyond int64: left to the checks
                 continue
     return {key: arrays.get(key, value) for key, value in sample.items()} if arrays else sample
+
+
+def is_compacted(value: Any) -> bool:
+    """Whether `value` is an id array that ODB made from a list (`compact_ids`, NOTE [ Arrow ids read as arrays ])."""
+    return type(value) is np.ndarray and value.dtype.metadata == _COMPACTED
+
+
+def restore_id_lists(sample: Any) -> Any:
+    """The sample with each id array ODB made from a list a list again (Python ints, the values the dataset gave),
+    for a collator that does not take arrays (NOTE [ Compact buffered samples ]); a new dict, or `sample` itself
+    when it holds none."""
+    if type(sample) is not dict:
+        return sample
+    restored = None
+    for key, value in sample.items():
+        if type(value) is np.ndarray and value.dtype.metadata is not None and value.dtype.metadata == _COMPACTED:
+            if restored is None:
+                restored = dict(sample)
+            restored[key] = value.tolist()
+    return sample if restored is None else restored
 
 
 def as_dummy(sample: Mapping[str, Any]) -> dict[str, Any]:
@@ -182,8 +209,9 @@ def as_dummy(sample: Mapping[str, Any]) -> dict[str, Any]:
     reference = sample.get("labels", sample["input_ids"])
     if isinstance(reference, torch.Tensor):
         dummy["labels"] = torch.full_like(reference, IGNORE_INDEX, dtype=torch.long)
-    elif isinstance(reference, np.ndarray):
-        dummy["labels"] = np.full(reference.shape, IGNORE_INDEX, dtype=np.int64)
+    elif isinstance(reference, np.ndarray):  # compacted ids stay marked, to become a list again as the ids do
+        dtype = ID_DTYPE if is_compacted(reference) else np.int64
+        dummy["labels"] = np.full(reference.shape, IGNORE_INDEX, dtype=dtype)
     else:
         dummy["labels"] = [IGNORE_INDEX] * len(reference)
     return dummy

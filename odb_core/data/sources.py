@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, IterableDataset, Sampler, get_worker_info
 
-from odb_core.data.sample import ID_FIELDS, ID_KEYS, compact_ids
+from odb_core.data.sample import ID_DTYPE, ID_FIELDS, ID_KEYS, compact_ids
 from odb_core.data.sendable import pack_sample, sendable, share_large
 
 
@@ -103,6 +103,7 @@ class Handover:
 
     pack: bool = False
     compact: bool = False
+    mark: bool = False  # compacted ids marked as made from lists, for a collator that gets lists again
     integer_keys: frozenset[str] = frozenset()  # `integer_columns` of the dataset
 
     def __call__(self, sample: Any) -> Any:
@@ -112,7 +113,7 @@ class Handover:
         """The samples of one chunk, handed over. A chunk whose first sample holds no list of ids (a dataset of
         tensors) is not compacted: the look at every sample would find nothing to convert."""
         if self.compact and samples and holds_id_list(samples[0]):
-            samples = [compact_ids(sample, self.integer_keys) for sample in samples]
+            samples = [compact_ids(sample, self.integer_keys, self.mark) for sample in samples]
         return [sendable(share_large(pack_sample(sample))) for sample in samples] if self.pack else samples
 
 
@@ -215,7 +216,9 @@ class IndexedDataset(Dataset):
                     samples[k] = self.dataset[indices[k]]
                     break
                 if value.base is not None:  # a row of one chunk-wide block: its own copy
-                    sample[key] = value.copy()
+                    value = sample[key] = value.copy()
+                if self.handover.mark:  # made from a list for the collator (`restore_id_lists`)
+                    sample[key] = value.view(ID_DTYPE)
         return samples
 
     def __len__(self) -> int:
@@ -242,10 +245,11 @@ class IndexedIterable(IterableDataset):
     """
 
     def __init__(self, dataset: IterableDataset, *, rank: int, world_size: int, shard: bool, chunk: int,
-                 compact: bool = False) -> None:
+                 compact: bool = False, mark: bool = False) -> None:
         self.dataset, self.rank, self.world_size = dataset, rank, world_size
         self.shard, self.chunk = shard, chunk
         self.compact, self.integer_keys = compact, integer_columns(dataset) if compact else frozenset()
+        self.mark = mark
 
     def tagged(self, part: int = 0, parts: int = 1) -> Iterator[tuple[int, Any]]:
         """This rank's samples of the stream this process reads (part `part` of `parts`), with their tags."""
@@ -261,7 +265,8 @@ class IndexedIterable(IterableDataset):
         worker, n_workers = (info.id, info.num_workers) if info is not None else (0, 1)
         splits = worker_parts(self.dataset, n_workers) > 1  # see the NOTE above
         stream = self.tagged(worker, n_workers) if splits else self.tagged()
-        handover = Handover(pack=info is not None, compact=self.compact, integer_keys=self.integer_keys)
+        handover = Handover(pack=info is not None, compact=self.compact, integer_keys=self.integer_keys,
+                            mark=self.mark)
         changes = handover.pack or handover.compact
         for c in itertools.count():
             chunk = list(itertools.islice(stream, self.chunk))

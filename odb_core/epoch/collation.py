@@ -32,8 +32,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from odb_core.data.collate import (CollateFn, is_label_preserving, padded_tokens, run_collate, sample_padded_tokens,
-                                   sample_supervised_tokens, supervised_tokens)
-from odb_core.data.sample import LengthFn, as_dummy, input_tokens
+                                   sample_supervised_tokens, supervised_tokens, takes_id_arrays)
+from odb_core.data.sample import LengthFn, as_dummy, input_tokens, restore_id_lists
 from odb_core.planning.grouping import Group
 from odb_core.ranks.moves_ahead import Moved
 
@@ -68,17 +68,20 @@ class PlannedStep:
 class Collation:
     """How one epoch counts and collates its steps (NOTE [ A step is collated when it is taken ]).
 
-    `from_samples` is `is_label_preserving(collate_fn)`, decided once per epoch; `release` frees the worker
-    iterator when a collation fails."""
+    `from_samples` is `is_label_preserving(collate_fn)`, decided once per epoch; `lists` that the collator is given
+    ids as lists (`restore_id_lists`: it does not take the arrays they were buffered as, NOTE [ Compact buffered
+    samples ]); `release` frees the worker iterator when a collation fails."""
 
     collate_fn: CollateFn
     length_fn: LengthFn | None
     from_samples: bool
     release: Callable[[], None]
+    lists: bool = False
 
     @staticmethod
     def of(collate_fn: CollateFn, length_fn: LengthFn | None, release: Callable[[], None]) -> Collation:
-        return Collation(collate_fn, length_fn, is_label_preserving(collate_fn), release)
+        return Collation(collate_fn, length_fn, is_label_preserving(collate_fn), release,
+                         lists=not takes_id_arrays(collate_fn))
 
     def plan(self, slot: Group, samples: list[Any]) -> PlannedStep:
         """The step of a real slot whose samples are `samples` (a `Moved` for one still in flight: NOTE [ Moves
@@ -121,7 +124,8 @@ class Collation:
 
     def _collate(self, samples: list[Any], indices: Sequence[int], release: bool = True) -> Mapping[str, Any]:
         try:
-            return run_collate(self.collate_fn, samples, indices)
+            return run_collate(self.collate_fn, [restore_id_lists(s) for s in samples] if self.lists else samples,
+                               indices)
         except BaseException:
             if release:
                 self.release()

@@ -93,6 +93,7 @@ class StreamOptions:
     worker_options: Mapping[str, Any]
     idle_sample: Mapping[str, Any] | None
     compact_ids: bool = False  # NOTE [ Compact buffered samples ]
+    mark_ids: bool = False  # the collator gets compacted ids as lists again (`restore_id_lists`)
     reader_thread: bool = True  # NOTE [ A thread reads the workers ] in reader_thread.py
     open_files: int = 0  # what the buffers may hold open (NOTE [ The pipe or shared memory ] in sendable.py)
 
@@ -159,10 +160,10 @@ class SampleStream:
             self._watch = WorkerWatch(rank=rank, rank_pid=os.getpid(), user_init=user_init)
         if self.size is None:
             self._iterable = IndexedIterable(dataset, rank=rank, world_size=world_size, shard=options.shard_iterable,
-                                             chunk=chunk, compact=options.compact_ids)
+                                             chunk=chunk, compact=options.compact_ids, mark=options.mark_ids)
         else:
             self._chunks = ChunkSampler(self.sampler, chunk)  # type: ignore[arg-type]
-            handover = Handover(pack=options.num_workers > 0, compact=options.compact_ids,
+            handover = Handover(pack=options.num_workers > 0, compact=options.compact_ids, mark=options.mark_ids,
                                 integer_keys=integer_columns(dataset) if options.compact_ids else frozenset())
             self._indexed = _CheckedDataset(dataset, handover)
         self._workers = self._build_workers()
