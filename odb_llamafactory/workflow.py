@@ -48,7 +48,10 @@ class ODBSeq2SeqTrainer(ODBTrainerMixin, CustomSeq2SeqTrainer):
 
 class CollatorPaddedLength:
     """Cost length of a sample as LLaMA-Factory's collator pads it: `len(input_ids)` rounded up to a multiple of
-    `PAD_MULTIPLE`, so that a `padded` budget bounds the tensors actually built (module-level: picklable)."""
+    `PAD_MULTIPLE`, so that a `padded` budget bounds the tensors actually built (module-level: picklable). It reads
+    only the ids' length, so the window may hold them as arrays (NOTE [ Compact buffered samples ])."""
+
+    takes_id_arrays = True
 
     def __call__(self, sample: Mapping[str, Any]) -> int:
         return math.ceil(len(sample["input_ids"]) / PAD_MULTIPLE) * PAD_MULTIPLE

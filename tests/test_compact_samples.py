@@ -29,13 +29,18 @@ def as_arrow(rows: list[dict]) -> datasets.Dataset:
     return datasets.Dataset.from_dict({key: [row[key] for row in rows] for key in ("input_ids", "labels")})
 
 
-def epoch(dataset, collate_fn=None, num_workers: int = 0, prefetch_steps: int = 0) -> list:
+def epoch(dataset, collate_fn=None, num_workers: int = 0, prefetch_steps: int = 0, length_fn=None) -> list:
     loader = ODBDataLoader(dataset, token_budget=1024, collate_fn=collate_fn, num_workers=num_workers,
-                           prefetch_steps=prefetch_steps, shuffle=True)
+                           prefetch_steps=prefetch_steps, shuffle=True, length_fn=length_fn)
     try:
         return [(b.info.indices, {k: b[k] for k in ("input_ids", "labels", "attention_mask")}) for b in loader]
     finally:
         loader.close()
+
+
+def ids_length(sample) -> int:
+    """A `length_fn` that does not say it takes arrays: the window keeps the lists as the dataset gave them."""
+    return len(sample["input_ids"])
 
 
 def not_pad_collator(samples):
@@ -53,7 +58,7 @@ def test_compacted_samples_give_the_batches_of_the_lists(source, num_workers, pr
     rows = [conversation(i, n) for i, n in enumerate(LENGTHS)]
     dataset = as_arrow(rows) if source == "arrow" else rows
     compact = epoch(dataset, num_workers=num_workers, prefetch_steps=prefetch_steps)
-    as_read = epoch(dataset, collate_fn=not_pad_collator)
+    as_read = epoch(dataset, collate_fn=not_pad_collator, length_fn=ids_length)  # a length_fn: nothing compacted
     assert [indices for indices, _ in compact] == [indices for indices, _ in as_read]
     assert sorted(i for indices, _ in compact for i in indices) == list(range(len(LENGTHS)))
     for (_, got), (_, want) in zip(compact, as_read, strict=True):
@@ -111,6 +116,36 @@ def test_a_collator_that_does_not_take_arrays_gets_lists_in_idle_steps_and_moved
         assert any(idle for steps, _ in as_lists for idle, _, _ in steps)
     else:
         assert all(moved > 0 for _, moved in as_lists)
+
+
+def element_types(sample) -> dict:
+    return {key: (type(value).__name__, type(value[0]).__name__) for key, value in sample.items() if key in ID_FIELDS}
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("source", ["arrow", "dicts"])
+def test_another_collator_gets_the_element_types_the_dataset_gave(source, num_workers):
+    """A mask of bools and ids that are numpy integers are not compacted for a collator that gets lists: they
+    would come back as Python ints, and `torch.tensor` of them would be int64, not bool or int32."""
+    rows = [{**conversation(i, n), "attention_mask": [True] * n, "position_ids": [np.int32(t) for t in range(n)]}
+            for i, n in enumerate(LENGTHS[:40])]
+    dataset = datasets.Dataset.from_dict({key: [row[key] for row in rows] for key in rows[0]}) \
+        if source == "arrow" else rows
+    want = element_types(dataset[0])  # every row alike; Arrow gives Python ints for the int32 column
+    assert want["attention_mask"] == ("list", "bool") and want["input_ids"] == ("list", "int")
+    seen = []
+
+    def collate(samples):
+        seen.extend(element_types(sample) for sample in samples)
+        return PadCollator()([{key: value for key, value in sample.items() if key != "position_ids"}
+                              for sample in samples])
+
+    loader = ODBDataLoader(dataset, token_budget=1024, collate_fn=collate, num_workers=num_workers)
+    try:
+        assert sum(len(b.info.indices) for b in loader) == 40
+    finally:
+        loader.close()
+    assert len(seen) == 40 and all(types == want for types in seen), (want, seen[:2])
 
 
 def test_ids_the_dataset_gives_as_arrays_reach_another_collator_as_arrays():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import math
 
+import numpy as np
 import pytest
 import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments
@@ -317,16 +318,25 @@ class HeldIdLists(torch.utils.data.Dataset):
         return [self[i] for i in indices]
 
 
-def test_ids_behind_the_trainers_column_remover_are_buffered_as_arrays(tmp_path):
+def test_ids_behind_the_trainers_column_remover_are_buffered_as_arrays(tmp_path, monkeypatch):
     """NOTE [ Compact buffered samples ]: behind the Trainer's column remover (a non-Arrow dataset) a PadCollator
-    gets the ids as int64 arrays, as without it: the filling window holds no list for the garbage collector to walk
-    (before: two lists per buffered sample, 0, 128, 256, 384 at the chunk reads)."""
+    gets the ids as the int64 arrays the window holds, as without it (not lists made again for it), and the filling
+    window holds no list for the garbage collector to walk (at afa14ef: 0, 128, 256, 384 lists at the chunk
+    reads)."""
     dataset = HeldIdLists(200)
     trainer = Trainer(model=hf_support.tiny_llama(), args=make_args(tmp_path), train_dataset=dataset,
                       data_collator=PadCollator(pad_token_id=hf_support.PAD),
                       callbacks=[ODBCallback(token_budget=4096, window=200, min_window=None)])
-    batch = next(iter(trainer.get_train_dataloader()))
-    assert batch["input_ids"].shape[1] >= 700
+    view = trainer.get_train_dataloader()  # checks the collator on one sample of the dataset: lists, not recorded
+    given, collate = set(), PadCollator.__call__
+
+    def recording(self, samples):  # PadCollator itself, watched
+        given.update(type(sample[key]) for sample in samples for key in ("input_ids", "labels"))
+        return collate(self, samples)
+
+    monkeypatch.setattr(PadCollator, "__call__", recording)
+    batch = next(iter(view))
+    assert batch["input_ids"].shape[1] >= 700 and given == {np.ndarray}, given
     assert len(dataset.held) == 4 and dataset.held == [0, 0, 0, 0], dataset.held
 
 

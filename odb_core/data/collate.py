@@ -236,11 +236,12 @@ def is_label_preserving(collate_fn: CollateFn) -> bool:
     return getattr(collate_fn, "preserves_labels", False) is True
 
 
-def takes_id_arrays(collate_fn: CollateFn) -> bool:
-    """Whether `collate_fn` batches ids handed over as int64 arrays as it would the lists (NOTE [ Compact buffered
-    samples ] in sample.py): `PadCollator` itself (a subclass may read the lists its own way), or a collator whose
-    `takes_id_arrays` attribute is `True` (odb_hf's wrapper of HF's column remover over a `PadCollator`)."""
-    return type(collate_fn) is PadCollator or getattr(collate_fn, "takes_id_arrays", False) is True
+def takes_id_arrays(fn: Any) -> bool:
+    """Whether `fn`, a collator or a `length_fn`, reads ids handed over as int64 arrays as it would the lists (NOTE
+    [ Compact buffered samples ] in sample.py): `PadCollator` itself (a subclass may read the lists its own way), or
+    a callable whose `takes_id_arrays` attribute is `True` (odb_hf's wrapper of HF's column remover over a
+    `PadCollator`, LLaMA-Factory's padded length)."""
+    return type(fn) is PadCollator or getattr(fn, "takes_id_arrays", False) is True
 
 
 def sample_supervised_tokens(samples: Sequence[Mapping[str, Any]]) -> int:

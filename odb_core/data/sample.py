@@ -153,34 +153,48 @@ def compact_ids(sample: Any, integer_keys: frozenset[str] = frozenset(), mark: b
     """NOTE [ Compact buffered samples ]
     A window buffers thousands of samples; as Python lists of ints a token costs ~36 bytes, and the cyclic garbage
     collector walks every element of every buffered list whenever a collection runs (a plain DataLoader frees its
-    batch before one triggers; ODB holds the window across many). When no `length_fn` reads the samples, the
-    stream hands each 1-D list of integer ids under an `ID_FIELDS` key over as an int64 ndarray instead: 8 bytes
-    per token, nothing for the collector to walk, a memcpy when padded, and a cheaper pickle from worker
-    processes. ODB's own `PadCollator` takes the arrays (`collate.takes_id_arrays`: also behind the HF Trainer's
-    column remover); any other collator (HF's `DataCollatorForSeq2Seq`, LLaMA-Factory's, TRL's, a user's
+    batch before one triggers; ODB holds the window across many). Unless a `length_fn` that may need the lists
+    reads the samples, the stream hands each 1-D list of integer ids under an `ID_FIELDS` key over as an int64
+    ndarray instead: 8 bytes per token, nothing for the collector to walk, a memcpy when padded, and a cheaper
+    pickle from worker processes. A `length_fn` that reads only lengths says so (`takes_id_arrays = True`, as
+    LLaMA-Factory's `CollatorPaddedLength`). ODB's own `PadCollator` takes the arrays (`collate.takes_id_arrays`:
+    also behind the HF Trainer's column remover), where the conversion costs what padding from the list cost
+    before (one C pass). Any other collator (HF's `DataCollatorForSeq2Seq`, LLaMA-Factory's, TRL's, a user's
     function) gets lists again, the values the dataset gave, when it collates a step (`restore_id_lists`, in
-    `Collation`): it sees what it saw before, while the window holds arrays. For it (`mark`) the arrays' dtype is
-    int64 marked as made from a list (`ID_DTYPE`, numpy dtype metadata: equal to int64 everywhere, kept by
-    pickling and copies), so that only what ODB compacted becomes a list again. For PadCollator the conversion
-    costs what padding from the list cost before (one C pass), so it moves work rather than adding it; for another
-    collator a step's `tolist` (~5 µs per 1,000 ids) is far less than the collector's walks it saves. Lists that
-    are empty, nested or not all integers stay lists, so `inspect_sample` reports them exactly as before; the
-    dataset's own dict is never modified (a new one is built). The new dict is built key by key rather than
-    copied: a dict that holds only arrays, numbers and strings is then untracked by the collector, so a buffered
-    sample adds nothing to what a full collection walks or to the count of promoted objects that triggers one
-    (docs/benchmarks.md, "The loader's hot path"). Under `integer_keys` (columns whose Arrow schema holds
-    integers, see `sources.integer_columns`) the per-element check is skipped: a float cannot be there, and a null
-    makes the conversion fail, leaving the list to the checks."""
+    `Collation`; ~5 µs per 1,000 ids, far less than the collector's walks it saves): it sees what it saw before,
+    while the window holds arrays. For it (`mark`) only lists of Python ints are compacted (`_only_ints`: a list
+    of bools or of numpy integers would come back as ints, another tensor dtype), and the arrays' dtype is int64
+    marked as made from a list (`ID_DTYPE`, numpy dtype metadata: equal to int64 everywhere, kept by pickling and
+    copies), so that only what ODB compacted becomes a list again. Lists that are empty, nested or not all
+    integers stay lists, so `inspect_sample` reports them exactly as before; the dataset's own dict is never
+    modified (a new one is built). The new dict is built key by key rather than copied: a dict that holds only
+    arrays, numbers and strings is then untracked by the collector, so a buffered sample adds nothing to what a
+    full collection walks or to the count of promoted objects that triggers one (docs/benchmarks.md, "The
+    loader's hot path"). Under `integer_keys` (columns whose Arrow schema holds integers, see
+    `sources.integer_columns`) the per-element check is skipped: a float cannot be there, and a null makes the
+    conversion fail, leaving the list to the checks."""
     if type(sample) is not dict:
         return sample
     arrays = {}
     for key, value in sample.items():  # a sample has few keys: cheaper than looking every ID_FIELDS key up
-        if type(value) is list and key in ID_KEYS and value and (key in integer_keys or non_integer(value) is None):
+        if type(value) is list and key in ID_KEYS and value and (
+                key in integer_keys or (_only_ints(value) if mark else non_integer(value) is None)):
             try:  # ~13 µs per 1,000 ids: less than np.array(value), which infers a dtype first
                 arrays[key] = np.fromiter(value, dtype=ID_DTYPE if mark else np.int64, count=len(value))
             except (TypeError, ValueError, OverflowError):  # nested, or an id beyond int64: left to the checks
                 continue
     return {key: arrays.get(key, value) for key, value in sample.items()} if arrays else sample
+
+
+def _only_ints(value: list) -> bool:
+    """Whether the list holds Python ints, which `restore_id_lists` gives back as they were: its sum is an `int`
+    (a float or a numpy integer anywhere makes it another type; ~5 ns per element) and its ends are ints, not
+    bools (a mask of bools; a bool among ints inside the list is not looked for)."""
+    try:
+        total = sum(value)
+    except TypeError:
+        return False
+    return type(total) is int and type(value[0]) is int and type(value[-1]) is int
 
 
 def is_compacted(value: Any) -> bool:

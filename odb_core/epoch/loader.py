@@ -122,7 +122,7 @@ class ODBDataLoader:
                                        worker_timeout_s=config.worker_timeout_s, worker_options=worker_options,
                                        idle_sample=idle_sample, reader_thread=config.reader_thread,
                                        open_files=open_files_needed(config.max_buffer_bytes, config.window),
-                                       compact_ids=length_fn is None,
+                                       compact_ids=length_fn is None or takes_id_arrays(length_fn),
                                        mark_ids=not takes_id_arrays(collate_fn))
         self._stream = SampleStream(dataset, stream_options, rank=self.transport.rank,
                                     world_size=self.transport.world_size)
