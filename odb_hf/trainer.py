@@ -38,7 +38,7 @@ import torch
 from transformers import Trainer
 from transformers.trainer_utils import RemoveColumnsCollator
 
-from odb_core.data.collate import PadCollator, is_label_preserving
+from odb_core.data.collate import is_label_preserving, takes_id_arrays
 from odb_core.epoch.epoch_length import EpochView
 from odb_core.steps.accumulation import StepWindow, window_normalizer
 from odb_core.steps.loss import TokenLossScale, causal_lm_loss_sum, logits_of
@@ -225,7 +225,7 @@ class ColumnsRemoved:
     def takes_id_arrays(self) -> bool:
         """Ids compacted into arrays (NOTE [ Compact buffered samples ]) reach `PadCollator` through the remover,
         which only drops keys."""
-        return type(self.removing.data_collator) is PadCollator
+        return takes_id_arrays(self.removing.data_collator)
 
     def __call__(self, features: list[dict]) -> Any:
         return self.removing(features)

@@ -210,7 +210,7 @@ def restore_id_lists(sample: Any) -> Any:
         return sample
     restored = None
     for key, value in sample.items():
-        if type(value) is np.ndarray and value.dtype.metadata is not None and value.dtype.metadata == _COMPACTED:
+        if is_compacted(value):
             if restored is None:
                 restored = dict(sample)
             restored[key] = value.tolist()
