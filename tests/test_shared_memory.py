@@ -11,6 +11,8 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
+import time
 from collections import UserDict
 from pathlib import Path
 
@@ -18,6 +20,7 @@ import pytest
 import torch
 
 from odb_core.data.sendable import PACK_LIMIT_BYTES, PackedTensor, pack_sample, share_large
+from odb_core.data.sources import Handover
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -48,6 +51,56 @@ def test_share_large_looks_into_mappings_and_lists_and_leaves_what_torch_sends_i
     assert torch.equal(pixels, torch.ones(1 << 18)) and sample["ids"] == [1, 2, 3]
     assert torch.equal(sparse.to_dense(), torch.eye(3)) and nested.is_nested
 
+
+
+class _GatedImage(torch.Tensor):
+    """An image whose move into shared memory first waits (up to 10 s) for `gate`, and records whether it opened."""
+
+    def share_memory_(self):
+        self.opened = self.gate.wait(10)
+        return super().share_memory_()
+
+
+def test_a_workers_sample_moves_to_shared_memory_while_the_next_one_is_read():
+    """NOTE [ Sharing beside processing ]: a worker hands a sample's large tensors to its share lane and reads
+    (processes) the next sample meanwhile. The first image's move waits until the second sample's read has begun,
+    and that read waits until the first image is in shared memory: both hold only if the move runs beside the
+    read. Moved before the next read (in line), the move waits in vain (`opened` is False); moved after all the
+    reads (the chunk at once), the read times out."""
+    first = torch.ones(1 << 18).as_subclass(_GatedImage)  # 1 MiB: over the pipe limit
+    first.gate = threading.Event()
+
+    def pairs():
+        yield 0, {"input_ids": torch.arange(4), "pixel_values": first}
+        first.gate.set()
+        deadline = time.monotonic() + 20
+        while not first.is_shared():
+            assert time.monotonic() < deadline, "the first image was not moved while the next sample was read"
+            time.sleep(0.001)
+        yield 1, {"input_ids": torch.arange(3), "pixel_values": torch.ones(1 << 18)}
+
+    handed = Handover(pack=True).each(pairs())
+    assert first.opened, "the first image was moved before the next sample was read, not beside it"
+    assert [index for index, _ in handed] == [0, 1]
+    assert all(sample["pixel_values"].is_shared() for _, sample in handed)
+    assert all(type(sample["input_ids"]) is PackedTensor for _, sample in handed)
+
+
+def test_handing_over_one_by_one_gives_what_handing_over_a_chunk_gives():
+    """`each` (a worker's map-style reads, streams) and `chunk` (a dataset's own `__getitems__`) hand text over
+    alike: ids compacted, small tensors packed."""
+    samples = [{"input_ids": list(range(n)), "labels": list(range(n)), "mask": torch.ones(n)} for n in (3, 5, 2)]
+    handover = Handover(pack=True, compact=True)
+    one_by_one = handover.each(enumerate(samples))
+    at_once = handover.chunk(samples)
+    assert [index for index, _ in one_by_one] == [0, 1, 2]
+    for (_, a), b in zip(one_by_one, at_once, strict=True):
+        assert a.keys() == b.keys()
+        for key in a:
+            assert type(a[key]) is type(b[key])
+            left = a[key].array if type(a[key]) is PackedTensor else a[key]
+            right = b[key].array if type(b[key]) is PackedTensor else b[key]
+            assert (left == right).all()
 
 SCRIPT = """
 import sys, torch

@@ -19,7 +19,8 @@ from __future__ import annotations
 import os
 import pickle
 import resource
-from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterator, Mapping
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -52,12 +53,25 @@ _MIB = 1 << 20
 # feeder thread (torch's reducer, as it pickles the chunk), a failure there (/dev/shm full: Docker gives a
 # container 64 MB, while a rank may buffer a GiB of images) is printed by that thread and the chunk is dropped, so
 # the rank waited for it forever. So the worker moves such tensors itself, before handing the chunk on
-# (`share_large`; the feeder then sends the file it finds, without a second copy), and a tensor that does not fit
+# (`share_large`, on its share lane: NOTE [ Sharing beside processing ]; the feeder then sends the file it finds,
+# without a second copy), and a tensor that does not fit
 # turns its sample into an `Unsendable`: the rank raises a `SampleError` naming the sample, the field, /dev/shm's
 # size and free space, and the fixes (tests/test_shared_memory.py runs it under a 16 MiB /dev/shm, with the images
 # at the top level and inside a `BatchFeature`-like mapping). It looks into mappings, and lists or tuples holding
 # tensors or containers, 4 levels deep; sparse and nested tensors (no storage of their own) and anything deeper
 # are still shared by torch's reducer in the feeder, where a full /dev/shm would still hang the rank.
+
+# NOTE [ Sharing beside processing ]
+# Moving a tensor into a shared-memory file is a copy plus a fresh file's pages to fault in: ~1 ms of CPU for a
+# 2 MB image here. Torch's feeder thread did it beside the worker's main thread, which meanwhile processed the next
+# sample; done in the main thread (NOTE [ Shared memory runs out ]), it came after each sample's processing. So a
+# worker hands each sample that holds a tensor to move (`needs_sharing`) to its *share lane*, one thread
+# (`share_lane`), and processes the next sample meanwhile; the chunk leaves once all its samples are handed over,
+# in order (the copy releases the GIL). A sample with nothing to move is handed over at once, in the main thread:
+# the lane's hand-off (10-50 µs a sample) would cost text more than it saves. It matters where a worker has a core
+# to spare beside it (fewer busy processes than cores, a GPU host's usual case). Measured with one worker on the
+# VLM workload (docs/benchmarks.md, "Where the VLM rows' gap lies"): the worker's CPU 0.97-0.98 cores without the
+# lane, 1.03-1.07 with it (a plain DataLoader's worker, whose feeder shares its batches: 1.14).
 
 
 class PackedTensor(NamedTuple):
@@ -108,43 +122,59 @@ def pack_sample(sample: Any, limit_bytes: int | None = PACK_LIMIT_BYTES) -> Any:
 
 def share_large(sample: Any) -> Any:
     """Worker side, after `pack_sample`: the tensors it left (over the pipe limit, or not at the top level) moved
-    into shared memory now, in the worker's own thread, or an `Unsendable` naming the field when that fails (NOTE [
+    into shared memory now, in the calling thread, or an `Unsendable` naming the field when that fails (NOTE [
     Shared memory runs out ]). Walks mappings (dicts, HF's `BatchFeature`) and lists or tuples that hold tensors,
     lists or mappings (not lists of ids), down to `_SHARE_DEPTH` levels."""
-    failure = _share_in(sample, "", _SHARE_DEPTH)
-    return sample if failure is None else Unsendable(failure)
+    for path, tensor in _unshared(sample, "", _SHARE_DEPTH):
+        try:
+            tensor.share_memory_()
+        except RuntimeError as exc:
+            return Unsendable(_shm_failure(path, tensor, exc))
+    return sample
+
+
+def share_lane() -> ThreadPoolExecutor:
+    """This process's share lane (NOTE [ Sharing beside processing ]): one thread, made on first use in each
+    process (a forked worker gets its own, not a copy of its parent's)."""
+    pid = os.getpid()
+    if pid not in _LANES:
+        _LANES.clear()
+        _LANES[pid] = ThreadPoolExecutor(1, thread_name_prefix="odb-share")
+    return _LANES[pid]
+
+
+_LANES: dict[int, ThreadPoolExecutor] = {}
+
+
+def needs_sharing(sample: Any) -> bool:
+    """Whether `share_large` would move a tensor of `sample` (after `pack_sample`) into shared memory."""
+    return next(_unshared(sample, "", _SHARE_DEPTH), None) is not None
 
 
 _SHARE_DEPTH = 4  # levels of nesting `share_large` looks into; torch's reducer still shares anything deeper
 _NO_TENSOR = frozenset({PackedTensor, int, float, str, bool, bytes, type(None), np.ndarray})  # exact types
 
 
-def _share_in(value: Any, path: str, depth: int) -> str | None:
+def _unshared(value: Any, path: str, depth: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """(path, tensor) for each strided CPU tensor in `value` not in shared memory yet (sparse and nested ones are
+    left to torch's reducers)."""
     if isinstance(value, torch.Tensor):
-        if value.layout is not torch.strided or value.is_nested or value.device.type != "cpu":
-            return None  # torch's own reducers send these
-        try:
-            if not value.is_shared():
-                value.share_memory_()
-        except RuntimeError as exc:
-            return _shm_failure(path, value, exc)
-        return None
+        if value.layout is torch.strided and not value.is_nested and value.device.type == "cpu" \
+                and not value.is_shared():
+            yield path, value
+        return
     if depth == 0:
-        return None
+        return
     if type(value) is dict or isinstance(value, Mapping):
         items: Any = value.items()
     elif isinstance(value, list | tuple) and value and type(value[0]) not in _NO_TENSOR:  # not a list of ids
         items = enumerate(value)
     else:
-        return None
+        return
     for key, inner in items:
-        if type(inner) in _NO_TENSOR:
-            continue
-        where = f"{path}[{key}]" if isinstance(key, int) else (f"{path}.{key}" if path else str(key))
-        failure = _share_in(inner, where, depth - 1)
-        if failure is not None:
-            return failure
-    return None
+        if type(inner) not in _NO_TENSOR:
+            where = f"{path}[{key}]" if isinstance(key, int) else (f"{path}.{key}" if path else str(key))
+            yield from _unshared(inner, where, depth - 1)
 
 
 def _shm_failure(path: str, tensor: torch.Tensor, exc: RuntimeError) -> str:

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterator, Sized
+from collections.abc import Iterable, Iterator, Sized
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,7 +22,7 @@ import torch
 from torch.utils.data import Dataset, IterableDataset, Sampler, get_worker_info
 
 from odb_core.data.sample import ID_DTYPE, ID_FIELDS, ID_KEYS, compact_ids
-from odb_core.data.sendable import pack_sample, sendable, share_large
+from odb_core.data.sendable import needs_sharing, pack_sample, sendable, share_lane, share_large
 
 
 class DatasetFetchError(RuntimeError):
@@ -109,12 +110,32 @@ class Handover:
     def __call__(self, sample: Any) -> Any:
         return self.chunk([sample])[0]
 
+    def each(self, pairs: Iterable[tuple[int, Any]]) -> list[tuple[int, Any]]:
+        """The tagged samples of a chunk, handed over as `pairs` yields them (reading a pair is where a dataset
+        processes its sample): in a worker, a sample with a tensor to move into shared memory is moved on the
+        process's share lane while the next one is read (NOTE [ Sharing beside processing ] in sendable.py)."""
+        if not self.pack:
+            read = list(pairs)
+            return list(zip([i for i, _ in read], self.chunk([s for _, s in read]), strict=True))
+        lane, handed = share_lane(), []
+        for index, sample in pairs:
+            if self.compact and holds_id_list(sample):
+                sample = compact_ids(sample, self.integer_keys, self.mark)
+            packed = pack_sample(sample)
+            handed.append((index, lane.submit(_share_and_probe, packed) if needs_sharing(packed) else sendable(packed)))
+        return [(index, value.result() if isinstance(value, Future) else value) for index, value in handed]
+
     def chunk(self, samples: list[Any]) -> list[Any]:
         """The samples of one chunk, handed over. A chunk whose first sample holds no list of ids (a dataset of
         tensors) is not compacted: the look at every sample would find nothing to convert."""
         if self.compact and samples and holds_id_list(samples[0]):
             samples = [compact_ids(sample, self.integer_keys, self.mark) for sample in samples]
         return [sendable(share_large(pack_sample(sample))) for sample in samples] if self.pack else samples
+
+
+def _share_and_probe(packed: Any) -> Any:
+    """On the share lane: the sample's tensors moved into shared memory, then the pickling probe."""
+    return sendable(share_large(packed))
 
 
 def holds_id_list(sample: Any) -> bool:
@@ -199,7 +220,9 @@ class IndexedDataset(Dataset):
             samples = self._as_arrays(indices)
         else:
             many = getattr(self.dataset, "__getitems__", None)
-            samples = many(indices) if many is not None else [self.dataset[i] for i in indices]
+            if many is None:  # each sample processed by its own `dataset[i]`: hand over beside the next one
+                return self.handover.each((i, self.dataset[i]) for i in indices)
+            samples = many(indices)
         return list(zip(indices, self.handover.chunk(samples), strict=True))
 
     def _as_arrays(self, indices: list[int]) -> list[Any]:
@@ -269,13 +292,13 @@ class IndexedIterable(IterableDataset):
                             mark=self.mark)
         changes = handover.pack or handover.compact
         for c in itertools.count():
-            chunk = list(itertools.islice(stream, self.chunk))
+            pairs = itertools.islice(stream, self.chunk)
+            ours = splits or c % n_workers == worker
+            chunk = handover.each(pairs) if ours and changes else list(pairs)
             if not chunk:
                 return
-            if not (splits or c % n_workers == worker):
-                continue  # another worker's chunk
-            yield list(zip([i for i, _ in chunk], handover.chunk([s for _, s in chunk]), strict=True)) if changes \
-                else chunk
+            if ours:  # else another worker's chunk
+                yield chunk
 
 
 def worker_parts(dataset: Any, num_workers: int) -> int:
