@@ -17,7 +17,7 @@ from benchmarks import buffer_memory
 from benchmarks.lib.accelerator import _STAGING, Step, copy_to_staging
 from benchmarks.lib.odb_options import parse_options
 from benchmarks.lib.overlap_runs import Setup, run_world
-from benchmarks.lib.round_model import epoch_seconds, latency_bound, rounds_of
+from benchmarks.lib.round_model import epoch_seconds, epoch_seconds_of, latency_bound, pool_bound, rounds_of
 from odb_core import ODBConfig
 
 SAMPLES = 48
@@ -106,6 +106,44 @@ def test_no_schedule_of_whole_rounds_beats_the_latency_bound(sizes, supply, dema
     _, unbounded = epoch_seconds(sizes, supply, demand, cap=sum(sizes))
     assert unbounded == pytest.approx(bound, rel=1e-9)
     assert latency_bound(sizes, supply, supply) == pytest.approx((sum(sizes) + max(sizes)) / supply, rel=1e-9)
+
+
+@settings(max_examples=300, deadline=None)
+@given(steps=st.lists(st.tuples(st.integers(0, 300), st.integers(1, 300)), min_size=1, max_size=12),
+       supply=st.floats(10.0, 1000.0), ratio=st.floats(1.0, 4.0))
+def test_no_schedule_beats_the_pool_bound_and_one_attains_it(steps, supply, ratio):
+    """docs/design.md, issue 27 item 2, "A bound no loader that sorts escapes": with S <= D, a loader that ever
+    picks a step from a pool of B read, untrained samples takes at least E / D + B / S. Checked on schedules that
+    carry samples between rounds (a sliding window): round j is planned after reading `read` more samples and
+    trains `trained` of its pool (at most the pool), the rest staying for later rounds; the last round trains all
+    that is left. A first round of B and then rounds of one attain the bound where it is below 1."""
+    demand, reads, trained, pools, read, done = supply * ratio, [], [], [], 0, 0
+    for k, (more, take) in enumerate(steps):
+        read += more + (1 if read == done else 0)  # a round plans at least one untrained sample
+        pool = read - done
+        take = pool if k == len(steps) - 1 else min(take, pool)
+        reads.append(read), trained.append(take), pools.append(pool)
+        done += take
+    _, seconds = epoch_seconds_of(reads, [n / demand for n in trained], supply, cap=read)
+    assert seconds >= (read / demand + max(pools) / supply) * (1 - 1e-9)
+    assert read / supply / seconds <= pool_bound(read, max(pools), supply, demand) * (1 + 1e-9)
+    first = max(pools)
+    attaining = [first] + [1] * (read - first)
+    if first > demand / supply:  # else the second round's term binds (B / D < 1 / S)
+        attained = max(first / supply + read / demand, read / supply + 1 / demand)
+        assert latency_bound(attaining, supply, demand) == pytest.approx(attained, rel=1e-9)
+
+
+def test_the_pool_bound_of_issue_27s_slow_row():
+    """The figures docs/design.md quotes: at S/D = 667/721 an efficiency of 0.95 needs pools of at most 0.128 E
+    (1,530 of 12,000 samples, 382 of 3,000); the default rounds' largest pool (4,080) allows 0.79, their own
+    bound 0.78."""
+    assert pool_bound(12000, 1530, 667.0, 721.0) >= 0.95 > pool_bound(12000, 1540, 667.0, 721.0)
+    assert pool_bound(3000, 382, 667.0, 721.0) >= 0.95 > pool_bound(3000, 383, 667.0, 721.0)
+    sizes = rounds_of(12000, ODBConfig(token_budget=1))
+    assert pool_bound(12000, max(sizes), 667.0, 721.0) == pytest.approx(0.790, abs=5e-4)
+    assert 12000 / 667.0 / latency_bound(sizes, 667.0, 721.0) <= pool_bound(12000, max(sizes), 667.0, 721.0)
+    assert pool_bound(6000, 2048, 1000.0, 723.5) == 1.0  # workers faster than the device: no bound
 
 
 def test_the_latency_bound_of_the_default_rounds_at_supply_equal_to_demand():

@@ -66,6 +66,15 @@ def latency_bound(sizes: list[int], supply: float, demand: float) -> float:
     return best
 
 
+def pool_bound(samples: int, pool: int, supply: float, demand: float) -> float:
+    """The most pipeline efficiency any loader allows a rank's epoch of `samples` if it ever chooses a step from a
+    pool of `pool` read, untrained samples (docs/design.md, issue 27 item 2, "A bound no loader that sorts
+    escapes"): the epoch takes at least E / D + B / S where S <= D, so 1 / (S/D + B/E); no bound (1) where S > D."""
+    if supply > demand:
+        return 1.0
+    return min(1.0, 1.0 / (supply / demand + pool / samples))
+
+
 def bound(samples: int, supply: float, demand: float, config: ODBConfig) -> float:
     """The efficiency the rounds allow one rank: (samples / min(S, D)) / the modelled epoch seconds."""
     sizes = rounds_of(samples, config)
