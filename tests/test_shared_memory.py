@@ -86,6 +86,23 @@ def test_a_workers_sample_moves_to_shared_memory_while_the_next_one_is_read():
     assert all(type(sample["input_ids"]) is PackedTensor for _, sample in handed)
 
 
+def test_a_storage_two_samples_hold_is_not_swapped_under_the_second_one():
+    """NOTE [ Sharing beside processing ]: moving a tensor into shared memory swaps its storage and frees the old
+    memory. The same image in two samples of a chunk (large in one, so moved; small enough in the other to be
+    packed for the pipe as a view of its memory), and slices of one preloaded tensor, must reach the rank intact
+    (found by a review: the second sample's packed copy pointed at freed memory)."""
+    for _ in range(3):
+        image = torch.full((PACK_LIMIT_BYTES // 4 // 2,), 7.0)  # 256 KiB: packed where it stands alone
+        first = {"input_ids": torch.arange(3), "images": [image, torch.ones(1 << 18)]}  # moved (in a list)
+        second = {"input_ids": torch.arange(2), "pixel_values": image}
+        handed = Handover(pack=True).each(enumerate([first, second]))
+        assert (handed[1][1]["pixel_values"].array == 7.0).all()
+        preloaded = torch.arange(4 << 18, dtype=torch.float32)  # 4 MiB; each sample a 1 MiB slice of it
+        slices = Handover(pack=True).each((i, {"pixel_values": preloaded[i << 18 : (i + 1) << 18]}) for i in range(4))
+        for i, sample in slices:
+            assert torch.equal(sample["pixel_values"], torch.arange(i << 18, (i + 1) << 18, dtype=torch.float32))
+
+
 def test_handing_over_one_by_one_gives_what_handing_over_a_chunk_gives():
     """`each` (a worker's map-style reads, streams) and `chunk` (a dataset's own `__getitems__`) hand text over
     alike: ids compacted, small tensors packed."""

@@ -65,11 +65,18 @@ _MIB = 1 << 20
 # Moving a tensor into a shared-memory file is a copy plus a fresh file's pages to fault in: ~1 ms of CPU for a
 # 2 MB image here. Torch's feeder thread did it beside the worker's main thread, which meanwhile processed the next
 # sample; done in the main thread (NOTE [ Shared memory runs out ]), it came after each sample's processing. So a
-# worker hands each sample that holds a tensor to move (`needs_sharing`) to its *share lane*, one thread
-# (`share_lane`), and processes the next sample meanwhile; the chunk leaves once all its samples are handed over,
-# in order (the copy releases the GIL). A sample with nothing to move is handed over at once, in the main thread:
-# the lane's hand-off (10-50 µs a sample) would cost text more than it saves. It matters where a worker has a core
-# to spare beside it (fewer busy processes than cores, a GPU host's usual case). Measured with one worker on the
+# worker hands each sample that holds a tensor to move to its *share lane*, one thread (`share_lane`), and
+# processes the next sample meanwhile; the chunk leaves once all its samples are handed over, in order (the copy
+# releases the GIL). A sample with nothing to move is handed over at once, in the main thread: the lane's hand-off
+# (10-50 µs a sample) would cost text more than it saves. A move swaps the tensor's storage for the shared file and
+# frees the old memory, so nothing else may read that storage meanwhile. A sample that holds a storage the lane
+# may still be moving (the same image in two samples of a chunk: a review of this change saw the second one, packed
+# for the pipe as a view of that memory, arrive corrupted) waits for the lane before it is packed
+# (`unshared_storages`); a tensor that is a view into a larger storage (a slice of a preloaded tensor, whose other
+# slices the next samples' processing reads) is moved in line, not on the lane (`lane_may_move`). Torch's feeder
+# thread, which did these moves before, guarded neither. Still unguarded, as there: a sample's processing that
+# reads, without returning it, a whole tensor the previous sample returned. The lane matters where a worker has a
+# core to spare beside it (fewer busy processes than cores, a GPU host's usual case). Measured with one worker on the
 # VLM workload (docs/benchmarks.md, "Where the VLM rows' gap lies"): the worker's CPU 0.97-0.98 cores without the
 # lane, 1.03-1.07 with it (a plain DataLoader's worker, whose feeder shares its batches: 1.14).
 
@@ -146,9 +153,19 @@ def share_lane() -> ThreadPoolExecutor:
 _LANES: dict[int, ThreadPoolExecutor] = {}
 
 
-def needs_sharing(sample: Any) -> bool:
-    """Whether `share_large` would move a tensor of `sample` (after `pack_sample`) into shared memory."""
-    return next(_unshared(sample, "", _SHARE_DEPTH), None) is not None
+def lane_may_move(sample: Any) -> bool:
+    """Whether the share lane takes `sample` (after `pack_sample`): it holds a tensor to move into shared memory,
+    and each such tensor spans its whole storage, so that the move swaps no storage a view elsewhere reads (a
+    slice of a preloaded tensor is moved in line; NOTE [ Sharing beside processing ])."""
+    tensors = [tensor for _, tensor in _unshared(sample, "", _SHARE_DEPTH)]
+    return bool(tensors) and all(tensor.storage_offset() == 0 and tensor.untyped_storage().nbytes()
+                                 == tensor.numel() * tensor.element_size() for tensor in tensors)
+
+
+def unshared_storages(sample: Any) -> set[int]:
+    """The addresses of the storages of `sample`'s tensors not in shared memory yet (top level included): what a
+    move on the share lane could swap."""
+    return {tensor.untyped_storage().data_ptr() for _, tensor in _unshared(sample, "", _SHARE_DEPTH)}
 
 
 _SHARE_DEPTH = 4  # levels of nesting `share_large` looks into; torch's reducer still shares anything deeper

@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Iterable, Iterator, Sized
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,7 +22,7 @@ import torch
 from torch.utils.data import Dataset, IterableDataset, Sampler, get_worker_info
 
 from odb_core.data.sample import ID_DTYPE, ID_FIELDS, ID_KEYS, compact_ids
-from odb_core.data.sendable import needs_sharing, pack_sample, sendable, share_lane, share_large
+from odb_core.data.sendable import lane_may_move, pack_sample, sendable, share_lane, share_large, unshared_storages
 
 
 class DatasetFetchError(RuntimeError):
@@ -112,18 +112,30 @@ class Handover:
 
     def each(self, pairs: Iterable[tuple[int, Any]]) -> list[tuple[int, Any]]:
         """The tagged samples of a chunk, handed over as `pairs` yields them (reading a pair is where a dataset
-        processes its sample): in a worker, a sample with a tensor to move into shared memory is moved on the
-        process's share lane while the next one is read (NOTE [ Sharing beside processing ] in sendable.py)."""
+        processes its sample; ids are compacted per sample here): in a worker, a sample with a tensor to move into
+        shared memory is moved on the process's share lane while the next one is read (NOTE [ Sharing beside
+        processing ] in sendable.py). If reading fails, the lane's moves finish before the error leaves."""
         if not self.pack:
             read = list(pairs)
             return list(zip([i for i, _ in read], self.chunk([s for _, s in read]), strict=True))
-        lane, handed = share_lane(), []
-        for index, sample in pairs:
-            if self.compact and holds_id_list(sample):
-                sample = compact_ids(sample, self.integer_keys, self.mark)
-            packed = pack_sample(sample)
-            handed.append((index, lane.submit(_share_and_probe, packed) if needs_sharing(packed) else sendable(packed)))
-        return [(index, value.result() if isinstance(value, Future) else value) for index, value in handed]
+        lane, handed, moving = share_lane(), [], set()
+        try:
+            for index, sample in pairs:
+                if self.compact and holds_id_list(sample):
+                    sample = compact_ids(sample, self.integer_keys, self.mark)
+                held = unshared_storages(sample)
+                if held & moving:  # the lane may be moving a storage this sample holds too: let it finish first
+                    handed, moving = _settled(handed), set()
+                packed = pack_sample(sample)
+                if lane_may_move(packed):
+                    handed.append((index, lane.submit(_share_and_probe, packed)))
+                    moving |= held
+                else:
+                    handed.append((index, sendable(share_large(packed))))
+        except BaseException:
+            wait([value for _, value in handed if isinstance(value, Future)])
+            raise
+        return _settled(handed)
 
     def chunk(self, samples: list[Any]) -> list[Any]:
         """The samples of one chunk, handed over. A chunk whose first sample holds no list of ids (a dataset of
@@ -131,6 +143,11 @@ class Handover:
         if self.compact and samples and holds_id_list(samples[0]):
             samples = [compact_ids(sample, self.integer_keys, self.mark) for sample in samples]
         return [sendable(share_large(pack_sample(sample))) for sample in samples] if self.pack else samples
+
+
+def _settled(handed: list[tuple[int, Any]]) -> list[tuple[int, Any]]:
+    """`Handover.each`'s samples with every move on the share lane finished (in order)."""
+    return [(index, value.result() if isinstance(value, Future) else value) for index, value in handed]
 
 
 def _share_and_probe(packed: Any) -> Any:
