@@ -7,19 +7,22 @@ and mount namespace, `unshare -rm`); they are skipped where the machine does not
 
 from __future__ import annotations
 
+import io
 import os
+import pickle
 import shutil
 import subprocess
 import sys
 import threading
 import time
 from collections import UserDict
+from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 
 import pytest
 import torch
 
-from odb_core.data.sendable import PACK_LIMIT_BYTES, PackedTensor, pack_sample, share_large
+from odb_core.data.sendable import PACK_LIMIT_BYTES, PackedTensor, pack_sample, share_large, unpack_sample
 from odb_core.data.sources import Handover
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -86,21 +89,46 @@ def test_a_workers_sample_moves_to_shared_memory_while_the_next_one_is_read():
     assert all(type(sample["input_ids"]) is PackedTensor for _, sample in handed)
 
 
-def test_a_storage_two_samples_hold_is_not_swapped_under_the_second_one():
+def _through_the_pipe(handed):
+    """What the rank gets: the chunk pickled as the worker's queue feeder does, after the worker's memory is reused."""
+    data = io.BytesIO()
+    ForkingPickler(data, pickle.HIGHEST_PROTOCOL).dump(handed)
+    reused = [torch.full((1 << 16,), -1.0) for _ in range(64)]  # what the worker's next reads would allocate
+    del reused
+    return [(index, unpack_sample(sample)) for index, sample in pickle.loads(data.getvalue())]
+
+
+def _sevens(value):
+    return bool((value == 7.0).all())
+
+
+@pytest.mark.parametrize("order", ["moved, then packed", "packed, then moved", "a view, then the whole",
+                                   "a view and the whole in one sample"])
+def test_a_storage_two_fields_hold_reaches_the_rank_intact(order):
     """NOTE [ Sharing beside processing ]: moving a tensor into shared memory swaps its storage and frees the old
-    memory. The same image in two samples of a chunk (large in one, so moved; small enough in the other to be
-    packed for the pipe as a view of its memory), and slices of one preloaded tensor, must reach the rank intact
-    (found by a review: the second sample's packed copy pointed at freed memory)."""
-    for _ in range(3):
-        image = torch.full((PACK_LIMIT_BYTES // 4 // 2,), 7.0)  # 256 KiB: packed where it stands alone
-        first = {"input_ids": torch.arange(3), "images": [image, torch.ones(1 << 18)]}  # moved (in a list)
-        second = {"input_ids": torch.arange(2), "pixel_values": image}
-        handed = Handover(pack=True).each(enumerate([first, second]))
-        assert (handed[1][1]["pixel_values"].array == 7.0).all()
-        preloaded = torch.arange(4 << 18, dtype=torch.float32)  # 4 MiB; each sample a 1 MiB slice of it
-        slices = Handover(pack=True).each((i, {"pixel_values": preloaded[i << 18 : (i + 1) << 18]}) for i in range(4))
-        for i, sample in slices:
-            assert torch.equal(sample["pixel_values"], torch.arange(i << 18, (i + 1) << 18, dtype=torch.float32))
+    memory. An image held by two samples of a chunk, or by two fields of one sample, large (moved) in one and small
+    enough in the other to be packed for the pipe, must reach the rank intact, in either order (reviews found the
+    packed one corrupted in each order, and a worker crashed on the views; without the lane too)."""
+    image = torch.full((PACK_LIMIT_BYTES // 8,), 7.0)  # 256 KiB: packed at the top level, moved when nested
+    big = torch.full((1 << 20,), 7.0)  # 4 MiB: always moved
+    samples = {"moved, then packed": [{"images": [image]}, {"pixel_values": image}],
+               "packed, then moved": [{"pixel_values": image}, {"images": [image]}],
+               "a view, then the whole": [{"thumb": big[:1000]}, {"pixel_values": big}],
+               "a view and the whole in one sample": [{"pixel_values": big, "thumb": big[:1000]}]}[order]
+    for handed in (Handover(pack=True).each(enumerate(samples)),
+                   list(enumerate(Handover(pack=True).chunk(samples)))):
+        for _, sample in _through_the_pipe(handed):
+            for value in sample.values():
+                assert all(_sevens(v) for v in (value if isinstance(value, list) else [value]))
+
+
+def test_slices_of_one_preloaded_tensor_reach_the_rank_intact():
+    """A view into a larger storage is moved in line, not on the lane (`lane_may_move`): the move takes the whole
+    storage, which the next samples' slices read."""
+    preloaded = torch.arange(4 << 18, dtype=torch.float32)  # 4 MiB; each sample a 1 MiB slice of it
+    handed = Handover(pack=True).each((i, {"pixel_values": preloaded[i << 18 : (i + 1) << 18]}) for i in range(4))
+    for i, sample in _through_the_pipe(handed):
+        assert torch.equal(sample["pixel_values"], torch.arange(i << 18, (i + 1) << 18, dtype=torch.float32))
 
 
 def test_handing_over_one_by_one_gives_what_handing_over_a_chunk_gives():

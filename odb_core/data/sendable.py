@@ -69,16 +69,18 @@ _MIB = 1 << 20
 # processes the next sample meanwhile; the chunk leaves once all its samples are handed over, in order (the copy
 # releases the GIL). A sample with nothing to move is handed over at once, in the main thread: the lane's hand-off
 # (10-50 µs a sample) would cost text more than it saves. A move swaps the tensor's storage for the shared file and
-# frees the old memory, so nothing else may read that storage meanwhile. A sample that holds a storage the lane
-# may still be moving (the same image in two samples of a chunk: a review of this change saw the second one, packed
-# for the pipe as a view of that memory, arrive corrupted) waits for the lane before it is packed
-# (`unshared_storages`); a tensor that is a view into a larger storage (a slice of a preloaded tensor, whose other
-# slices the next samples' processing reads) is moved in line, not on the lane (`lane_may_move`). Torch's feeder
-# thread, which did these moves before, guarded neither. Still unguarded, as there: a sample's processing that
-# reads, without returning it, a whole tensor the previous sample returned. The lane matters where a worker has a
-# core to spare beside it (fewer busy processes than cores, a GPU host's usual case). Measured with one worker on the
-# VLM workload (docs/benchmarks.md, "Where the VLM rows' gap lies"): the worker's CPU 0.97-0.98 cores without the
-# lane, 1.03-1.07 with it (a plain DataLoader's worker, whose feeder shares its batches: 1.14).
+# frees the old memory, so nothing may read the old memory afterwards (two reviews of this change found samples
+# corrupted, or a worker crashed, where something did): a tensor packed for the pipe is a copy, not a view
+# (`pack_sample(own=True)`), since a later field or sample may move the same storage (an image that is packed in
+# one sample and nested in the next, a small view of a large image); a sample that holds a storage the lane may
+# still be moving waits for the lane before it is packed (`unshared_storages`); and a tensor that is a view into a
+# larger storage (a slice of a preloaded tensor, whose other slices the next samples' processing reads) is moved in
+# line, not on the lane (`lane_may_move`). Torch's feeder thread, which made these moves before, pickled each
+# earlier sample before it moved a later one, but had the within-sample case. Not guarded: a sample's processing
+# that reads, without returning it, a whole tensor the previous sample returned. The lane matters where a worker
+# has a core to spare beside it (fewer busy processes than cores, a GPU host's usual case). Measured with one
+# worker on the VLM workload (docs/benchmarks.md, "Where the VLM rows' gap lies"): the worker's CPU 0.97-0.98
+# cores without the lane, 1.03-1.07 with it (a plain DataLoader's worker, whose feeder shares its batches: 1.14).
 
 
 class PackedTensor(NamedTuple):
@@ -114,16 +116,18 @@ def raise_open_files(needed: int) -> str | None:
             "limit, lower max_buffer_bytes, or call torch.multiprocessing.set_sharing_strategy('file_system')")
 
 
-def pack_sample(sample: Any, limit_bytes: int | None = PACK_LIMIT_BYTES) -> Any:
+def pack_sample(sample: Any, limit_bytes: int | None = PACK_LIMIT_BYTES, own: bool = False) -> Any:
     """Sender side: replace numpy-compatible tensors (up to `limit_bytes` each; None: any size) at the top level
-    of a mapping by `PackedTensor`."""
+    of a mapping by `PackedTensor`: a view of the tensor's memory, or with `own` a copy, which no later move of
+    that storage into shared memory can leave pointing at freed memory (a worker's hand-over, NOTE [ Sharing beside
+    processing ])."""
     if not isinstance(sample, dict):
         return sample
     packed = dict(sample)
     for key, value in sample.items():
         if (isinstance(value, torch.Tensor) and value.dtype in PACKABLE and not value.requires_grad
                 and (limit_bytes is None or value.numel() * value.element_size() <= limit_bytes)):
-            packed[key] = PackedTensor(value.numpy())
+            packed[key] = PackedTensor(value.numpy().copy() if own else value.numpy())
     return packed
 
 
@@ -165,7 +169,8 @@ def lane_may_move(sample: Any) -> bool:
 def unshared_storages(sample: Any) -> set[int]:
     """The addresses of the storages of `sample`'s tensors not in shared memory yet (top level included): what a
     move on the share lane could swap."""
-    return {tensor.untyped_storage().data_ptr() for _, tensor in _unshared(sample, "", _SHARE_DEPTH)}
+    return {tensor.untyped_storage().data_ptr() for _, tensor in _unshared(sample, "", _SHARE_DEPTH)
+            if tensor.untyped_storage().nbytes()}  # empty storages all sit at address 0 and are never moved
 
 
 _SHARE_DEPTH = 4  # levels of nesting `share_large` looks into; torch's reducer still shares anything deeper

@@ -123,13 +123,13 @@ class Handover:
             for index, sample in pairs:
                 if self.compact and holds_id_list(sample):
                     sample = compact_ids(sample, self.integer_keys, self.mark)
-                held = unshared_storages(sample)
+                held = unshared_storages(sample) if moving else set()
                 if held & moving:  # the lane may be moving a storage this sample holds too: let it finish first
                     handed, moving = _settled(handed), set()
-                packed = pack_sample(sample)
+                packed = pack_sample(sample, own=True)
                 if lane_may_move(packed):
                     handed.append((index, lane.submit(_share_and_probe, packed)))
-                    moving |= held
+                    moving |= held or unshared_storages(packed)
                 else:
                     handed.append((index, sendable(share_large(packed))))
         except BaseException:
@@ -142,7 +142,7 @@ class Handover:
         tensors) is not compacted: the look at every sample would find nothing to convert."""
         if self.compact and samples and holds_id_list(samples[0]):
             samples = [compact_ids(sample, self.integer_keys, self.mark) for sample in samples]
-        return [sendable(share_large(pack_sample(sample))) for sample in samples] if self.pack else samples
+        return [sendable(share_large(pack_sample(sample, own=True))) for sample in samples] if self.pack else samples
 
 
 def _settled(handed: list[tuple[int, Any]]) -> list[tuple[int, Any]]:
