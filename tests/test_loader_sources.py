@@ -140,6 +140,28 @@ def test_tensors_up_to_the_pipe_limit_are_pickled_and_larger_ones_travel_in_shar
     assert sorted(seen) == list(range(len(dataset)))
 
 
+class PayloadStream(torch.utils.data.IterableDataset):
+    """`SizedPayloads` as a stream (every worker reads it and keeps its own chunks)."""
+
+    def __iter__(self):
+        payloads = SizedPayloads()
+        return (payloads[i] for i in range(len(payloads)))
+
+
+def test_a_streams_tensors_of_every_size_arrive_as_the_dataset_made_them():
+    """A stream's chunks are handed over like a map-style dataset's (`Handover.each`: small tensors packed, large
+    ones moved on each worker's share lane, NOTE [ Sharing beside processing ]): through two workers every sample
+    arrives once, with its values."""
+    dataset = SizedPayloads()
+    loader = ODBDataLoader(PayloadStream(), token_budget=64, num_workers=2, max_batch_size=2, fetch_chunk=3)
+    seen = []
+    for batch in loader:
+        expected = torch.cat([dataset[i]["pixel_values"] for i in batch.info.indices])
+        assert torch.equal(batch["pixel_values"], expected)
+        seen += batch.info.indices
+    assert sorted(seen) == list(range(len(dataset)))
+
+
 @pytest.mark.skipif(torch.accelerator.is_available(), reason="torch warns of pin_memory only without an accelerator")
 def test_pin_memory_is_accepted_and_not_passed_on_to_the_workers_loader():
     """NOTE [ Pinned memory ]: the buffered samples are not pinned; torch's own DataLoader warns here, without an

@@ -15,7 +15,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections import UserDict
+from collections import OrderedDict, UserDict, defaultdict
 from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 
@@ -129,6 +129,17 @@ def test_slices_of_one_preloaded_tensor_reach_the_rank_intact():
     handed = Handover(pack=True).each((i, {"pixel_values": preloaded[i << 18 : (i + 1) << 18]}) for i in range(4))
     for i, sample in _through_the_pipe(handed):
         assert torch.equal(sample["pixel_values"], torch.arange(i << 18, (i + 1) << 18, dtype=torch.float32))
+
+
+def test_a_samples_mapping_type_survives_the_pipe():
+    """`unpack_sample` gives the mapping type the dataset returned: an OrderedDict or a defaultdict stays one
+    (packing used to make a plain dict of it)."""
+    samples = [OrderedDict(input_ids=torch.arange(5), pixel_values=torch.ones(1 << 18)),
+               defaultdict(list, input_ids=torch.arange(3))]
+    for _, sample in _through_the_pipe(Handover(pack=True).each(enumerate(samples))):
+        assert type(sample) in (OrderedDict, defaultdict) and torch.equal(sample["input_ids"], torch.arange(
+            5 if type(sample) is OrderedDict else 3))
+    assert _through_the_pipe(Handover(pack=True).each([(1, samples[1])]))[0][1].default_factory is list
 
 
 def test_handing_over_one_by_one_gives_what_handing_over_a_chunk_gives():

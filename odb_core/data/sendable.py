@@ -16,11 +16,12 @@ owner pickles the samples it moves (ranks/moves.py) and names the sample that fa
 
 from __future__ import annotations
 
+import copy
 import os
 import pickle
 import resource
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -76,8 +77,10 @@ _MIB = 1 << 20
 # still be moving waits for the lane before it is packed (`unshared_storages`); and a tensor that is a view into a
 # larger storage (a slice of a preloaded tensor, whose other slices the next samples' processing reads) is moved in
 # line, not on the lane (`lane_may_move`). Torch's feeder thread, which made these moves before, pickled each
-# earlier sample before it moved a later one, but had the within-sample case. Not guarded: a sample's processing
-# that reads, without returning it, a whole tensor the previous sample returned. The lane matters where a worker
+# earlier sample before it moved a later one, but had the within-sample case. Not guarded (a third review crashed
+# a worker with each): a sample's processing that reads, without returning it, a whole tensor the previous sample
+# returned (torch's feeder allowed that between chunks), and a numpy array a sample holds that is a view of a
+# tensor the chunk moves (`b.numpy()` beside `b`). The lane matters where a worker
 # has a core to spare beside it (fewer busy processes than cores, a GPU host's usual case). Measured with one
 # worker on the VLM workload (docs/benchmarks.md, "Where the VLM rows' gap lies"): the worker's CPU 0.97-0.98
 # cores without the lane, 1.03-1.07 with it (a plain DataLoader's worker, whose feeder shares its batches: 1.14).
@@ -123,7 +126,7 @@ def pack_sample(sample: Any, limit_bytes: int | None = PACK_LIMIT_BYTES, own: bo
     processing ])."""
     if not isinstance(sample, dict):
         return sample
-    packed = dict(sample)
+    packed = dict(sample) if type(sample) is dict else copy.copy(sample)  # an OrderedDict stays one
     for key, value in sample.items():
         if (isinstance(value, torch.Tensor) and value.dtype in PACKABLE and not value.requires_grad
                 and (limit_bytes is None or value.numel() * value.element_size() <= limit_bytes)):
@@ -224,7 +227,7 @@ def unpack_sample(sample: Any) -> Any:
     for key, value in sample.items():  # exact type looks: this runs per sample in the trainer process
         if type(value) is PackedTensor:
             if unpacked is None:
-                unpacked = dict(sample)
+                unpacked = dict(sample) if type(sample) is dict else copy.copy(sample)
             unpacked[key] = torch.from_numpy(value.array)
     return sample if unpacked is None else unpacked
 
