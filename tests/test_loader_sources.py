@@ -122,6 +122,16 @@ class SizedPayloads(torch.utils.data.Dataset):
         return {"input_ids": torch.arange(8) + 3, "pixel_values": torch.full((floats,), float(index))}
 
 
+def assert_payloads_arrive(loader) -> None:
+    """Every `SizedPayloads` sample arrives once through `loader`, its `pixel_values` as the dataset made them."""
+    dataset, seen = SizedPayloads(), []
+    for batch in loader:
+        expected = torch.cat([dataset[i]["pixel_values"] for i in batch.info.indices])
+        assert torch.equal(batch["pixel_values"], expected)
+        seen += batch.info.indices
+    assert sorted(seen) == list(range(len(dataset)))
+
+
 def test_tensors_up_to_the_pipe_limit_are_pickled_and_larger_ones_travel_in_shared_memory():
     """NOTE [ The pipe or shared memory ]: a worker packs a tensor of up to 512 KiB into the pipe and hands a larger
     one over as a tensor (in shared memory); through the loader both arrive as the dataset made them."""
@@ -131,13 +141,7 @@ def test_tensors_up_to_the_pipe_limit_are_pickled_and_larger_ones_travel_in_shar
     dataset = SizedPayloads()
     kinds = [type(pack_sample(dataset[i])["pixel_values"]) for i in range(3)]
     assert kinds == [PackedTensor, PackedTensor, torch.Tensor]
-    loader = ODBDataLoader(dataset, token_budget=64, num_workers=2, max_batch_size=2)
-    seen = []
-    for batch in loader:
-        expected = torch.cat([dataset[i]["pixel_values"] for i in batch.info.indices])
-        assert torch.equal(batch["pixel_values"], expected)
-        seen += batch.info.indices
-    assert sorted(seen) == list(range(len(dataset)))
+    assert_payloads_arrive(ODBDataLoader(dataset, token_budget=64, num_workers=2, max_batch_size=2))
 
 
 class PayloadStream(torch.utils.data.IterableDataset):
@@ -152,14 +156,8 @@ def test_a_streams_tensors_of_every_size_arrive_as_the_dataset_made_them():
     """A stream's chunks are handed over like a map-style dataset's (`Handover.each`: small tensors packed, large
     ones moved on each worker's share lane, NOTE [ Sharing beside processing ]): through two workers every sample
     arrives once, with its values."""
-    dataset = SizedPayloads()
-    loader = ODBDataLoader(PayloadStream(), token_budget=64, num_workers=2, max_batch_size=2, fetch_chunk=3)
-    seen = []
-    for batch in loader:
-        expected = torch.cat([dataset[i]["pixel_values"] for i in batch.info.indices])
-        assert torch.equal(batch["pixel_values"], expected)
-        seen += batch.info.indices
-    assert sorted(seen) == list(range(len(dataset)))
+    assert_payloads_arrive(ODBDataLoader(PayloadStream(), token_budget=64, num_workers=2, max_batch_size=2,
+                                         fetch_chunk=3))
 
 
 @pytest.mark.skipif(torch.accelerator.is_available(), reason="torch warns of pin_memory only without an accelerator")
