@@ -123,15 +123,14 @@ class Handover:
             for index, sample in pairs:
                 if self.compact and holds_id_list(sample):
                     sample = compact_ids(sample, self.integer_keys, self.mark)
-                held = unshared_storages(sample) if moving else set()
-                if held & moving:  # the lane may be moving a storage this sample holds too: let it finish first
-                    handed, moving = _settled(handed), set()
+                if moving and unshared_storages(sample) & moving:  # the lane may be moving a storage this
+                    handed, moving = _settled(handed), set()  # sample holds too: let it finish first
                 packed = pack_sample(sample, own=True)
                 if lane_may_move(packed):
-                    handed.append((index, lane.submit(_share_and_probe, packed)))
-                    moving |= held or unshared_storages(packed)
+                    moving |= unshared_storages(packed)  # what the lane is about to move
+                    handed.append((index, lane.submit(_hand_over, packed)))
                 else:
-                    handed.append((index, sendable(share_large(packed))))
+                    handed.append((index, _hand_over(packed)))
         except BaseException:
             wait([value for _, value in handed if isinstance(value, Future)])
             raise
@@ -142,7 +141,7 @@ class Handover:
         tensors) is not compacted: the look at every sample would find nothing to convert."""
         if self.compact and samples and holds_id_list(samples[0]):
             samples = [compact_ids(sample, self.integer_keys, self.mark) for sample in samples]
-        return [sendable(share_large(pack_sample(sample, own=True))) for sample in samples] if self.pack else samples
+        return [_hand_over(pack_sample(sample, own=True)) for sample in samples] if self.pack else samples
 
 
 def _settled(handed: list[tuple[int, Any]]) -> list[tuple[int, Any]]:
@@ -150,8 +149,9 @@ def _settled(handed: list[tuple[int, Any]]) -> list[tuple[int, Any]]:
     return [(index, value.result() if isinstance(value, Future) else value) for index, value in handed]
 
 
-def _share_and_probe(packed: Any) -> Any:
-    """On the share lane: the sample's tensors moved into shared memory, then the pickling probe."""
+def _hand_over(packed: Any) -> Any:
+    """A packed sample's other tensors moved into shared memory, then the pickling probe (on the share lane, or in
+    line)."""
     return sendable(share_large(packed))
 
 
