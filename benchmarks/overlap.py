@@ -36,8 +36,9 @@ from benchmarks.lib.odb_options import parse_options
 from benchmarks.lib.overlap_runs import Setup, run_world
 
 DEFAULT_WINDOWS = (4096, 512)
-COLUMNS = ("workload", "W", "planning", "loader", "samples/s", "vs plain", "busy", "data wait", "efficiency",
-           "bound", "first batch s", "training CPU s", "peak RSS MB rank / worker", "supply", "demand")
+COLUMNS = ("workload", "W", "planning", "loader", "samples/s", "vs plain", "busy", "data wait", "sync", "machine CPU",
+           "efficiency", "nominal", "bound", "first batch s", "training CPU s", "peak RSS MB rank / worker", "supply",
+           "demand")
 
 
 def measured_setups(args: argparse.Namespace, folder: Path) -> list[dict]:
@@ -53,7 +54,8 @@ def measured_setups(args: argparse.Namespace, folder: Path) -> list[dict]:
             out.append({"workload": workload, "samples": args.samples, "process_ms": ms, "folder": str(folder),
                         "payload_kb": payload,
                         "budget": args.budget, "fixed_batch": max(args.budget // longest, 1),
-                        "process_s": feeding.process_seconds(dataset, args.timing_samples)})
+                        "process_s": feeding.process_seconds(dataset, args.timing_samples),
+                        "nominal_process_s": feeding.nominal_seconds(dataset)})
     return out
 
 
@@ -66,6 +68,10 @@ def windows_and_options(args: argparse.Namespace) -> tuple[tuple[int, ...], dict
     return tuple(args.windows or DEFAULT_WINDOWS), options
 
 
+def optional(value: float | None) -> str:
+    return "-" if value is None else format(value, ".2f")
+
+
 def markdown(rows: list[dict]) -> str:
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     for r in rows:
@@ -73,8 +79,9 @@ def markdown(rows: list[dict]) -> str:
         workload += f" + {r['payload_kb']} KiB" if r.get("payload_kb") else ""
         lines.append(f"| {workload} | {r['world_size']} | {r['planning'] or '-'} | {r['loader']} | "
                      f"{r['samples_per_s']:.0f} | {r['vs_plain']:.2f} | {r['busy']:.2f} | "
-                     f"{'-' if r.get('data_wait') is None else format(r['data_wait'], '.2f')} | {r['efficiency']:.2f} | "
-                     f"{'-' if r['bound'] is None else format(r['bound'], '.2f')} | "
+                     f"{optional(r.get('data_wait'))} | {r['sync']:.2f} | {optional(r.get('machine_cpu'))} | "
+                     f"{r['efficiency']:.2f} | {optional(r.get('nominal_efficiency'))} | "
+                     f"{optional(r['bound'])} | "
                      f"{r['first_batch_s']:.2f} | {r['cpu_s']:.1f} | {r['rss_mb']:.0f} / {r['worker_rss_mb']:.0f} | "
                      f"{r['supply']:.0f} | {r['demand']:.0f} |")
     return "\n".join(lines)

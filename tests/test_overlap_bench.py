@@ -13,7 +13,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from benchmarks import buffer_memory
+from benchmarks import buffer_memory, sync_floor
+from benchmarks.data import feeding
 from benchmarks.lib.accelerator import _STAGING, Step, copy_to_staging
 from benchmarks.lib.odb_options import parse_options
 from benchmarks.lib.overlap_runs import Setup, run_world
@@ -25,9 +26,10 @@ POSITIVE = ("samples_per_s", "vs_plain", "busy", "busy_min", "efficiency", "firs
             "demand", "wall_s", "synced_demand", "synced_efficiency")
 
 
-def tiny_setup(workers: int, host_copy: bool = False) -> Setup:
+def tiny_setup(workers: int, host_copy: bool = False, nominal_process_s: float | None = None) -> Setup:
     return Setup(workload="sleep", samples=SAMPLES, process_ms=0.5, folder="", budget=4096, fixed_batch=2,
-                 process_s=0.5e-3, workers=workers, windows=(16,), plannings=("global", "local"),
+                 process_s=0.5e-3, nominal_process_s=nominal_process_s, workers=workers, windows=(16,),
+                 plannings=("global", "local"),
                  step=Step(us_per_token=0.5, host_copy=host_copy))
 
 
@@ -40,9 +42,9 @@ def test_the_host_copy_reads_every_byte_of_the_batch():
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize(("world", "workers", "host_copy"), [(1, 2, True), (2, 1, False)])
-def test_every_loader_is_reported_and_odb_trains_each_sample_once(world, workers, host_copy):
-    rows = run_world([tiny_setup(workers, host_copy)], world)
+@pytest.mark.parametrize(("world", "workers", "host_copy", "nominal"), [(1, 2, True, 1e-4), (2, 1, False, None)])
+def test_every_loader_is_reported_and_odb_trains_each_sample_once(world, workers, host_copy, nominal):
+    rows = run_world([tiny_setup(workers, host_copy, nominal)], world)
     planned = ["global", "local"] if world > 1 else ["any"]
     assert [(r["loader"], r["planning"]) for r in rows] == [("plain", None)] + [("odb window 16", p) for p in planned]
     for row in rows:
@@ -51,11 +53,35 @@ def test_every_loader_is_reported_and_odb_trains_each_sample_once(world, workers
             assert math.isfinite(row[key]) and row[key] > 0, (key, row)
         # workers that live less than one poll of benchmarks/lib/peak_memory.py (50 ms) are not seen: >= 0
         assert 0 < row["busy"] <= 1.0 and row["worker_rss_mb"] >= 0, row
+        # the device's, the all_reduce's and the loader's seconds are disjoint parts of each rank's wall time
+        assert (row["sync"] > 0) == (world > 1) and row["busy"] + row["sync"] + (row["data_wait"] or 0) <= 1, row
+        assert 0 < row["machine_cpu"] <= 1, row
+        if nominal is None:
+            assert row["nominal_efficiency"] is None, row
+        else:  # the supply of the nominal time: 2 workers / 0.1 ms, against 2 / 0.5 ms measured
+            assert row["nominal_efficiency"] == pytest.approx(
+                row["samples_per_s"] / min(world * workers / nominal, row["demand"])), row
         if row["loader"] == "plain":
             assert row["samples"] == SAMPLES and row["each_once"] is None and row["bound"] is None
         else:
             assert row["samples"] == SAMPLES and row["each_once"] is True, row
             assert 0 < row["bound"] <= 1.0, row  # what the round sizes allow (benchmarks/lib/round_model.py)
+
+
+def test_the_sleep_workload_is_timed_like_the_others():
+    """Its supply counts what a fetch takes (the wait, the oversleep, the tensors), the wait alone beside it."""
+    dataset = feeding.SlowSamples(40, process_ms=2.0)
+    assert feeding.nominal_seconds(dataset) == 0.002
+    assert feeding.process_seconds(dataset, count=20) > 0.002
+    assert feeding.nominal_seconds(feeding.PixelRows(4)) is None
+
+
+@pytest.mark.timeout(60)
+def test_the_sync_floor_reports_the_collective_after_each_step_length(tmp_path):
+    rows = sync_floor.main(["--worlds", "2", "--step-ms", "0", "2", "--steps", "10", "--out", str(tmp_path / "f.json")])
+    assert [(r["world_size"], r["step_ms"], r["steps"]) for r in rows] == [(2, 0.0, 10), (2, 2.0, 10)]
+    for row in rows:
+        assert 0 < row["all_reduce_ms"] < 1000 and row["oversleep_ms"] >= 0, row  # a sleep never ends early
 
 
 def test_odb_options_are_read_as_typed_values():

@@ -14,7 +14,8 @@ whose `__getitem__` is the processing DataLoader workers run, with what the benc
 For the plain loader's fixed batch the benchmark needs the longest sample, known for real data only after
 processing: `lengths` reads ChitChat's cached token lengths (`real_lengths.chitchat`, the same tokenization) and
 processes the VLM samples once, cached under benchmarks/.cache/ per version of mm_mix.py. The supply side needs
-seconds of processing per sample: `process_seconds` times `dataset[i]` in this one process.
+seconds of processing per sample: `process_seconds` times `dataset[i]` in this one process, for every workload
+(`nominal_seconds`: the sleep workload's wait alone).
 """
 
 from __future__ import annotations
@@ -140,11 +141,15 @@ def _token_counts(samples: list[dict]) -> list[int]:
     return [int(s["input_ids"].numel()) for s in samples]
 
 
+def nominal_seconds(dataset: torch.utils.data.Dataset) -> float | None:
+    """The sleep workload's wait per sample, what the issue's supply formula was first given; None for the others."""
+    return dataset.process_s if isinstance(dataset, SlowSamples) else None
+
+
 def process_seconds(dataset: torch.utils.data.Dataset, count: int = 200) -> float:
     """Mean seconds of one `dataset[i]` in this process, over `count` indices spread over the dataset, after one
-    untimed fetch (tokenizer and processor loading). The sleep workload's is its wait."""
-    if isinstance(dataset, SlowSamples):
-        return dataset.process_s
+    untimed fetch (tokenizer and processor loading). The sleep workload is timed too: its wait is the nominal part
+    (`nominal_seconds`), and a fetch also oversleeps and makes its tensors (2.21 ms for a 2 ms wait here)."""
     dataset[0]
     indices = np.linspace(0, len(dataset) - 1, min(count, len(dataset))).astype(int).tolist()
     start = time.perf_counter()

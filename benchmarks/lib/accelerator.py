@@ -8,9 +8,15 @@ batch's `input_ids`), followed at W > 1 by a one-element all_reduce on the defau
 gradient all_reduce that makes every rank wait for the slowest one at each step. Figures:
   * samples/s: samples trained per wall second, first batch included (over ranks: all samples / slowest wall);
   * busy: the fraction of wall time the simulated device was stepping (over ranks: their mean, and the least);
+  * sync: the fraction of wall time in the per-step all_reduce (over ranks: their mean): the wait for the slowest
+    rank plus what one small Gloo collective costs on the machine;
+  * machine CPU: the fraction of the machine's CPU time that was busy during the run (every process, from
+    /proc/stat; over ranks: their mean; None where there is no /proc/stat), which tells a run held back by the
+    cores from one held back by waits;
   * supply: what the workers can produce (workers of every rank / processing seconds per sample), demand: what
     the device can consume (samples / device seconds; over ranks: all samples / the largest device seconds);
-    efficiency = samples/s / min(supply, demand);
+    efficiency = samples/s / min(supply, demand); with a nominal processing time besides the measured one (the
+    sleep workload's wait), `nominal_efficiency` is the same with the supply of the nominal time;
   * first batch: seconds from `iter()` to the first batch in hand (over ranks: the slowest);
   * training CPU s: CPU seconds of the training process (every thread, no worker) during the run (over ranks:
     the most), what the loader takes from the cores the workers share;
@@ -20,6 +26,7 @@ gradient all_reduce that makes every rank wait for the slowest one at each step.
 from __future__ import annotations
 
 import math
+import os
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -49,6 +56,8 @@ class RankRun:
     indices: tuple[int, ...] = ()
     moves: dict = field(default_factory=dict)  # ODB's counters (`LoaderMetrics`: moved_bytes, sync_seconds, wait_seconds)
     step_s: tuple[float, ...] = ()  # the simulated device seconds of each step, in order
+    sync_s: float = 0.0  # seconds in the per-step all_reduce
+    machine_cpu: float | None = None  # the machine's busy CPU fraction during the run (`machine_cpu_times`)
 
     @property
     def busy(self) -> float:
@@ -67,15 +76,18 @@ class Step:
     sync: bool = True
     host_copy: bool = False
 
-    def __call__(self, batch) -> float:
+    def __call__(self, batch) -> tuple[float, float]:
+        """Step on `batch`: the simulated device seconds, and the wall seconds of the all_reduce after it."""
         if self.host_copy:
             copy_to_staging(batch)
         rows, width = batch["input_ids"].shape
         seconds = self.us_per_token * 1e-6 * rows * width
         time.sleep(seconds)
-        if self.sync and dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(torch.zeros(1))
-        return seconds
+        if not (self.sync and dist.is_initialized() and dist.get_world_size() > 1):
+            return seconds, 0.0
+        start = time.perf_counter()
+        dist.all_reduce(torch.zeros(1))
+        return seconds, time.perf_counter() - start
 
 
 _STAGING: list[torch.Tensor] = []  # this process's staging buffer, grown to the largest tensor copied
@@ -96,29 +108,48 @@ def copy_to_staging(batch) -> int:
     return copied
 
 
+def machine_cpu_times() -> tuple[int, int] | None:
+    """(busy, total) CPU ticks of the whole machine since boot, from /proc/stat (idle and iowait are not busy);
+    None where there is no /proc/stat."""
+    if not os.path.exists("/proc/stat"):
+        return None
+    with open("/proc/stat") as f:
+        ticks = [int(x) for x in f.readline().split()[1:]]
+    return sum(ticks) - ticks[3] - ticks[4], sum(ticks)
+
+
+def busy_between(before: tuple[int, int] | None, after: tuple[int, int] | None) -> float | None:
+    if before is None or after is None or after[1] == before[1]:
+        return None
+    return (after[0] - before[0]) / (after[1] - before[1])
+
+
 def drive(batches, step: Step, rank: int = 0) -> RankRun:
     """Train on every batch of `batches` (an iterable of padded dicts) with the simulated device step."""
     reset_peak()
     workers = WorkerPeaks().start()
-    start, cpu = time.perf_counter(), time.process_time()
-    first, samples, steps, device, indices, step_s = None, 0, 0, 0.0, [], []
+    start, cpu, machine = time.perf_counter(), time.process_time(), machine_cpu_times()
+    first, samples, steps, device, sync, indices, step_s = None, 0, 0, 0.0, 0.0, [], []
     for batch in batches:
         if first is None:
             first = time.perf_counter() - start
-        step_s.append(step(batch))
-        device += step_s[-1]
+        seconds, synced = step(batch)
+        step_s.append(seconds)
+        device += seconds
+        sync += synced
         steps += 1
         info = getattr(batch, "info", None)
         if info is not None:
             indices += info.indices
         samples += len(info.indices) if info is not None else batch["input_ids"].shape[0]
     wall, cpu = time.perf_counter() - start, time.process_time() - cpu
+    machine = busy_between(machine, machine_cpu_times())
     worker_mb = workers.stop()
     metrics = getattr(batches, "metrics", None)
     moves = {} if metrics is None else {k: getattr(metrics, k) for k in MOVE_FIELDS}
     return RankRun(rank=rank, samples=samples, steps=steps, wall_s=wall, cpu_s=cpu, device_s=device,
                    first_batch_s=first or 0.0, rss_mb=peak_mb(), worker_rss_mb=worker_mb,
-                   indices=tuple(indices), moves=moves, step_s=tuple(step_s))
+                   indices=tuple(indices), moves=moves, step_s=tuple(step_s), sync_s=sync, machine_cpu=machine)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -142,16 +173,22 @@ class Figures:
     rss_mb: float
     worker_rss_mb: float
     data_wait: float | None  # ODB's own `odb/data_wait_fraction` over the run, mean over ranks (None: plain)
+    sync: float = 0.0
+    machine_cpu: float | None = None
+    nominal_efficiency: float | None = None
 
     def row(self) -> dict:
         return asdict(self)
 
 
-def aggregate(runs: list[RankRun], workers_per_rank: int, process_s: float) -> Figures:
+def aggregate(runs: list[RankRun], workers_per_rank: int, process_s: float,
+              nominal_process_s: float | None = None) -> Figures:
     samples = sum(r.samples for r in runs)
     wall = max(r.wall_s for r in runs)
     rate = samples / wall
     supply = len(runs) * workers_per_rank / process_s if process_s > 0 else math.inf
+    nominal = None if not nominal_process_s else len(runs) * workers_per_rank / nominal_process_s
+    machine = [r.machine_cpu for r in runs if r.machine_cpu is not None]
     device = max(r.device_s for r in runs)
     demand = samples / device if device else math.inf
     synced = synced_device_s(runs)
@@ -164,7 +201,10 @@ def aggregate(runs: list[RankRun], workers_per_rank: int, process_s: float) -> F
                    cpu_s=max(r.cpu_s for r in runs), rss_mb=max(r.rss_mb for r in runs),
                    worker_rss_mb=max(r.worker_rss_mb for r in runs),
                    data_wait=statistics.fmean(r.moves["wait_seconds"] / r.wall_s for r in runs)
-                   if all("wait_seconds" in r.moves for r in runs) else None)
+                   if all("wait_seconds" in r.moves for r in runs) else None,
+                   sync=statistics.fmean(r.sync_s / r.wall_s for r in runs),
+                   machine_cpu=statistics.fmean(machine) if machine else None,
+                   nominal_efficiency=None if nominal is None else rate / min(nominal, demand))
 
 
 def synced_device_s(runs: list[RankRun]) -> float:

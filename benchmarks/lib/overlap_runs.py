@@ -44,6 +44,7 @@ class Setup:
     budget: int
     fixed_batch: int  # plain's batch: the largest that fits the longest sample under the budget
     process_s: float  # seconds of processing per sample, measured in one process
+    nominal_process_s: float | None = None  # the sleep workload's wait alone (`feeding.nominal_seconds`)
     workers: int  # DataLoader workers per rank
     windows: tuple[int, ...]
     plannings: tuple[str, ...]
@@ -129,14 +130,15 @@ def run_world(setups: list[Setup], world: int) -> list[dict]:
         for j, spec in enumerate(loader_specs(setup, world)):
             runs = [RankRun(**{**r[k][j], "indices": tuple(r[k][j]["indices"]), "step_s": tuple(r[k][j]["step_s"])})
                     for r in ranks]
-            figures = aggregate(runs, setup.workers, setup.process_s)
+            figures = aggregate(runs, setup.workers, setup.process_s, setup.nominal_process_s)
             plain_rate = plain_rate or figures.samples_per_s
             allowed = None if spec.planning is None else round_bound(setup, spec, figures)
             rows.append({"workload": setup.workload, "loader": spec.name, "bound": allowed,
                          "planning": spec.planning if world > 1 or spec.planning is None else "any",
                          "window": spec.window, "workers_per_rank": setup.workers, "process_ms": setup.process_ms,
                          "payload_kb": setup.payload_kb,
-                         "process_s": setup.process_s, "fixed_batch": setup.fixed_batch, "budget": setup.budget,
+                         "process_s": setup.process_s, "nominal_process_s": setup.nominal_process_s,
+                         "fixed_batch": setup.fixed_batch, "budget": setup.budget,
                          "odb_options": setup.odb_options, **figures.row(),
                          "vs_plain": figures.samples_per_s / plain_rate,
                          "each_once": None if spec.planning is None else each_once(runs, setup.samples),
