@@ -22,7 +22,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from odb_core.data.sendable import PACK_LIMIT_BYTES, PackedTensor, pack_sample, share_large, unpack_sample
+from odb_core.data.sendable import (PACK_LIMIT_BYTES, PackedTensor, move_to_shared, pack_sample, share_large,
+                                    unpack_sample)
 from odb_core.data.sources import Handover
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -56,12 +57,37 @@ def test_share_large_looks_into_mappings_and_lists_and_leaves_what_torch_sends_i
 
 
 
-class _GatedImage(torch.Tensor):
-    """An image whose move into shared memory first waits (up to 10 s) for `gate`, and records whether it opened."""
+def test_a_move_keeps_each_tensors_values_layout_and_what_else_reads_its_memory():
+    """`move_to_shared` points the one tensor at a new shared file: values and shape kept; a transpose over its
+    whole storage and an `expand` keep their strides (an expand stays one element); a slice takes its own
+    elements; a Parameter stays a Parameter requiring grad; a view and a numpy array over the old memory still
+    read it."""
+    base = torch.arange(12, dtype=torch.float32).view(3, 4)
+    cases = {"transposed": base.clone().t(), "expanded": torch.tensor([5.0]).expand(1000),
+             "sliced": torch.arange(100.0)[10:20], "flags": torch.tensor([True, False, True]),
+             "parameter": torch.nn.Parameter(torch.ones(4))}
+    expected = {name: tensor.detach().clone() for name, tensor in cases.items()}
+    strides = {name: tensor.stride() for name, tensor in cases.items()}
+    elsewhere = cases["transposed"].t()  # a view the dataset keeps
+    as_numpy = cases["sliced"].numpy()
+    for name, tensor in cases.items():
+        left = move_to_shared(tensor)
+        assert tensor.is_shared() and torch.equal(tensor.detach(), expected[name]), name
+        assert left is not None and not left.is_shared(), name
+    assert cases["transposed"].stride() == strides["transposed"] and cases["expanded"].stride() == (0,)
+    assert cases["expanded"].untyped_storage().nbytes() == 4 and cases["sliced"].untyped_storage().nbytes() == 40
+    assert type(cases["parameter"]) is torch.nn.Parameter and cases["parameter"].requires_grad
+    assert not elsewhere.is_shared() and torch.equal(elsewhere, base.clone())
+    assert (as_numpy == torch.arange(10.0, 20.0).numpy()).all()
 
-    def share_memory_(self):
+
+class _GatedImage(torch.Tensor):
+    """An image whose move into shared memory (its `set_` to the new file, `move_to_shared`) first waits (up to
+    10 s) for `gate`, and records whether it opened."""
+
+    def set_(self, *args, **kwargs):
         self.opened = self.gate.wait(10)
-        return super().share_memory_()
+        return super().set_(*args, **kwargs)
 
 
 def test_a_workers_sample_moves_to_shared_memory_while_the_next_one_is_read():
@@ -123,12 +149,59 @@ def test_a_storage_two_fields_hold_reaches_the_rank_intact(order):
 
 
 def test_slices_of_one_preloaded_tensor_reach_the_rank_intact():
-    """A view into a larger storage is moved in line, not on the lane (`lane_may_move`): the move takes the whole
-    storage, which the next samples' slices read."""
+    """A view into a larger storage is moved in line, and only its own elements go into shared memory: the
+    preloaded tensor stays where it is, for the next samples' slices (`share_memory_()` moved it whole)."""
     preloaded = torch.arange(4 << 18, dtype=torch.float32)  # 4 MiB; each sample a 1 MiB slice of it
     handed = Handover(pack=True).each((i, {"pixel_values": preloaded[i << 18 : (i + 1) << 18]}) for i in range(4))
+    assert not preloaded.is_shared() and torch.equal(preloaded, torch.arange(4 << 18, dtype=torch.float32))
+    assert all(s["pixel_values"].untyped_storage().nbytes() == 1 << 20 for _, s in handed)
     for i, sample in _through_the_pipe(handed):
         assert torch.equal(sample["pixel_values"], torch.arange(i << 18, (i + 1) << 18, dtype=torch.float32))
+
+
+ALIASING = """
+import io, pickle, sys, time, torch
+from multiprocessing.reduction import ForkingPickler
+from odb_core.data.sendable import unpack_sample
+from odb_core.data.sources import Handover
+images = [torch.full((1 << 21,), float(i)) for i in range(8)]  # 8 MiB each, moved on the share lane
+def read_back(handed):
+    data = io.BytesIO()
+    ForkingPickler(data, pickle.HIGHEST_PROTOCOL).dump(handed)
+    return [(i, unpack_sample(sample)) for i, sample in pickle.loads(data.getvalue())]
+def kept_by_the_dataset():  # the dataset keeps a numpy view of each image it returns, and reads it for the next
+    kept = None
+    for i, image in enumerate(images):
+        time.sleep(0.02)  # processing, while the lane moves the previous image
+        seen = [float(kept.sum())] if kept is not None else []
+        kept = image.numpy()
+        yield i, {"pixel_values": image, "seen": torch.tensor(seen)}
+def numpy_beside():  # the sample holds its image and a numpy array over the image's memory
+    for i, image in enumerate(images):
+        yield i, {"pixel_values": image, "as_numpy": image.numpy()}
+ok = True
+for _ in range(5):
+    for i, sample in read_back(Handover(pack=True).each({sys.argv[1]: kept_by_the_dataset,
+                                                         "numpy": numpy_beside}[sys.argv[1]]())):
+        ok &= bool((sample["pixel_values"] == i).all())
+        ok &= bool((sample["seen"] == (i - 1) * (1 << 21)).all()) if "seen" in sample else True
+        ok &= bool((sample["as_numpy"] == i).all()) if "as_numpy" in sample else True
+print("intact" if ok else "corrupted")
+"""
+
+
+@pytest.mark.parametrize("case", ["kept", "numpy"])
+def test_a_tensor_others_read_is_not_freed_under_them_by_its_move(case):
+    """NOTE [ Sharing beside processing ]: the move points the sample's tensor at a new shared file and leaves its
+    old memory to whatever else reads it: a dataset that keeps a numpy view of each image it returns and reads it
+    while processing the next sample, after the lane moved it (`kept`), and a numpy array over the image's memory
+    in the same sample (`numpy`). Both read freed memory when the move freed it (`share_memory_()`), and can crash
+    the worker, so the case runs in a child process."""
+    # large blocks come from mmap and go back to the system when freed, so a read of freed memory faults
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "131072"}
+    done = subprocess.run([sys.executable, "-c", ALIASING, case], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert (done.returncode, done.stdout.strip()) == (0, "intact"), done.stderr[-2000:]
 
 
 def test_a_samples_mapping_type_survives_the_pipe():

@@ -69,21 +69,20 @@ _MIB = 1 << 20
 # worker hands each sample that holds a tensor to move to its *share lane*, one thread (`share_lane`), and
 # processes the next sample meanwhile; the chunk leaves once all its samples are handed over, in order (the copy
 # releases the GIL). A sample with nothing to move is handed over at once, in the main thread: the lane's hand-off
-# (10-50 µs a sample) would cost text more than it saves. A move swaps the tensor's storage for the shared file and
-# frees the old memory, so nothing may read the old memory afterwards (two reviews of this change found samples
-# corrupted, or a worker crashed, where something did): a tensor packed for the pipe is a copy, not a view
-# (`pack_sample(own=True)`), since a later field or sample may move the same storage (an image that is packed in
-# one sample and nested in the next, a small view of a large image); a sample that holds a storage the lane may
-# still be moving waits for the lane before it is packed (`unshared_storages`); and a tensor that is a view into a
-# larger storage (a slice of a preloaded tensor, whose other slices the next samples' processing reads) is moved in
-# line, not on the lane (`lane_may_move`). Torch's feeder thread, which made these moves before, pickled each
-# earlier sample before it moved a later one, but had the within-sample case. Not guarded (a third review crashed
-# a worker with each): a sample's processing that reads, without returning it, a whole tensor the previous sample
-# returned (torch's feeder allowed that between chunks), and a numpy array a sample holds that is a view of a
-# tensor the chunk moves (`b.numpy()` beside `b`). The lane matters where a worker
-# has a core to spare beside it (fewer busy processes than cores, a GPU host's usual case). Measured with one
-# worker on the VLM workload (docs/benchmarks.md, "Where the VLM rows' gap lies"): the worker's CPU 0.97-0.98
-# cores without the lane, 1.03-1.07 with it (a plain DataLoader's worker, whose feeder shares its batches: 1.14).
+# (10-50 µs a sample) would cost text more than it saves. Torch's `share_memory_()` moves the *storage* and frees
+# its old memory under everything that reads it; reviews of the lane found samples corrupted and workers crashed
+# (SIGSEGV) that way, some also without the lane: an image packed for the pipe in one sample and moved in another,
+# a small view of a moved image, a numpy view of it beside it in the sample, a dataset that keeps a numpy view of
+# the image it returned and reads it for the next sample. So a move points the one tensor at a new file
+# (`move_to_shared`): whatever else holds the old storage keeps it, the lane keeps what it left until the read
+# that ran beside the move has ended, and a view into a larger storage (a slice of a preloaded tensor) takes only
+# its own elements, not the whole storage. A tensor packed for the pipe is a copy (`pack_sample(own=True)`); a
+# sample that holds a storage the lane may still be moving waits for the lane (`unshared_storages`); a view into
+# a larger storage is moved in line (`lane_may_move`: its neighbours in the chunk usually view the same storage and
+# would wait for the lane anyway). The lane matters where a worker has a core to spare beside it (fewer busy
+# processes than cores, a GPU host's usual case). Measured with one worker on the VLM workload (docs/benchmarks.md,
+# "Where the VLM rows' gap lies"): the worker's CPU 0.97-0.98 cores without the lane, 1.03-1.07 with it (a plain
+# DataLoader's worker, whose feeder shares its batches: 1.14).
 
 
 class PackedTensor(NamedTuple):
@@ -134,17 +133,45 @@ def pack_sample(sample: Any, limit_bytes: int | None = PACK_LIMIT_BYTES, own: bo
     return packed
 
 
-def share_large(sample: Any) -> Any:
+def share_large(sample: Any, keep: list[torch.UntypedStorage] | None = None) -> Any:
     """Worker side, after `pack_sample`: the tensors it left (over the pipe limit, or not at the top level) moved
     into shared memory now, in the calling thread, or an `Unsendable` naming the field when that fails (NOTE [
     Shared memory runs out ]). Walks mappings (dicts, HF's `BatchFeature`) and lists or tuples that hold tensors,
-    lists or mappings (not lists of ids), down to `_SHARE_DEPTH` levels."""
+    lists or mappings (not lists of ids), down to `_SHARE_DEPTH` levels. The storages the tensors leave are
+    appended to `keep`, for a caller whose other threads may still read them (NOTE [ Sharing beside processing ])."""
     for path, tensor in _unshared(sample, "", _SHARE_DEPTH):
         try:
-            tensor.share_memory_()
+            left = move_to_shared(tensor)
         except RuntimeError as exc:
             return Unsendable(_shm_failure(path, tensor, exc))
+        if keep is not None and left is not None:
+            keep.append(left)
     return sample
+
+
+def move_to_shared(tensor: torch.Tensor) -> torch.UntypedStorage | None:
+    """Point `tensor` at a new shared-memory file holding its values; the storage it leaves, which is not freed
+    here (None where torch's own move ran). Unlike `share_memory_()`, which moves the storage itself and frees its
+    memory under every tensor, view and numpy array that reads it, this moves the one tensor: the dataset's other
+    views of that storage, a numpy view beside it in the sample, and a read of it still running in another thread
+    keep the old memory. A tensor over its whole storage (or over less storage than its own bytes: an `expand`)
+    keeps its layout; a view into a larger storage (a slice of a preloaded tensor) takes only its own elements."""
+    storage = tensor.untyped_storage()
+    if not storage.nbytes() or tensor.is_quantized:
+        tensor.share_memory_()
+        return None
+    own = tensor.numel() * tensor.element_size()
+    if storage.nbytes() <= own:
+        shared = torch.UntypedStorage._new_shared(storage.nbytes())
+        shared.copy_(storage)
+        offset, stride = tensor.storage_offset(), tensor.stride()
+    else:
+        shared = torch.UntypedStorage._new_shared(own)
+        torch.empty(0, dtype=tensor.dtype).set_(shared, 0, tensor.shape).copy_(tensor)
+        offset, stride = 0, torch.empty(0, dtype=tensor.dtype).set_(shared, 0, tensor.shape).stride()
+    with torch.no_grad():  # a Parameter stays one, requiring grad
+        tensor.set_(shared, offset, tensor.shape, stride)
+    return storage
 
 
 def share_lane() -> ThreadPoolExecutor:
@@ -162,8 +189,8 @@ _LANES: dict[int, ThreadPoolExecutor] = {}
 
 def lane_may_move(sample: Any) -> bool:
     """Whether the share lane takes `sample` (after `pack_sample`): it holds a tensor to move into shared memory,
-    and each such tensor spans its whole storage, so that the move swaps no storage a view elsewhere reads (a
-    slice of a preloaded tensor is moved in line; NOTE [ Sharing beside processing ])."""
+    and each such tensor spans its whole storage (a slice of a preloaded tensor is moved in line; NOTE [ Sharing
+    beside processing ])."""
     tensors = [tensor for _, tensor in _unshared(sample, "", _SHARE_DEPTH)]
     return bool(tensors) and all(tensor.storage_offset() == 0 and tensor.untyped_storage().nbytes()
                                  == tensor.numel() * tensor.element_size() for tensor in tensors)

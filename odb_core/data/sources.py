@@ -119,8 +119,12 @@ class Handover:
             read = list(pairs)
             return list(zip([i for i, _ in read], self.chunk([s for _, s in read]), strict=True))
         lane, handed, moving = share_lane(), [], set()
+        left: list[Any] = []  # storages the lane moved tensors off, which a read running beside it may still use
+        settled = 0
         try:
-            for index, sample in pairs:
+            for index, sample in pairs:  # a read has ended: what the lane left before it began is free to go
+                del left[:settled]
+                settled = len(left)
                 if self.compact and holds_id_list(sample):
                     sample = compact_ids(sample, self.integer_keys, self.mark)
                 if moving and unshared_storages(sample) & moving:  # the lane may be moving a storage this
@@ -128,7 +132,7 @@ class Handover:
                 packed = pack_sample(sample, own=True)
                 if lane_may_move(packed):
                     moving |= unshared_storages(packed)  # what the lane is about to move
-                    handed.append((index, lane.submit(_hand_over, packed)))
+                    handed.append((index, lane.submit(_hand_over, packed, left)))
                 else:
                     handed.append((index, _hand_over(packed)))
         except BaseException:
@@ -149,10 +153,10 @@ def _settled(handed: list[tuple[int, Any]]) -> list[tuple[int, Any]]:
     return [(index, value.result() if isinstance(value, Future) else value) for index, value in handed]
 
 
-def _hand_over(packed: Any) -> Any:
+def _hand_over(packed: Any, left: list[Any] | None = None) -> Any:
     """A packed sample's other tensors moved into shared memory, then the pickling probe (on the share lane, or in
-    line)."""
-    return sendable(share_large(packed))
+    line); on the lane, the storages the tensors left are kept in `left`."""
+    return sendable(share_large(packed, left))
 
 
 def holds_id_list(sample: Any) -> bool:
