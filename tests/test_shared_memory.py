@@ -81,6 +81,19 @@ def test_a_move_keeps_each_tensors_values_layout_and_what_else_reads_its_memory(
     assert (as_numpy == torch.arange(10.0, 20.0).numpy()).all()
 
 
+def test_inference_tensors_and_conjugate_views_move_with_their_values():
+    """A dataset that computes under `torch.inference_mode()` returns inference tensors, which refuse an in-place
+    `set_` outside that mode; a conjugate (or negative) view carries a bit that a copy of its values must not get
+    twice: torch's own move takes those."""
+    with torch.inference_mode():
+        features = torch.ones(1 << 18)
+    waves = torch.arange(40.0).to(torch.complex64).mul(1 + 2j)[10:20].conj()
+    expected = waves.resolve_conj().clone()
+    sample = share_large(pack_sample({"features": features, "waves": [waves]}))
+    assert sample["features"] is features and features.is_shared() and bool((features == 1).all())
+    assert waves.is_shared() and torch.equal(waves.resolve_conj(), expected)
+
+
 class _GatedImage(torch.Tensor):
     """An image whose move into shared memory (its `set_` to the new file, `move_to_shared`) first waits (up to
     10 s) for `gate`, and records whether it opened."""
@@ -131,8 +144,8 @@ def _sevens(value):
 @pytest.mark.parametrize("order", ["moved, then packed", "packed, then moved", "a view, then the whole",
                                    "a view and the whole in one sample"])
 def test_a_storage_two_fields_hold_reaches_the_rank_intact(order):
-    """NOTE [ Sharing beside processing ]: moving a tensor into shared memory swaps its storage and frees the old
-    memory. An image held by two samples of a chunk, or by two fields of one sample, large (moved) in one and small
+    """NOTE [ Sharing beside processing ]: `share_memory_()` moved a tensor's storage and freed the old memory
+    under every other reader. An image held by two samples of a chunk, or by two fields of one sample, large (moved) in one and small
     enough in the other to be packed for the pipe, must reach the rank intact, in either order (reviews found the
     packed one corrupted in each order, and a worker crashed on the views; without the lane too)."""
     image = torch.full((PACK_LIMIT_BYTES // 8,), 7.0)  # 256 KiB: packed at the top level, moved when nested
@@ -176,27 +189,36 @@ def kept_by_the_dataset():  # the dataset keeps a numpy view of each image it re
         seen = [float(kept.sum())] if kept is not None else []
         kept = image.numpy()
         yield i, {"pixel_values": image, "seen": torch.tensor(seen)}
+def read_by_the_next():  # the next sample's processing reads the image the previous sample returned, which the
+    prev = None  # lane may be moving meanwhile: the read must not lose its memory under it
+    for i in range(8):
+        seen = [float(prev.double().sum())] if prev is not None else []
+        prev = torch.full((1 << 22,), float(i))  # 16 MiB
+        yield i, {"pixel_values": prev, "seen": torch.tensor(seen)}
 def numpy_beside():  # the sample holds its image and a numpy array over the image's memory
     for i, image in enumerate(images):
         yield i, {"pixel_values": image, "as_numpy": image.numpy()}
 ok = True
 for _ in range(5):
-    for i, sample in read_back(Handover(pack=True).each({sys.argv[1]: kept_by_the_dataset,
-                                                         "numpy": numpy_beside}[sys.argv[1]]())):
+    cases = {"kept": (kept_by_the_dataset, 1 << 21), "read": (read_by_the_next, 1 << 22), "numpy": (numpy_beside, 0)}
+    make, size = cases[sys.argv[1]]
+    for i, sample in read_back(Handover(pack=True).each(make())):
         ok &= bool((sample["pixel_values"] == i).all())
-        ok &= bool((sample["seen"] == (i - 1) * (1 << 21)).all()) if "seen" in sample else True
+        ok &= bool((sample["seen"] == (i - 1) * size).all()) if "seen" in sample else True
         ok &= bool((sample["as_numpy"] == i).all()) if "as_numpy" in sample else True
 print("intact" if ok else "corrupted")
 """
 
 
-@pytest.mark.parametrize("case", ["kept", "numpy"])
+@pytest.mark.parametrize("case", ["kept", "read", "numpy"])
 def test_a_tensor_others_read_is_not_freed_under_them_by_its_move(case):
     """NOTE [ Sharing beside processing ]: the move points the sample's tensor at a new shared file and leaves its
     old memory to whatever else reads it: a dataset that keeps a numpy view of each image it returns and reads it
-    while processing the next sample, after the lane moved it (`kept`), and a numpy array over the image's memory
-    in the same sample (`numpy`). Both read freed memory when the move freed it (`share_memory_()`), and can crash
-    the worker, so the case runs in a child process."""
+    while processing the next sample, after the lane moved it (`kept`); the next sample's processing reading the
+    image itself while the lane moves it (`read`: the lane keeps the storage it left until that read has ended);
+    and a numpy array over the image's memory in the same sample (`numpy`). Each read freed memory when the move
+    freed it (`share_memory_()`, or without the lane's keeping for `read`) and crashed the worker, so the case runs
+    in a child process."""
     # large blocks come from mmap and go back to the system when freed, so a read of freed memory faults
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "131072"}
     done = subprocess.run([sys.executable, "-c", ALIASING, case], env=env, capture_output=True, text=True,

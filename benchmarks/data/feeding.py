@@ -149,7 +149,7 @@ def nominal_seconds(dataset: torch.utils.data.Dataset) -> float | None:
 def process_seconds(dataset: torch.utils.data.Dataset, count: int = 200) -> float:
     """Mean seconds of one `dataset[i]` in this process, over `count` indices spread over the dataset, after one
     untimed fetch (tokenizer and processor loading). The sleep workload is timed too: its wait is the nominal part
-    (`nominal_seconds`), and a fetch also oversleeps and makes its tensors (2.21 ms for a 2 ms wait here)."""
+    (`nominal_seconds`), and a fetch also oversleeps and makes its tensors (2.13 ms for a 2 ms wait here)."""
     dataset[0]
     indices = np.linspace(0, len(dataset) - 1, min(count, len(dataset))).astype(int).tolist()
     start = time.perf_counter()

@@ -157,7 +157,7 @@ def move_to_shared(tensor: torch.Tensor) -> torch.UntypedStorage | None:
     keep the old memory. A tensor over its whole storage (or over less storage than its own bytes: an `expand`)
     keeps its layout; a view into a larger storage (a slice of a preloaded tensor) takes only its own elements."""
     storage = tensor.untyped_storage()
-    if not storage.nbytes() or tensor.is_quantized:
+    if not storage.nbytes() or tensor.is_quantized or tensor.is_conj() or tensor.is_neg():  # torch's move (and bits)
         tensor.share_memory_()
         return None
     own = tensor.numel() * tensor.element_size()
@@ -169,7 +169,7 @@ def move_to_shared(tensor: torch.Tensor) -> torch.UntypedStorage | None:
         shared = torch.UntypedStorage._new_shared(own)
         torch.empty(0, dtype=tensor.dtype).set_(shared, 0, tensor.shape).copy_(tensor)
         offset, stride = 0, torch.empty(0, dtype=tensor.dtype).set_(shared, 0, tensor.shape).stride()
-    with torch.no_grad():  # a Parameter stays one, requiring grad
+    with torch.inference_mode() if tensor.is_inference() else torch.no_grad():  # a Parameter stays one
         tensor.set_(shared, offset, tensor.shape, stride)
     return storage
 
