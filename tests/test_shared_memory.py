@@ -145,9 +145,10 @@ def _sevens(value):
                                    "a view and the whole in one sample"])
 def test_a_storage_two_fields_hold_reaches_the_rank_intact(order):
     """NOTE [ Sharing beside processing ]: `share_memory_()` moved a tensor's storage and freed the old memory
-    under every other reader. An image held by two samples of a chunk, or by two fields of one sample, large (moved) in one and small
-    enough in the other to be packed for the pipe, must reach the rank intact, in either order (reviews found the
-    packed one corrupted in each order, and a worker crashed on the views; without the lane too)."""
+    under every other reader. An image held by two samples of a chunk, or by two fields of one sample, large
+    (moved) in one and small enough in the other to be packed for the pipe, must reach the rank intact, in either
+    order (reviews found the packed one corrupted in each order, and a worker crashed on the views; without the
+    lane too)."""
     image = torch.full((PACK_LIMIT_BYTES // 8,), 7.0)  # 256 KiB: packed at the top level, moved when nested
     big = torch.full((1 << 20,), 7.0)  # 4 MiB: always moved
     samples = {"moved, then packed": [{"images": [image]}, {"pixel_values": image}],
