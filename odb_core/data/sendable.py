@@ -70,7 +70,8 @@ _MIB = 1 << 20
 # processes the next sample meanwhile; the chunk leaves once all its samples are handed over, in order (the copy
 # releases the GIL). A sample with nothing to move is handed over at once, in the main thread: the lane's hand-off
 # (10-50 µs a sample) would cost text more than it saves. Torch's `share_memory_()` moves the *storage* and frees
-# its old memory under everything that reads it; reviews of the lane found samples corrupted and workers crashed
+# its old memory under whatever holds that address (numpy arrays, reads in progress; tensor views follow the
+# storage); reviews of the lane found samples corrupted and workers crashed
 # (SIGSEGV) that way, some also without the lane: an image packed for the pipe in one sample and moved in another,
 # a small view of a moved image, a numpy view of it beside it in the sample, a dataset that keeps a numpy view of
 # the image it returned and reads it for the next sample. So a move points the one tensor at a new file
@@ -152,10 +153,11 @@ def share_large(sample: Any, keep: list[torch.UntypedStorage] | None = None) -> 
 def move_to_shared(tensor: torch.Tensor) -> torch.UntypedStorage | None:
     """Point `tensor` at a new shared-memory file holding its values; the storage it leaves, which is not freed
     here (None where torch's own move ran). Unlike `share_memory_()`, which moves the storage itself and frees its
-    memory under every tensor, view and numpy array that reads it, this moves the one tensor: the dataset's other
-    views of that storage, a numpy view beside it in the sample, and a read of it still running in another thread
-    keep the old memory. A tensor over its whole storage (or over less storage than its own bytes: an `expand`)
-    keeps its layout; a view into a larger storage (a slice of a preloaded tensor) takes only its own elements."""
+    old memory under whatever holds that address (a numpy array, a read in progress), this moves the one tensor:
+    the dataset's other views of that storage, a numpy view beside it in the sample, and a read of it still running
+    in another thread keep the old memory. A tensor over its whole storage (or over less storage than its own
+    bytes: an `expand`) keeps its layout; a view into a larger storage (a slice of a preloaded tensor) takes only
+    its own elements."""
     storage = tensor.untyped_storage()
     if not storage.nbytes() or tensor.is_quantized or tensor.is_conj() or tensor.is_neg():  # torch's move (and bits)
         tensor.share_memory_()
