@@ -169,8 +169,9 @@ def move_to_shared(tensor: torch.Tensor) -> torch.UntypedStorage | None:
         offset, stride = tensor.storage_offset(), tensor.stride()
     else:
         shared = torch.UntypedStorage._new_shared(own)
-        torch.empty(0, dtype=tensor.dtype).set_(shared, 0, tensor.shape).copy_(tensor)
-        offset, stride = 0, torch.empty(0, dtype=tensor.dtype).set_(shared, 0, tensor.shape).stride()
+        compact = torch.empty(0, dtype=tensor.dtype).set_(shared, 0, tensor.shape)
+        compact.copy_(tensor)
+        offset, stride = 0, compact.stride()
     with torch.inference_mode() if tensor.is_inference() else torch.no_grad():  # a Parameter stays one
         tensor.set_(shared, offset, tensor.shape, stride)
     return storage
