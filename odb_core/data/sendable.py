@@ -48,6 +48,7 @@ NON_LEAF = "a tensor computed with autograd (it requires grad and is not a leaf)
 PACK_LIMIT_BYTES = 1 << 19
 OTHER_FILES = 1024  # files a training process holds besides its buffered tensors: libraries, sockets, pipes
 SHM_DIR = "/dev/shm"  # where torch's shared-memory files live on Linux
+SHARED_FILES = "; torch moves a worker's tensors to the rank through shared-memory files"
 _MIB = 1 << 20
 # NOTE [ Shared memory runs out ]
 # A worker's tensor over the pipe limit is moved into a shared-memory file when it is sent. Left to the queue's
@@ -55,12 +56,12 @@ _MIB = 1 << 20
 # container 64 MB, while a rank may buffer a GiB of images) is printed by that thread and the chunk is dropped, so
 # the rank waited for it forever. So the worker moves such tensors itself, before handing the chunk on
 # (`share_large`, on its share lane: NOTE [ Sharing beside processing ]; the feeder then sends the file it finds,
-# without a second copy), and a tensor that does not fit
-# turns its sample into an `Unsendable`: the rank raises a `SampleError` naming the sample, the field, /dev/shm's
-# size and free space, and the fixes (tests/test_shared_memory.py runs it under a 16 MiB /dev/shm, with the images
-# at the top level and inside a `BatchFeature`-like mapping). It looks into mappings, and lists or tuples holding
-# tensors or containers, 4 levels deep; sparse and nested tensors (no storage of their own) and anything deeper
-# are still shared by torch's reducer in the feeder, where a full /dev/shm would still hang the rank.
+# without a second copy), and a tensor that does not fit turns its sample into an `Unsendable`: the rank raises a
+# `SampleError` naming the sample, the field, /dev/shm's size and free space, and the fixes
+# (tests/test_shared_memory.py runs it under a 16 MiB /dev/shm, with the images at the top level and inside a
+# `BatchFeature`-like mapping). It looks into mappings, and lists or tuples holding tensors or containers, 4 levels
+# deep; sparse and nested tensors (no storage of their own) and anything deeper are shared by torch's reducer in
+# the feeder, whose failures ODB's hook names (NOTE [ A chunk the feeder cannot send ] in feeder.py).
 
 # NOTE [ Sharing beside processing ]
 # Moving a tensor into a shared-memory file is a copy plus a fresh file's pages to fault in: ~1 ms of CPU for a
@@ -144,7 +145,9 @@ def share_large(sample: Any, keep: list[torch.UntypedStorage] | None = None) -> 
         try:
             left = move_to_shared(tensor)
         except RuntimeError as exc:
-            return Unsendable(_shm_failure(path, tensor, exc))
+            size = f"a tensor of {tensor.numel() * tensor.element_size() / _MIB:,.1f} MiB"
+            return Unsendable(f"field {path!r} ({size}) could not be put in shared memory to leave its DataLoader "
+                              f"worker ({exc})" + (shm_advice(exc) or SHARED_FILES))
         if keep is not None and left is not None:
             keep.append(left)
     return sample
@@ -211,8 +214,7 @@ _NO_TENSOR = frozenset({PackedTensor, int, float, str, bool, bytes, type(None), 
 
 
 def _unshared(value: Any, path: str, depth: int) -> Iterator[tuple[str, torch.Tensor]]:
-    """(path, tensor) for each strided CPU tensor in `value` not in shared memory yet (sparse and nested ones are
-    left to torch's reducers)."""
+    """(path, tensor) for each strided CPU tensor in `value` not in shared memory yet (no sparse or nested one)."""
     if isinstance(value, torch.Tensor):
         if value.layout is torch.strided and not value.is_nested and value.device.type == "cpu" \
                 and not value.is_shared():
@@ -232,21 +234,20 @@ def _unshared(value: Any, path: str, depth: int) -> Iterator[tuple[str, torch.Te
             yield from _unshared(inner, where, depth - 1)
 
 
-def _shm_failure(path: str, tensor: torch.Tensor, exc: RuntimeError) -> str:
-    what = (f"field {path!r} (a tensor of {tensor.numel() * tensor.element_size() / _MIB:,.1f} MiB) could not be "
-            f"put in shared memory to leave its DataLoader worker ({exc})")
+def shm_advice(exc: BaseException) -> str:
+    """For an error saying shared memory ran out, a clause naming /dev/shm's size and free space and the fixes."""
     if "No space left" not in str(exc):
-        return f"{what}; torch moves a worker's tensors to the rank through shared-memory files"
+        return ""
     try:
         stats = os.statvfs(SHM_DIR)
         room = (f"{SHM_DIR} holds {stats.f_blocks * stats.f_frsize / _MIB:,.0f} MiB, "
                 f"{stats.f_bavail * stats.f_frsize / _MIB:,.0f} MiB free now")
     except OSError:
         room = f"{SHM_DIR} could not be measured"
-    return (f"{what}; {room}. A rank keeps its buffered tensors there (those over {PACK_LIMIT_BYTES // 1024} KiB, "
-            "and any not at a sample's top level), up to about 2 x max_buffer_bytes (a round and the next fill), and "
-            "every rank on the host as much: give the host or container a larger /dev/shm (docker run --shm-size, "
-            "a Kubernetes emptyDir with medium: Memory), or lower max_buffer_bytes")
+    return (f"; {room}. A rank keeps its buffered tensors there (those over {PACK_LIMIT_BYTES // 1024} KiB, and any "
+            "not at a sample's top level), up to about 2 x max_buffer_bytes (a round and the next fill), and every "
+            "rank on the host as much: give the host or container a larger /dev/shm (docker run --shm-size, a "
+            "Kubernetes emptyDir with medium: Memory), or lower max_buffer_bytes")
 
 
 def unpack_sample(sample: Any) -> Any:

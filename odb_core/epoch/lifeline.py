@@ -9,7 +9,9 @@ the kernel kills it when its parent dies (`PR_SET_PDEATHSIG`, for fork and spawn
 a daemon thread checks every `POLL_S` that the rank process itself is still running (forkserver workers are
 children of the fork server, not of the rank) and exits the worker otherwise. The user's own `worker_init_fn`
 runs after it. The opposite direction, a rank noticing that a worker died, is NOTE [ A rank watches its
-workers ] in watch.py: `Lifeline` first sends the rank a `WorkerStarted` with the worker's pid.
+workers ] in watch.py: `Lifeline` first sends the rank a `WorkerStarted` with the worker's pid. It also makes a
+result the worker's queue cannot send an error on the rank instead of a lost message (NOTE [ A chunk the feeder
+cannot send ] in data/feeder.py).
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+
+from odb_core.data.feeder import guard_feeder
 
 POLL_S = 0.5
 PR_SET_PDEATHSIG = 1
@@ -70,6 +74,7 @@ class Lifeline:
     generation: int = 0
 
     def __call__(self, worker_id: int) -> None:
+        guard_feeder()  # NOTE [ A chunk the feeder cannot send ] in data/feeder.py
         if sys.platform.startswith("linux"):
             try:
                 ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
