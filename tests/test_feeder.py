@@ -81,16 +81,19 @@ def _ids_only(samples: list[dict]) -> dict:
     return {"input_ids": torch.nn.utils.rnn.pad_sequence([s["input_ids"] for s in samples], batch_first=True)}
 
 
-def _read(fails: str, dataset: type = Samples) -> list[int]:
+def _read(fails: str, dataset: type = Samples, context: str = "fork") -> list[int]:
     loader = ODBDataLoader(dataset(fails), token_budget=64, window=N_SAMPLES, num_workers=2, max_batch_size=8,
-                           collate_fn=_ids_only, worker_timeout_s=30)
+                           collate_fn=_ids_only, worker_timeout_s=30, multiprocessing_context=context)
     return sorted(i for batch in loader for i in batch.info.indices)
 
 
 @pytest.mark.timeout(120)
-def test_a_field_the_feeder_cannot_pickle_is_an_error_naming_the_sample_and_field():
+@pytest.mark.parametrize("context", ["fork", "spawn", "forkserver"])
+def test_a_field_the_feeder_cannot_pickle_is_an_error_naming_the_sample_and_field(context):
+    """Under every start method the hook is in place before the worker's first result (a spawned worker's queue
+    starts its feeder thread at its first `put`, after `Lifeline`)."""
     with pytest.raises(SampleError) as caught:
-        _read("always")
+        _read("always", context=context)
     error = str(caught.value)
     assert caught.value.index == PICKY, error
     assert error.startswith(f"sample {PICKY}: field 'extra' could not be pickled to leave its DataLoader worker "
