@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import multiprocessing
 import multiprocessing.queues
+import sys
 import threading
 import time
 
@@ -33,7 +34,7 @@ def _zero() -> int:
 
 class FeederOnly:
     """Pickles on the worker's main thread; in any other thread (the queue's feeder) its attempts are counted and
-    those `fails` picks raise, 0.2 s later."""
+    those `fails` picks raise, once the worker has put its next result (or after 5 s)."""
 
     def __init__(self, fails: str) -> None:
         self.fails, self.attempts = fails, 0
@@ -42,9 +43,21 @@ class FeederOnly:
         if threading.current_thread() is not threading.main_thread():
             self.attempts += 1
             if {"always": True, "first": self.attempts == 1, "odd": self.attempts % 2 == 1}[self.fails]:
-                time.sleep(0.2)  # the worker's main thread meanwhile puts what follows (an iterable's end marker)
+                _until_more_is_put()
                 raise RuntimeError(f"refused on attempt {self.attempts}")
         return _zero, ()
+
+
+def _until_more_is_put(most_s: float = 5.0) -> None:
+    """In the queue's feeder thread, while it pickles a result: wait until the worker's main thread has put the
+    next one (an iterable dataset's worker, its end marker), found in the feeder's own frame (`_feed`'s `buffer`),
+    for at most `most_s` (a worker with nothing more to put)."""
+    frame = sys._getframe()
+    while frame is not None and frame.f_code.co_name != "_feed":
+        frame = frame.f_back
+    deadline = time.monotonic() + most_s
+    while frame is not None and not frame.f_locals["buffer"] and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 def _sample(i: int, fails: str, picky: int = PICKY) -> dict:
@@ -137,7 +150,7 @@ def test_the_hook_rewrites_only_odbs_chunks_and_puts_them_back_in_their_place():
     """The hook alone, on a real queue in this process (its feeder is not the main thread): a chunk is put back
     ahead of what followed it, with its failing sample named; a result that is not ODB's chunk (a queue of the
     user's) is dropped with the standard hook's traceback, as before, and what follows it still arrives."""
-    hook = multiprocessing.queues.Queue._on_queue_feeder_error
+    hook = multiprocessing.queues.Queue.__dict__["_on_queue_feeder_error"]  # the staticmethod itself, to restore
     guard_feeder()
     try:
         queue = multiprocessing.get_context("fork").Queue()
@@ -153,6 +166,7 @@ def test_the_hook_rewrites_only_odbs_chunks_and_puts_them_back_in_their_place():
     (task, chunk), second, last = got
     assert task == 0 and [index for index, _ in chunk] == [7, 8] and chunk[1][1] == {"x": 1}
     assert type(chunk[0][1]) is Unsendable and type(chunk) is list
+    # attempts: 1 the chunk, 2 the sample alone, 3 its field
     assert chunk[0][1].cause.startswith("field 'extra' could not be pickled to leave its DataLoader worker "
-                                        "(RuntimeError: refused on attempt 3)")  # 1: the chunk, 2: the sample, 3: its field
+                                        "(RuntimeError: refused on attempt 3)")
     assert second == (1, [(9, {"x": 2})]) and last == "after"

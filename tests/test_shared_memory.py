@@ -266,6 +266,8 @@ class Images(torch.utils.data.Dataset):  # 1 MiB of pixels each: over the pipe l
             return UserDict({"input_ids": torch.arange(8) + 3, "images": {"pixel_values": pixels}})
         if sys.argv[1] == "sparse":  # moved by torch's reducer in the queue's feeder thread
             return {"input_ids": torch.arange(8) + 3, "mask": pixels.to_sparse()}
+        if sys.argv[1] == "nestedtensor":  # moved by torch's reducer in the queue's feeder thread
+            return {"input_ids": torch.arange(8) + 3, "parts": torch.nested.nested_tensor([pixels[:9], pixels[9:]])}
         if sys.argv[1] == "deep":  # 5 levels down: past what the worker moves itself
             return {"input_ids": torch.arange(8) + 3, "a": {"b": {"c": {"d": {"e": pixels}}}}}
         return {"input_ids": torch.arange(8) + 3, "pixel_values": pixels}
@@ -313,17 +315,19 @@ def test_a_full_dev_shm_is_an_error_naming_the_sample_not_a_hang(kind, fields):
 
 
 @needs_namespace
-@pytest.mark.parametrize(("kind", "field"), [("sparse", "'mask' (a torch.sparse_coo torch.float32 tensor"),
-                                             ("deep", "'a.b.c.d.e' (a torch.strided torch.float32 tensor")])
+@pytest.mark.parametrize(("kind", "field"), [
+    ("sparse", "'mask' (a torch.sparse_coo torch.float32 tensor of shape (262144,))"),
+    ("nestedtensor", "'parts' (a nested torch.float32 tensor of 2 parts)"),
+    ("deep", "'a.b.c.d.e' (a torch.strided torch.float32 tensor of shape (262144,))")])
 def test_a_full_dev_shm_met_in_the_queues_feeder_is_an_error_naming_the_sample(kind, field):
-    """What the worker leaves to torch's reducer (a sparse tensor, one deeper than `share_large` looks) is moved in
-    the queue's feeder thread, where a full /dev/shm dropped the chunk and the rank hung until this test's timeout
-    (NOTE [ A chunk the feeder cannot send ] in feeder.py)."""
+    """What the worker leaves to torch's reducer (a sparse or nested tensor, one deeper than `share_large` looks)
+    is moved in the queue's feeder thread, where a full /dev/shm dropped the chunk and the rank hung until this
+    test's timeout (NOTE [ A chunk the feeder cannot send ] in feeder.py)."""
     done = _run_with_shm(16, kind)
     assert done.returncode == 0, done.stderr[-2000:]
     error = done.stdout.strip()
     assert error.startswith("error SampleError sample "), (error, done.stderr[-2000:])
-    assert f"field {field} of shape (262144,)) could not be pickled to leave its DataLoader worker" in error, error
+    assert f"field {field} could not be pickled to leave its DataLoader worker" in error, error
     for said in ("No space left on device", "/dev/shm holds 16 MiB", "--shm-size", "max_buffer_bytes"):
         assert said in error, (said, error)
 

@@ -6,29 +6,32 @@ pickles it; torch's reducer moves every tensor not yet in shared memory into a s
 pickling raises, the standard library's hook for it (`Queue._on_queue_feeder_error`) prints the traceback and the
 result is lost: no worker died, so nothing else reports it, and the rank waits for it forever. `sendable`'s probe
 and `share_large` (NOTE [ Samples that cannot travel ], NOTE [ Shared memory runs out ] in sendable.py) catch what
-they can foresee in the worker's main thread; what is left reaches the feeder: a full /dev/shm met by a sparse or
-nested tensor or by one deeper than `share_large` looks, and any object whose pickling fails only there. So every
-ODB worker replaces that hook (`guard_feeder`, called by `Lifeline` before the worker's first result), and when
-the result is one of ODB's chunks (`WorkerChunk`, what the workers' collate function returns):
+they can foresee in the worker, before the chunk is put; what is left reaches the feeder: a full /dev/shm met by a
+sparse or nested tensor or by one deeper than `share_large` looks, and any object whose pickling fails only there.
+So every ODB worker replaces that hook (`guard_feeder`, called by `Lifeline` before the worker's first result), and
+when the result is one of ODB's chunks (`WorkerChunk`, what the workers' collate function returns):
 
   * each sample is pickled alone, in the feeder thread, as the feeder would have (what succeeds is now in shared
     memory; the probe unpickles it again, which closes the descriptors the pickling registered); one that fails is
     replaced by an `Unsendable` naming the field that failed (looked for 8 levels down) and the error, with
     /dev/shm's size and the fixes when it ran out of space: the rank raises a `SampleError` naming the sample;
   * where no sample fails alone, the chunk goes again as it was, once (the failure may have been transient); if it
-    fails again with no sample failing alone, each of its samples goes as an `Unsendable` saying so;
+    fails again with no sample failing alone, each of its samples goes as an `Unsendable` saying so, as it does if
+    naming the failing field itself raises;
   * the new chunk is put back at the head of the queue's buffer, where the lost one stood: a worker's results must
     reach the rank in the order it put them (an iterable dataset's worker puts its end marker right after its last
     chunk, and the DataLoader forgets a worker's pending task once it sees that marker).
 
-Each pass turns at least one more sample into an `Unsendable` or marks the chunk as sent again, so a chunk is
-sent at most its length + 2 times. Anything else keeps the standard hook: a result that is not ODB's (a queue of
-the user's in the worker), a failure to write a message already pickled, a queue closed while the worker stops,
-and an error inside the hook itself (which must not end the feeder thread). Tests: tests/test_feeder.py (a field
-that pickles everywhere but in the feeder: always, once, every other time, beside a sample the worker's own probe
-named, and from an iterable dataset's last chunk), tests/test_shared_memory.py (a sparse and a 5-level-deep image
-under a 16 MiB /dev/shm). A pickling that failed leaves the descriptors it had registered with the worker's
-`resource_sharer` until the worker exits: only on this path.
+Each pass turns at least one more sample into an `Unsendable`, or is the first or second pass with none failing
+alone, so a chunk is sent at most its length + 2 times (a chunk of `Unsendable`s, ints and strings, pickles).
+Anything else keeps the standard hook's printed traceback: a result that is not ODB's (a queue of the user's in the
+worker), a failure to write a message already pickled, a queue closed while the worker stops or already
+collected, a full bounded queue, and an error inside the hook itself (which must not end the feeder thread).
+Tests: tests/test_feeder.py (a field that pickles everywhere but in the feeder: always, once, every other time,
+beside a sample the worker's own probe named, and from an iterable dataset's last chunk; under fork, spawn and
+forkserver), tests/test_shared_memory.py (a sparse, a nested and a 5-level-deep image under a 16 MiB /dev/shm).
+A pickling that failed leaves the descriptors it had registered with the worker's `resource_sharer` until the
+worker exits (with persistent workers, their files' pages too): only on this path.
 """
 
 from __future__ import annotations
@@ -72,6 +75,9 @@ class _Hook:
         ref = weakref.ref(queue)
         return lambda error, result: resend_named(ref(), error, result)
 
+    def __call__(self, error: Exception, result: Any) -> None:  # called on the class: the standard hook's print
+        traceback.print_exception(error)
+
 
 def guard_feeder() -> None:
     """In a worker process, before its first result: its queues' feeder errors go to `resend_named`."""
@@ -82,7 +88,13 @@ def resend_named(queue: multiprocessing.queues.Queue | None, error: Exception, r
     """The feeder thread's hook (NOTE above): `result` put back with its failing samples named, or the standard
     hook's printed traceback."""
     try:
-        message = _named_again(error, result) if queue is not None else None
+        try:
+            message = _named_again(error, result) if queue is not None else None
+        except Exception as failure:  # noqa: BLE001 - naming failed: the samples still go, named by the error alone
+            task, chunk = result
+            message = task, _every_sample(chunk, f"could not be sent to the rank ({type(error).__name__}: {error}); "
+                                                 f"naming the field that failed raised {type(failure).__name__}: "
+                                                 f"{failure}", error)
         if message is not None and _put_back(queue, message):
             return
     except Exception:  # noqa: BLE001 - the feeder thread must go on sending the worker's later results
@@ -96,11 +108,17 @@ def _named_again(error: Exception, result: Any) -> tuple[int, WorkerChunk] | Non
         return None
     task, chunk = result
     named = [(index, _sent_or_why(sample)) for index, sample in chunk]
-    if all(new is old for (_, new), (_, old) in zip(named, chunk, strict=True)) and chunk.resent:
-        cause = (f"the chunk of samples {[index for index, _ in chunk]} could not be sent to the rank twice "
-                 f"({type(error).__name__}: {error}), although each sample pickles alone")
-        named = [(index, Unsendable(cause + shm_advice(error))) for index, _ in chunk]
-    return task, WorkerChunk(named, resent=True)
+    unchanged = all(new is old for (_, new), (_, old) in zip(named, chunk, strict=True))
+    if unchanged and chunk.resent:
+        return task, _every_sample(chunk, f"could not be sent to the rank twice ({type(error).__name__}: {error}), "
+                                          "although each sample pickles alone", error)
+    return task, WorkerChunk(named, resent=chunk.resent or unchanged)
+
+
+def _every_sample(chunk: WorkerChunk, what: str, error: Exception) -> WorkerChunk:
+    """`chunk` with each sample an `Unsendable` saying that the chunk `what`."""
+    cause = f"the chunk of samples {[index for index, _ in chunk]} {what}{shm_advice(error)}"
+    return WorkerChunk(((index, Unsendable(cause)) for index, _ in chunk), resent=True)
 
 
 def _put_back(queue: multiprocessing.queues.Queue, message: Any) -> bool:
@@ -122,8 +140,10 @@ def _sent_or_why(sample: Any) -> Any:
         return sample
     path, value, error = failure
     where, how = f"field {path!r}" if path else "the sample", ""
-    if isinstance(value, torch.Tensor):
-        where, how = f"{where} (a {value.layout} {value.dtype} tensor of shape {tuple(value.shape)})", SHARED_FILES
+    if isinstance(value, torch.Tensor):  # a nested tensor has no `shape` to show (torch refuses it)
+        kind = (f"nested {value.dtype} tensor of {value.size(0)} parts" if value.is_nested
+                else f"{value.layout} {value.dtype} tensor of shape {tuple(value.shape)}")
+        where, how = f"{where} (a {kind})", SHARED_FILES
     return Unsendable(f"{where} could not be pickled to leave its DataLoader worker ({type(error).__name__}: "
                       f"{error}){how}{shm_advice(error)}")
 

@@ -9,9 +9,9 @@ the kernel kills it when its parent dies (`PR_SET_PDEATHSIG`, for fork and spawn
 a daemon thread checks every `POLL_S` that the rank process itself is still running (forkserver workers are
 children of the fork server, not of the rank) and exits the worker otherwise. The user's own `worker_init_fn`
 runs after it. The opposite direction, a rank noticing that a worker died, is NOTE [ A rank watches its
-workers ] in watch.py: `Lifeline` first sends the rank a `WorkerStarted` with the worker's pid. It also makes a
-result the worker's queue cannot send an error on the rank instead of a lost message (NOTE [ A chunk the feeder
-cannot send ] in data/feeder.py).
+workers ] in watch.py: `Lifeline` first sends the rank a `WorkerStarted` with the worker's pid. It also has a
+chunk the worker's queue cannot send put back with its failing samples named, instead of lost (NOTE [ A chunk the
+feeder cannot send ] in data/feeder.py).
 """
 
 from __future__ import annotations
