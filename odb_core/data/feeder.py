@@ -88,13 +88,7 @@ def resend_named(queue: multiprocessing.queues.Queue | None, error: Exception, r
     """The feeder thread's hook (NOTE above): `result` put back with its failing samples named, or the standard
     hook's printed traceback."""
     try:
-        try:
-            message = _named_again(error, result) if queue is not None else None
-        except Exception as failure:  # noqa: BLE001 - naming failed: the samples still go, named by the error alone
-            task, chunk = result
-            message = task, _every_sample(chunk, f"could not be sent to the rank ({type(error).__name__}: {error}); "
-                                                 f"naming the field that failed raised {type(failure).__name__}: "
-                                                 f"{failure}", error)
+        message = _named_again(error, result) if queue is not None else None
         if message is not None and _put_back(queue, message):
             return
     except Exception:  # noqa: BLE001 - the feeder thread must go on sending the worker's later results
@@ -107,7 +101,11 @@ def _named_again(error: Exception, result: Any) -> tuple[int, WorkerChunk] | Non
     if not (isinstance(result, tuple) and len(result) == 2 and type(result[1]) is WorkerChunk):
         return None
     task, chunk = result
-    named = [(index, _sent_or_why(sample)) for index, sample in chunk]
+    try:
+        named = [(index, _sent_or_why(sample)) for index, sample in chunk]
+    except Exception as failure:  # noqa: BLE001 - naming failed: the samples still go, named by the error alone
+        return task, _every_sample(chunk, f"could not be sent to the rank ({type(error).__name__}: {error}); naming "
+                                          f"the field that failed raised {type(failure).__name__}: {failure}", error)
     unchanged = all(new is old for (_, new), (_, old) in zip(named, chunk, strict=True))
     if unchanged and chunk.resent:
         return task, _every_sample(chunk, f"could not be sent to the rank twice ({type(error).__name__}: {error}), "
