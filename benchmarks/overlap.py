@@ -36,9 +36,9 @@ from benchmarks.lib.odb_options import parse_options
 from benchmarks.lib.overlap_runs import Setup, run_world
 
 DEFAULT_WINDOWS = (4096, 512)
-COLUMNS = ("workload", "W", "planning", "loader", "samples/s", "vs plain", "busy", "data wait", "sync", "machine CPU",
-           "efficiency", "nominal", "bound", "first batch s", "training CPU s", "peak RSS MB rank / worker", "supply",
-           "demand")
+COLUMNS = ("workload", "W", "planning", "loader", "samples/s", "vs plain", "busy", "data wait (reading / exchange)",
+           "sync", "machine CPU", "efficiency", "nominal", "bound", "first batch s", "training CPU s",
+           "peak RSS MB rank / worker", "supply", "demand")
 
 
 def measured_setups(args: argparse.Namespace, folder: Path) -> list[dict]:
@@ -72,6 +72,15 @@ def optional(value: float | None) -> str:
     return "-" if value is None else format(value, ".2f")
 
 
+def wait_parts(row: dict) -> str:
+    """ODB's data wait with its reading and exchange parts: "0.17 (0.10 / 0.01)"; "-" for plain."""
+    if row.get("data_wait") is None:
+        return "-"
+    if row.get("reading") is None:  # a row of a JSON written before the parts were measured
+        return optional(row["data_wait"])
+    return f"{row['data_wait']:.2f} ({row['reading']:.2f} / {optional(row.get('exchange'))})"
+
+
 def markdown(rows: list[dict]) -> str:
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     for r in rows:
@@ -79,7 +88,7 @@ def markdown(rows: list[dict]) -> str:
         workload += f" + {r['payload_kb']} KiB" if r.get("payload_kb") else ""
         lines.append(f"| {workload} | {r['world_size']} | {r['planning'] or '-'} | {r['loader']} | "
                      f"{r['samples_per_s']:.0f} | {r['vs_plain']:.2f} | {r['busy']:.2f} | "
-                     f"{optional(r.get('data_wait'))} | {r['sync']:.2f} | {optional(r.get('machine_cpu'))} | "
+                     f"{wait_parts(r)} | {r['sync']:.2f} | {optional(r.get('machine_cpu'))} | "
                      f"{r['efficiency']:.2f} | {optional(r.get('nominal_efficiency'))} | "
                      f"{optional(r['bound'])} | "
                      f"{r['first_batch_s']:.2f} | {r['cpu_s']:.1f} | {r['rss_mb']:.0f} / {r['worker_rss_mb']:.0f} | "

@@ -145,6 +145,7 @@ class Case:
     break_skew_s: float = 0.0  # rank 1 waits this long before it breaks
     options_by_rank: dict[str, dict[str, Any]] | None = None  # per-rank loader options over the case's ("1": {...})
     record_errors: bool = False  # every rank records the error its epoch ends with, as survivors do
+    step_s_by_rank: list[float] | None = None  # per-rank seconds each step "trains" (a sleep after each batch)
 
     def save(self, path: Path) -> None:
         path.write_text(json.dumps(asdict(self)))
@@ -204,6 +205,8 @@ def _epochs(loader: Any, case: Case, rank: int) -> list[dict[str, Any]]:
         steps = []
         for batch in loader:
             steps.append(step_record(batch))
+            if case.step_s_by_rank is not None:
+                time.sleep(case.step_s_by_rank[rank])
             if epoch == 0 and len(steps) == case.break_after:
                 time.sleep(case.break_skew_s if rank == 1 else 0.0)
                 break
@@ -212,7 +215,9 @@ def _epochs(loader: Any, case: Case, rank: int) -> list[dict[str, Any]]:
                        "not_emitted": list(report.not_emitted) if report else None,
                        "report_steps": report.steps if report else None,
                        "unread_chunks_remaining": report.unread_chunks_remaining if report else None,
-                       "moved_samples": loader.metrics.moved_samples})
+                       "moved_samples": loader.metrics.moved_samples,
+                       "waits": {name: getattr(loader.metrics, name)  # cumulative over the epochs so far
+                                 for name in ("wait_seconds", "read_seconds", "sync_seconds")}})
     return epochs
 
 

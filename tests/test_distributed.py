@@ -281,6 +281,20 @@ def test_breaking_out_of_an_epoch_then_starting_the_next_stays_aligned_at_any_sk
     (assert_join_coverage if join else assert_quota_closure)(case, second)
 
 
+def test_a_rank_waiting_for_a_slower_peer_spends_its_wait_in_the_exchange(tmp_path):
+    """NOTE [ Waiting for data ]: rank 1 trains 50 ms per step, rank 0 at once; rank 0's loader waits for rank 1 at
+    every round's exchange, and `sync_seconds` (logged as `odb/data_wait_exchange_fraction`) is that wait, not
+    `read_seconds`: its stream is read in-process and never waits."""
+    case = Case(world_size=2, lengths=mixed_lengths(300), window=24, prefetch_steps=0, step_s_by_rank=[0.0, 0.05])
+    records = _run(case, "env", tmp_path)
+    fast, slow = (epoch["waits"] for epoch in _epoch(records, 0))
+    trained_s = 0.05 * len(records[1]["epochs"][0]["steps"])
+    assert fast["wait_seconds"] > 0.5 * trained_s, (fast, trained_s)
+    assert 0.8 * fast["wait_seconds"] < fast["sync_seconds"] <= fast["wait_seconds"], fast
+    assert fast["read_seconds"] < 0.1 * fast["wait_seconds"], fast
+    assert slow["sync_seconds"] < 0.5 * fast["sync_seconds"], (slow, fast)  # its collectives' own cost
+
+
 # --- cross-rank sync under every worker start method ------------------------------------------------------------
 @pytest.mark.parametrize(("context", "num_workers"), [("fork", 2), ("forkserver", 2), ("spawn", 1)])
 def test_global_counts_equal_rank_sums_under_every_worker_start_method(tmp_path, context, num_workers):

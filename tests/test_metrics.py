@@ -157,6 +157,28 @@ def test_the_data_wait_fraction_is_the_share_of_the_interval_spent_waiting_for_b
     assert "wait_seconds" not in metrics.snapshot()  # a wall time: not part of a saved state
 
 
+def test_the_reading_and_exchange_parts_of_the_wait_are_shares_of_the_same_interval():
+    """NOTE [ Waiting for data ]: the loader's seconds blocked on the workers and in the rounds' collectives, over
+    the log's interval, from the first step on; the exchange only where there are ranks to exchange with."""
+    clock, metrics = ManualClock(), LoaderMetrics(token_budget=100, world_size=2)
+    meter = StepMeter(ODBConfig(token_budget=100), metrics, clock=clock)
+    metrics.wait_seconds, metrics.read_seconds, metrics.sync_seconds = 3.0, 2.0, 0.5  # the first batch: set-up
+    meter.add(_step(samples=4, tokens=80))
+    clock.now += 4.0
+    metrics.wait_seconds, metrics.read_seconds, metrics.sync_seconds = 5.0, 3.0, 1.5
+    logs = meter.flush()
+    assert (logs["odb/data_wait_fraction"], logs["odb/data_wait_reading_fraction"],
+            logs["odb/data_wait_exchange_fraction"]) == (0.5, 0.25, 0.25)
+    clock.now += 1.0
+    metrics.read_seconds += 3.0  # a producer thread (prefetch_steps > 0) reads while the trainer trains
+    logs = meter.flush()
+    assert (logs["odb/data_wait_reading_fraction"], logs["odb/data_wait_exchange_fraction"]) == (1.0, 0.0)
+    assert "read_seconds" not in metrics.snapshot()  # a wall time
+    alone = StepMeter(ODBConfig(token_budget=100), LoaderMetrics(token_budget=100, world_size=1), clock=clock)
+    alone.add(_step(samples=4, tokens=80))
+    assert "odb/data_wait_exchange_fraction" not in alone.flush()
+
+
 class SlowSamples(torch.utils.data.Dataset):
     def __init__(self, n: int, seconds: float) -> None:
         self.n, self.seconds = n, seconds
@@ -169,21 +191,23 @@ class SlowSamples(torch.utils.data.Dataset):
         return {"input_ids": torch.arange(4 + index % 5) + 3}
 
 
-def _wait_fraction(read_s: float, step_s: float) -> float:
+def _wait_fractions(read_s: float, step_s: float) -> tuple[float, float]:
     loader = ODBDataLoader(SlowSamples(96, read_s), token_budget=32, window=16, min_window=8, max_batch_size=4,
                            num_workers=1, fetch_chunk=2)
     meter = StepMeter(loader.config, loader.metrics)
     for batch in loader:
         meter.add(batch.info)
         time.sleep(step_s)
-    fraction = meter.flush()["odb/data_wait_fraction"]
+    logs = meter.flush()
     loader.close()
-    return fraction
+    return logs["odb/data_wait_fraction"], logs["odb/data_wait_reading_fraction"]
 
 
 def test_a_trainer_waiting_on_slow_reads_logs_a_high_data_wait_and_a_fed_one_a_low_one():
     """Through the real loader and a worker process: reads of 10 ms per sample against steps of 1 ms keep the
-    trainer waiting most of the time, reads of 0 against steps of 20 ms almost never."""
-    starved, fed = _wait_fraction(read_s=0.01, step_s=0.001), _wait_fraction(read_s=0.0, step_s=0.02)
-    assert starved > 0.6, starved
-    assert fed < 0.2, fed
+    trainer waiting most of the time, and the wait is the reading; reads of 0 against steps of 20 ms almost
+    never wait."""
+    (starved, reading), (fed, fed_reading) = (_wait_fractions(read_s=0.01, step_s=0.001),
+                                              _wait_fractions(read_s=0.0, step_s=0.02))
+    assert starved > 0.6 and 0.8 * starved < reading <= starved, (starved, reading)
+    assert fed_reading <= fed < 0.2, (fed, fed_reading)

@@ -63,7 +63,11 @@ def test_every_loader_is_reported_and_odb_trains_each_sample_once(world, workers
                 row["samples_per_s"] / min(world * workers / nominal, row["demand"])), row
         if row["loader"] == "plain":
             assert row["samples"] == SAMPLES and row["each_once"] is None and row["bound"] is None
+            assert row["data_wait"] is row["reading"] is row["exchange"] is None, row
         else:
+            # the reading and the exchange are parts of the wait (inline: the loader's default)
+            assert 0 < row["reading"] and row["reading"] + row["exchange"] <= row["data_wait"], row
+            assert row["exchange"] > 0 or world == 1, row
             assert row["samples"] == SAMPLES and row["each_once"] is True, row
             assert 0 < row["bound"] <= 1.0, row  # what the round sizes allow (benchmarks/lib/round_model.py)
 

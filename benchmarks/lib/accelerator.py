@@ -8,6 +8,9 @@ batch's `input_ids`), followed at W > 1 by a one-element all_reduce on the defau
 gradient all_reduce that makes every rank wait for the slowest one at each step. Figures:
   * samples/s: samples trained per wall second, first batch included (over ranks: all samples / slowest wall);
   * busy: the fraction of wall time the simulated device was stepping (over ranks: their mean, and the least);
+  * data wait (ODB only): the fraction of wall time the trainer spent in the loader's `next()`, and two parts of
+    it, reading (the loader blocked on the workers' stream) and exchange (the rounds' collectives on ODB's group),
+    as `odb/data_wait_fraction` and its parts log them (NOTE [ Waiting for data ] in odb_core/steps/metrics.py);
   * sync: the fraction of wall time in the per-step all_reduce (over ranks: their mean): the wait for the slowest
     rank plus what one small Gloo collective costs on the machine;
   * machine CPU: the fraction of the machine's CPU time that was busy during the run (every process, from
@@ -36,7 +39,7 @@ import torch.distributed as dist
 
 from benchmarks.lib.peak_memory import WorkerPeaks, peak_mb, reset_peak
 
-MOVE_FIELDS = ("rounds", "moved_samples", "moved_bytes", "sync_bytes", "sync_seconds", "wait_seconds")
+MOVE_FIELDS = ("rounds", "moved_samples", "moved_bytes", "sync_bytes", "sync_seconds", "wait_seconds", "read_seconds")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -173,6 +176,8 @@ class Figures:
     rss_mb: float
     worker_rss_mb: float
     data_wait: float | None  # ODB's own `odb/data_wait_fraction` over the run, mean over ranks (None: plain)
+    reading: float | None = None  # its parts: `odb/data_wait_reading_fraction` (blocked on the workers' stream)
+    exchange: float | None = None  # and `odb/data_wait_exchange_fraction` (the rounds' collectives)
     sync: float = 0.0
     machine_cpu: float | None = None
     nominal_efficiency: float | None = None
@@ -200,11 +205,18 @@ def aggregate(runs: list[RankRun], workers_per_rank: int, process_s: float,
                    synced_efficiency=rate / min(supply, synced_demand), first_batch_s=max(r.first_batch_s for r in runs),
                    cpu_s=max(r.cpu_s for r in runs), rss_mb=max(r.rss_mb for r in runs),
                    worker_rss_mb=max(r.worker_rss_mb for r in runs),
-                   data_wait=statistics.fmean(r.moves["wait_seconds"] / r.wall_s for r in runs)
-                   if all("wait_seconds" in r.moves for r in runs) else None,
+                   data_wait=_loader_share(runs, "wait_seconds"), reading=_loader_share(runs, "read_seconds"),
+                   exchange=_loader_share(runs, "sync_seconds"),
                    sync=statistics.fmean(r.sync_s / r.wall_s for r in runs),
                    machine_cpu=statistics.fmean(machine) if machine else None,
                    nominal_efficiency=None if nominal is None else rate / min(nominal, demand))
+
+
+def _loader_share(runs: list[RankRun], counter: str) -> float | None:
+    """A loader's seconds counter (`LoaderMetrics`) over wall seconds, mean over ranks; None for a plain loader."""
+    if not all(counter in r.moves for r in runs):
+        return None
+    return statistics.fmean(r.moves[counter] / r.wall_s for r in runs)
 
 
 def synced_device_s(runs: list[RankRun]) -> float:

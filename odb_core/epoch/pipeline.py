@@ -145,7 +145,8 @@ class EpochRun(Iterator[ODBBatch]):
         self.ctx, self.epoch, self.log = ctx, epoch, log
         self.rounds = ctx.rounds_factory(epoch)
         self.engine = self.rounds.engine
-        self.reader = SampleReader(chunks, ctx.length_fn, ctx.fallback_dummy, ctx.packed_samples, stream_length)
+        self.reader = SampleReader(chunks, ctx.length_fn, ctx.fallback_dummy, ctx.packed_samples, stream_length,
+                                   ctx.metrics)
         config = self.engine.config
         target = StepTarget(*config.step_target) if config.step_target is not None else None
         self.window: AccumulationWindow[PlannedStep] = AccumulationWindow(config.accumulation_steps, target)

@@ -7,6 +7,7 @@ keeps the payload by dataset index until its group is collated, and picks the sa
 
 from __future__ import annotations
 
+import time
 import traceback
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
@@ -19,6 +20,7 @@ from odb_core.epoch.stream import Chunk, ReadChunk, read_chunk
 from odb_core.planning.planner import BufferEngine
 from odb_core.planning.round_sizes import fill_more
 from odb_core.resume.state import RoundStart
+from odb_core.steps.metrics import LoaderMetrics
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,11 +68,14 @@ class SampleReader:
 
     `consumed` counts the samples admitted so far (the resume offset included); `pending` holds samples read from
     the workers that no fill admitted yet (`pending_bytes` their payloads); `stream_length` is the number of samples
-    of this rank's epoch, resume offset included, or None when unknown (NOTE [ Round sizes ])."""
+    of this rank's epoch, resume offset included, or None when unknown (NOTE [ Round sizes ]). The seconds a read
+    blocks on the stream are added to `metrics.read_seconds` (NOTE [ Waiting for data ] in metrics.py)."""
 
     def __init__(self, chunks: Iterator[Chunk], length_fn: LengthFn | None,
-                 fallback_dummy: Callable[[], Mapping[str, Any]], packed: bool, stream_length: int | None) -> None:
+                 fallback_dummy: Callable[[], Mapping[str, Any]], packed: bool, stream_length: int | None,
+                 metrics: LoaderMetrics | None = None) -> None:
         self.chunks, self.length_fn, self.fallback_dummy = chunks, length_fn, fallback_dummy
+        self.metrics = metrics
         self.packed = packed  # worker processes send small tensors as arrays (sendable.PackedTensor)
         self.stream_length = stream_length
         self.pending: deque[tuple[int, Any]] = deque()
@@ -121,7 +126,7 @@ class SampleReader:
         space = self.space(engine)
         while space > 0 and fill_more(config, payloads.bytes):
             if not pending:
-                chunk = next(self.chunks, None)
+                chunk = self._next_chunk()
                 if chunk is None:
                     self.stream_ended = True
                     return False
@@ -151,7 +156,7 @@ class SampleReader:
         try:
             while (len(pending) < target and not self.stream_ended
                    and (target_bytes is None or self.pending_bytes < target_bytes)):
-                chunk = next(self.chunks, None)
+                chunk = self._next_chunk()
                 if chunk is None:
                     self.stream_ended = True
                 else:
@@ -170,6 +175,16 @@ class SampleReader:
         except BaseException as exc:
             self._fail(exc)
             raise
+
+    def _next_chunk(self) -> Chunk | None:
+        """The stream's next chunk (None at its end), the seconds it took counted as reading."""
+        if self.metrics is None:
+            return next(self.chunks, None)
+        asked = time.perf_counter()
+        try:
+            return next(self.chunks, None)
+        finally:
+            self.metrics.read_seconds += time.perf_counter() - asked
 
     def _extend(self, chunk: Chunk) -> None:
         """Queue a chunk's samples, unpacked, with their payload bytes; a reader thread already did both."""

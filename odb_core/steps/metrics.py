@@ -116,7 +116,7 @@ class StepCounts:
 STEP_FIELDS = tuple(f.name for f in fields(StepCounts))
 
 
-UNSAVED = ("counts", "moves", "wait_seconds")  # fields a state leaves out: saved as its own fields, derived, wall time
+UNSAVED = ("counts", "moves", "wait_seconds", "read_seconds")  # a state leaves out: saved on their own, derived, wall
 
 
 @dataclass(slots=True)
@@ -137,6 +137,7 @@ class LoaderMetrics:
     sync_bytes: int = 0
     sync_seconds: float = 0.0
     wait_seconds: float = 0.0  # the consumer's wall seconds inside next(), waiting (NOTE [ Waiting for data ])
+    read_seconds: float = 0.0  # the loader's wall seconds blocked on the workers' stream (NOTE [ Waiting for data ])
     # (moved samples, moved bytes, local samples) after the last whole round, published in one assignment so that
     # a reader on the trainer's thread never sees a round's moves without its samples; derived, not saved
     moves: tuple[int, int, int] = (0, 0, 0)
@@ -214,7 +215,9 @@ class StepMeter:
         and `odb/samples_per_step_std` their standard deviation over the logged steps (how near `samples_per_step`
         the steps come); with `tokens_per_step`, `odb/tokens_per_step` and `odb/tokens_per_step_std` too;
       * `odb/data_wait_fraction`: the share of the interval this rank's trainer spent inside the loader's `next()`,
-        waiting for its batch (NOTE [ Waiting for data ]);
+        waiting for its batch, and two of its parts, `odb/data_wait_reading_fraction` (waiting for the workers'
+        samples) and, with world > 1, `odb/data_wait_exchange_fraction` (the rounds' exchanges with the other
+        ranks) (NOTE [ Waiting for data ]);
       * `odb/moved_fraction`, `odb/moved_bytes` (global planning, world > 1): of the samples this rank's loader
         planned since the previous log, the share read by another rank, and the bytes received for them (these two
         come from the loader's own counters, `loader_metrics`, which run up to `prefetch_steps` ahead of the trainer).
@@ -236,6 +239,17 @@ class StepMeter:
     left out with the set-up. Near 0: the next batch was ready when the step ended. High: the trainer waited,
     for the workers (more `num_workers`), for the rounds (a smaller `window`: docs/design.md, "A bound no rule of
     round sizes escapes"), or for the other ranks' exchange. A wall time, so not part of a saved state.
+    Two parts of it say which, over the same interval:
+      * `odb/data_wait_reading_fraction`: the loader blocked on the workers' stream for samples, in a round's
+        fill or a step's read-ahead pull (`LoaderMetrics.read_seconds`, two clock reads per chunk: `SampleReader`).
+        High with workers slower than the device, and while the rounds grow at an epoch's start or a round
+        waits for its last samples;
+      * `odb/data_wait_exchange_fraction` (world > 1): the rounds' collectives on ODB's own group, which wait for
+        the slowest rank to arrive (`LoaderMetrics.sync_seconds`). High when another rank reads or trains slower.
+    The rest of the wait is the loader's own work in the trainer's thread: planning, counting, collating, and
+    moved samples still on the move lane. Inline (the default, `prefetch_steps=0`) both parts are spent inside
+    `next()`; with `prefetch_steps > 0` a producer thread spends them, partly while the trainer trains, and they
+    can exceed the wait. Wall times, capped at 1, not part of a saved state.
     """
 
     def __init__(self, config: ODBConfig, loader_metrics: LoaderMetrics, *,
@@ -247,12 +261,16 @@ class StepMeter:
         self.last: StepInfo | None = None  # the latest consumed micro-batch
         self.clock = clock
         self.since: float | None = None  # start of the current interval; None until the first add() (NOTE above)
-        self.waited = 0.0  # the loader's wait_seconds at the start of the interval (NOTE [ Waiting for data ])
+        self.waited = (0.0, 0.0, 0.0)  # the loader's waits at the start of the interval (NOTE [ Waiting for data ])
 
     def add(self, info: StepInfo) -> None:
         if self.since is None:
-            self.since, self.waited = self.clock(), self.loader_metrics.wait_seconds
+            self.since, self.waited = self.clock(), self._waits()
         self.seen, self.last = self.seen.add(info), info
+
+    def _waits(self) -> tuple[float, float, float]:
+        metrics = self.loader_metrics
+        return metrics.wait_seconds, metrics.read_seconds, metrics.sync_seconds
 
     def flush(self) -> dict[str, float]:
         now = self.clock()
@@ -264,9 +282,13 @@ class StepMeter:
             "odb/padding_ratio": delta.padding_ratio,
             "odb/budget_utilization": delta.budget_utilization(config.token_budget, self.world_size),
             "odb/idle_steps": float(delta.idle_steps),
-            "odb/data_wait_fraction": min((self.loader_metrics.wait_seconds - self.waited) / seconds, 1.0)
-            if self.since is not None else 0.0,
         }
+        waits = self._waits()
+        shares = [min((now_s - then_s) / seconds, 1.0) if self.since is not None else 0.0
+                  for now_s, then_s in zip(waits, self.waited, strict=True)]
+        logs["odb/data_wait_fraction"], logs["odb/data_wait_reading_fraction"] = shares[0], shares[1]
+        if self.world_size > 1:
+            logs["odb/data_wait_exchange_fraction"] = shares[2]
         for unit in ("samples", "tokens") if config.tokens_per_step is not None else ("samples",):
             logs[f"odb/{unit}_per_step"], logs[f"odb/{unit}_per_step_std"] = delta.step_size(unit)
         if config.max_patches:
@@ -275,7 +297,7 @@ class StepMeter:
             logs.update(self._moves())
         self.logged = self.seen
         if self.since is not None:
-            self.since, self.waited = now, self.loader_metrics.wait_seconds
+            self.since, self.waited = now, waits
         return logs
 
     def _moves(self) -> dict[str, float]:
