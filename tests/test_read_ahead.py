@@ -8,6 +8,8 @@ first round was yielded with exactly one buffer of samples read.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -122,3 +124,39 @@ def test_the_reader_thread_and_taking_what_it_holds_change_no_batch(iterable):
     assert runs["thread"] == runs["in process"] == runs["direct"]
     assert rounds >= 6
     assert sorted(i for info, _, _ in runs["thread"] for i in info.indices) == list(range(len(lengths)))
+
+
+def _late_run(dataset, options: dict, step_s: float, save_at: int | None = None, state: dict | None = None):
+    """The steps of one epoch (StepInfo and ids), each followed by `step_s` of "training"; with `save_at`, also
+    the state saved after that many steps; with `state`, the steps of a fresh loader resumed from it."""
+    loader = ODBDataLoader(dataset, **options)
+    if state is not None:
+        loader.load_state_dict(state)
+    steps, saved = [], None
+    for batch in loader:
+        steps.append((batch.info, batch["input_ids"].tolist()))
+        time.sleep(step_s)
+        if len(steps) == save_at:
+            saved = loader.state_dict()
+    loader.close()
+    return steps, saved
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("iterable", [False, True])
+def test_the_end_of_the_stream_is_planned_alike_whenever_its_end_was_read(iterable):
+    """NOTE [ Whether a rank's stream has ended ]: a consumer slow enough for the reader thread to hold the
+    stream's end when the last rounds read ahead, a fast one, and a run resumed after a step of the last rounds
+    (whose replayed round reads nothing ahead) plan the same rounds and batches. Before, the slow run's last fill
+    saw the end and the replayed one did not: the resumed run planned an extra round."""
+    lengths = [8 + (i * 53) % 200 for i in range(260)]  # a last fill that admits exactly the last samples
+    dataset = LengthStream(LengthDataset(lengths)) if iterable else LengthDataset(lengths)
+    options = dict(token_budget=512, window=64, min_window=16, fetch_chunk=2, num_workers=1, seed=3,
+                   shuffle=not iterable)
+    slow, _ = _late_run(dataset, options, step_s=0.01)
+    save_at = len(slow) - 3
+    fast, state = _late_run(dataset, options, step_s=0.0, save_at=save_at)
+    resumed, _ = _late_run(dataset, options, step_s=0.0, state=state)
+    assert fast == slow
+    assert resumed == slow[save_at:]
+    assert sorted(i for info, _ in slow for i in info.indices) == list(range(len(lengths)))

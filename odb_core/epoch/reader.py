@@ -101,8 +101,19 @@ class SampleReader:
             self.dummy_patches = count_patches(self.dummy)
 
     def fill(self, engine: BufferEngine) -> bool:
-        """Top the buffer up; returns whether this rank is still active (its stream may hold more). On any error
-        (a bad sample, the oversize policy, a failed fetch) the worker iterator is released before raising."""
+        """Top the buffer up; returns whether this rank is still active (its stream holds more). On any error
+        (a bad sample, the oversize policy, a failed fetch) the worker iterator is released before raising.
+
+        NOTE [ Whether a rank's stream has ended ]
+        A rank's `active` flag goes into the round's plan (an inactive rank's tail is planned, not held back), so
+        it must be a function of the stream, not of when its end was read. A fill that admits the stream's last
+        sample sees the end only if some read already met it: a read-ahead pull of chunks the reader thread held,
+        which depends on worker timing, or none at all in a replayed round (exact resume). So when a fill leaves
+        nothing pending and the stream may be at its end (its length is unknown, or every sample of it is
+        admitted), it reads one more chunk: the end (inactive) or samples that wait, pending, for the next fill
+        (active). Before, a round replayed from a saved state planned the end of an epoch differently from the
+        uninterrupted run, and two runs could too (tests/test_read_ahead.py). The cost: one chunk's wait at the
+        end of a fill with nothing pending, at a known stream's end or with an iterable dataset."""
         try:
             return self._fill(engine)
         except BaseException as exc:
@@ -140,6 +151,13 @@ class SampleReader:
             self.consumed += 1
             space -= 1
             self._offer_dummy(index, sample, item.patches)
+        if not pending and not self.stream_ended and (self.stream_length is None
+                                                       or self.consumed >= self.stream_length):
+            chunk = self._next_chunk()  # NOTE [ Whether a rank's stream has ended ]
+            if chunk is None:
+                self.stream_ended = True
+            else:
+                self._extend(chunk)
         return not (self.stream_ended and not pending)
 
     def _fail(self, exc: BaseException) -> None:
