@@ -115,7 +115,8 @@ class Case:
     (a shuffling `DistributedSampler`, which pads with repeated indices when W does not divide the size).
 
     `fault` makes rank `fault_rank` leave after `fault_after` steps: `exit` kills it with os._exit, `stall` keeps
-    it alive but no longer iterating, `kill-rank` SIGKILLs it, `kill-worker-then-rank` SIGKILLs one of its
+    it alive but no longer iterating, `error-then-close` has its dataset raise at the middle of its shard and its
+    loop close the loader after the error (a `finally:`) and stay alive, `kill-rank` SIGKILLs it, `kill-worker-then-rank` SIGKILLs one of its
     DataLoader workers and then it, `freeze` stops it (SIGSTOP: alive, sockets open, silent) and kills it later. The other ranks then record the error they get instead of the epoch."""
 
     world_size: int
@@ -160,7 +161,9 @@ def build_loader(case: Case, rank: int) -> Any:
 
     from odb_core import ODBDataLoader
 
-    if case.first_image is None:
+    if case.fault == "error-then-close" and rank == case.fault_rank:
+        dataset = RaisingDataset(case.lengths, bad_index=-1)  # its index is set once the shard is known
+    elif case.first_image is None:
         dataset = LengthDataset(case.lengths)
     else:
         dataset = ImagesFromDataset(case.lengths, case.first_image)
@@ -247,6 +250,27 @@ def _leave(loader: Any, case: Case, rank: int, out_dir: Path) -> None:
     os._exit(0)
 
 
+def _fail_then_close(loader: Any, case: Case, rank: int, out_dir: Path) -> None:
+    """The faulty rank of `error-then-close`: its epoch raises mid-shard, its loop closes the loader after the
+    error, and it stays alive until the survivors have reported (or `stall_s` passed)."""
+    order = [int(i) for i in loader.sampler]
+    loader.dataset.bad_index = order[len(order) // 2]
+    outcome: dict[str, Any] = {"rank": rank, "fault": case.fault}
+    try:
+        for _ in loader:
+            pass
+    except Exception as exc:  # noqa: BLE001 - recorded; the peers must now get an error too
+        outcome.update(error_type=type(exc).__name__, left_at=time.time())
+    finally:
+        loader.close()
+    _write(out_dir, f"rank{rank}.json", outcome)
+    peers = [out_dir / f"rank{r}.json" for r in range(case.world_size) if r != rank]
+    deadline = time.monotonic() + case.stall_s
+    while time.monotonic() < deadline and not all(p.exists() for p in peers):
+        time.sleep(0.1)
+    os._exit(0)
+
+
 def _survive(loader: Any, rank: int, out_dir: Path) -> None:
     """A healthy rank next to a faulty one: record how the epoch ended and how long the failing next() took."""
     from odb_core import PeerError
@@ -272,6 +296,8 @@ def run_rank(rank: int, case: Case, out_dir: Path) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=case.world_size,
                             timeout=timedelta(seconds=INIT_TIMEOUT_S))
     loader = build_loader(case, rank)
+    if case.fault == "error-then-close" and rank == case.fault_rank:
+        _fail_then_close(loader, case, rank, out_dir)
     if case.fault is not None and rank == case.fault_rank:
         _leave(loader, case, rank, out_dir)
     if case.fault is not None or case.record_errors:

@@ -88,6 +88,26 @@ def test_dead_or_stalled_peer_raises_peer_error_within_the_sync_timeout(tmp_path
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
+@pytest.mark.parametrize("prefetch_steps", [0, 2])
+def test_a_rank_that_closes_its_loader_after_an_error_fails_its_peers_too(tmp_path, prefetch_steps):
+    """NOTE [ A failed epoch is not left ]: rank 1's dataset raises mid-shard and its loop closes the loader after
+    the error, then stays alive. Rank 0 must get a PeerError within seconds, not end its epoch early without one:
+    before, the close left the epoch as a `break` does and rank 0's epoch just ended, half of rank 1's samples and
+    all its own later ones untrained."""
+    case = Case(world_size=2, lengths=mixed_lengths(400), window=8, fault="error-then-close",
+                prefetch_steps=prefetch_steps, sync_timeout_s=300.0, stall_s=60.0)
+    result = run_job(case, "env", tmp_path, timeout_s=180)
+    assert not result.timed_out, f"the job hung:\n{result.output[-4000:]}"
+    survivor, faulty = result.records.get(0), result.records.get(1)
+    assert survivor is not None and faulty is not None, result.output[-4000:]
+    assert faulty["error_type"] == "DatasetFetchError", faulty
+    assert survivor["error_type"] == PeerError.__name__, survivor
+    latency = survivor["raised_at"] - faulty["left_at"]
+    assert latency <= 10.0, f"PeerError came {latency:.1f}s after rank 1 failed"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
 @pytest.mark.parametrize("fault", ["kill-rank", "kill-worker-then-rank"])
 def test_a_sigkilled_rank_is_noticed_in_seconds_whatever_its_workers(tmp_path, fault):
     """Rank 1 (two fork-started workers, which inherit its Gloo sockets) is SIGKILLed, alone or after one of its
@@ -154,12 +174,16 @@ def test_a_frozen_rank_0_that_hosts_the_store_is_named_within_the_liveness_timeo
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(("prefetch_steps", "reader_thread"), [(0, True), (0, False), (2, True)])
 def test_killed_worker_raises_instead_of_hanging(prefetch_steps, reader_thread):
+    """A worker kills itself while the rank's main thread waits in the loader. Inline, the error is ODB's
+    `WorkerDiedError`, read directly or through the reader thread: torch's SIGCHLD handler raises its own error in
+    whatever the main thread runs, and that was the reader thread's queue wait (a review found torch's message
+    there). With a producer thread (`prefetch_steps`), torch's error may come first, in the consumer's wait."""
     baseline = Baseline.now()
     loader = ODBDataLoader(KillWorkerDataset(mixed_lengths(300), kill_index=37), token_budget=1024,
                            num_workers=2, window=16, prefetch_steps=prefetch_steps, multiprocessing_context="fork",
                            reader_thread=reader_thread)
     start = time.monotonic()
-    with pytest.raises(RuntimeError) as caught:
+    with pytest.raises(WorkerDiedError if prefetch_steps == 0 else RuntimeError) as caught:
         for _ in loader:
             pass
     elapsed = time.monotonic() - start

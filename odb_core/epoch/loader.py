@@ -314,6 +314,7 @@ class _EpochIterator(Iterator[ODBBatch]):
         depth = loader.config.prefetch_steps
         self.source: Iterator[ODBBatch] = BackgroundIterator(run, depth) if depth > 0 else run
         self.finished = False
+        self.failed = False  # a next() raised: the epoch is not left in step with the others (see `close`)
 
     def __next__(self) -> ODBBatch:
         asked = time.perf_counter()
@@ -325,13 +326,17 @@ class _EpochIterator(Iterator[ODBBatch]):
             if self.run.report is not None:
                 self.loader._finish(self.run.report)
             raise
+        except BaseException as exc:
+            self.failed = True
+            raise self.loader._stream.named_failure(exc) if self.source is self.run else exc
         assert batch.info is not None
         self.log.consume(batch.info)
         return batch
 
     def close(self, leave: bool) -> None:
-        """Stop the epoch; with `leave` (an explicit close before the end), leave it with the other ranks."""
-        leave = leave and not self.finished
+        """Stop the epoch; with `leave` (an explicit close before the end), leave it with the other ranks, unless
+        a `next()` raised (NOTE [ A failed epoch is not left ] in pipeline.py)."""
+        leave = leave and not self.finished and not self.failed
         if isinstance(self.source, BackgroundIterator):
             self.source.close(leave=leave, timeout_s=self.loader.config.sync_timeout_s + 5.0)
             return

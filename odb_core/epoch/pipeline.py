@@ -196,7 +196,16 @@ class EpochRun(Iterator[ODBBatch]):
         sees the flag ends its epoch right after the steps it already planned (`EpochReport.abandoned`), and runs
         no more collectives for it. The rounds are lockstep, so a peer is either in that same exchange (as a
         normal round or leaving too) or reaches it when its own consumer takes the next step or leaves. Called
-        once, on the thread that runs the rounds, between rounds; a finished epoch needs nothing."""
+        once, on the thread that runs the rounds, between rounds; a finished epoch needs nothing.
+
+        NOTE [ A failed epoch is not left ]
+        Leaving says that this rank stopped on purpose, and the others end the epoch as if it were over. An epoch
+        whose `next()` raised (a bad sample, a failed fetch, a dead worker or peer) did not: a consumer that closed
+        the loader or called `iter()` after the error (a `finally:`, a context manager) used to leave it all the
+        same, and the healthy ranks ended the epoch without this rank's samples and without an error. So the
+        loader's iterator stops a failed epoch without this exchange (`_EpochIterator.close`): the other ranks meet
+        the error at their next collective, as for a rank that dies (`PeerError` once this rank's Gloo group or
+        process is gone, or after `sync_timeout_s`; `DesyncError` if it starts another epoch first)."""
         self.collating.close()
         self._settle_moves()
         if not self.engine.finished:

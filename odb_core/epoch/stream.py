@@ -173,6 +173,19 @@ class SampleStream:
             return DataLoader(self._iterable, batch_size=None, **self._loader_options)
         return DataLoader(self._indexed, batch_sampler=self._chunks, **self._loader_options)
 
+    def named_failure(self, exc: BaseException) -> BaseException:
+        """torch's error for a dead worker, which its SIGCHLD handler raises wherever the main thread runs (ODB's
+        planning, a wait for the collating thread), as the `WorkerDiedError` naming that worker; anything else as
+        it is. For the thread that reads the workers, after its epoch failed (NOTE [ A rank watches its workers ])."""
+        if self._watch is None or type(exc) is not RuntimeError:
+            return exc
+        dead = self._watch.dead()
+        if dead is None:
+            return exc
+        error = self._watch.error(dead)
+        error.__cause__ = exc
+        return error
+
     def _start_workers(self) -> Iterator[Chunk]:
         """`iter()` of the worker DataLoader, watched when there are workers (a new DataLoader after one died)."""
         if self._watch is None:

@@ -44,7 +44,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
-from typing import Any
+from typing import Any, NoReturn
 
 from torch.utils.data import DataLoader
 
@@ -228,12 +228,18 @@ class WatchedChunks(Iterator[Any]):
         except StopIteration:
             self._ended = True
             raise
-        except Exception as exc:  # torch's "worker exited unexpectedly" (or its SIGCHLD handler's) gets a name
-            dead = self._watch.dead()
-            if dead is None:
-                raise
-            raise self._died(dead) from exc
+        except Exception as exc:
+            self._raise_named(exc)
         raise self._died(dead)
+
+    def _raise_named(self, exc: Exception) -> NoReturn:
+        """Raise torch's "worker exited unexpectedly", or its SIGCHLD handler's error, which interrupts whatever the
+        main thread waits in (a read, or a wait for the reader thread), as a `WorkerDiedError` naming the dead
+        worker; any other error as it is."""
+        dead = self._watch.dead()
+        if dead is None:
+            raise exc
+        raise self._died(dead) from exc
 
     def ready(self) -> Any | None:
         """The next chunk if the reader thread already holds it, else None, without waiting (None too for a
@@ -244,6 +250,8 @@ class WatchedChunks(Iterator[Any]):
             message = self._hop.queue.get_nowait()
         except queue.Empty:
             return None
+        except Exception as exc:
+            self._raise_named(exc)
         return self._unwrap(message)
 
     def _next_hopped(self) -> Any:
@@ -255,6 +263,8 @@ class WatchedChunks(Iterator[Any]):
             except queue.Empty:
                 self._look_while_waiting()
                 continue
+            except Exception as exc:
+                self._raise_named(exc)
             return self._unwrap(message)
 
     def _unwrap(self, message: Any) -> Any:
