@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
+from concurrent.futures import Future
 
 import numpy as np
 import pytest
@@ -19,7 +21,7 @@ from conftest import LengthDataset
 from dist_cases import Case, mixed_lengths, run_job
 
 from odb_core import ODBDataLoader, PadCollator, run_virtual_ranks
-from odb_core.ranks.moves_ahead import FACT_FIELDS, sample_facts, step_chunks
+from odb_core.ranks.moves_ahead import FACT_FIELDS, MovesInFlight, sample_facts, step_chunks
 
 LENGTHS = [8 + (i * 37) % 300 for i in range(240)]
 
@@ -175,3 +177,20 @@ def test_gloo_ranks_with_the_lane_run_the_batches_of_moving_in_line(tmp_path):
     inline = _gloo_steps(tmp_path, "inline", overlap_moves=False)
     assert sorted(lane) == [0, 1] and lane == inline
     assert sum(e["moved_samples"] for r in lane.values() for e in r) > 0
+
+
+def test_a_moved_sample_is_freed_with_its_step_not_kept_by_the_round():
+    """NOTE [ Moves overlap training ]: `MovesInFlight.sample` hands a received sample out once and drops it, so
+    the round's flight does not keep every moved image alive until its end."""
+    class Sample(dict):  # a dict that a weak reference can follow
+        pass
+
+    arrived: Future = Future()
+    arrived.set_result({1: [Sample(input_ids=[5, 6]), Sample(input_ids=[7])]})
+    flight = MovesInFlight(facts={1: [[1, 1, 0], [0, 1, 0]]}, futures=[arrived], starts={1: [0]}, samples=2,
+                           bytes_in=0)
+    sample = flight.take((1, 0)).sample()
+    alive = weakref.ref(sample)
+    assert sample["input_ids"] == [5, 6] and flight.take((1, 1)).sample()["input_ids"] == [7]
+    del sample
+    assert alive() is None

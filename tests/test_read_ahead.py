@@ -15,8 +15,10 @@ import torch
 
 from batch_record import LengthStream
 from conftest import CountingDataset, LengthDataset
-from odb_core import ODBDataLoader
+from odb_core import DatasetFetchError, ODBConfig, ODBDataLoader
+from odb_core.epoch.pipeline import ReadAhead
 from odb_core.epoch.reader import Pull, SampleReader
+from odb_core.planning.planner import BufferEngine
 
 WINDOW = 64
 
@@ -29,7 +31,8 @@ def test_the_next_round_is_read_while_the_current_rounds_steps_are_taken():
     assert len(first_round) > 2
     assert first_round[0] == WINDOW  # the first fill reads one buffer, and the first step is yielded then
     assert first_round[-1] > WINDOW  # by the round's last step the next round's samples are being read
-    assert first_round == sorted(first_round)  # spread over the steps, not read at once
+    # (in process a chunk is 64 samples, one window, so the share per step is checked on `ReadAhead` itself:
+    # test_each_step_waits_for_its_share_of_the_next_fill_and_takes_held_chunks_up_to_the_window)
     assert dataset.reads == len(dataset)  # each sample read once
 
 
@@ -42,7 +45,7 @@ def test_reading_ahead_reads_no_more_than_the_next_fill_admits():
         rounds[batch.info.round] = dataset.reads
         if batch.info.round == 3:
             break
-    # with chunks of one sample, at most one buffer plus the next fill's samples have been read by a round's end
+    # at most one buffer plus the next fill's samples have been read by a round's end (in process, chunks of 64)
     for round_, reads in rounds.items():
         assert reads <= WINDOW * (round_ + 2), (round_, reads)
 
@@ -160,3 +163,58 @@ def test_the_end_of_the_stream_is_planned_alike_whenever_its_end_was_read(iterab
     assert fast == slow
     assert resumed == slow[save_at:]
     assert sorted(i for info, _ in slow for i in info.indices) == list(range(len(lengths)))
+
+
+def test_each_step_waits_for_its_share_of_the_next_fill_and_takes_held_chunks_up_to_the_window():
+    """NOTE [ Reading ahead ]: a round of 8 steps before a fill of 64 samples and 8,000 bytes waits, at step k, for
+    k/8 of each (not all at the first step), and takes held chunks up to the cap and the fill's bytes."""
+    ahead = ReadAhead()
+    ahead.plan(64, 8000, 8, 256)
+    pulls = [ahead.take_step() for _ in range(8)]
+    assert [p.samples for p in pulls] == [8 * k for k in range(1, 9)]
+    assert [p.bytes for p in pulls] == [1000 * k for k in range(1, 9)]
+    assert {(p.cap, p.cap_bytes) for p in pulls} == {(256, 8000)} and not ahead.due
+
+
+def test_the_next_fill_may_add_the_byte_bound_less_the_bytes_buffered():
+    reader = _reader(TimedStream(chunks=1, size=1, ready_chunks=0))
+    reader.payloads.put(0, {}, 3000)
+    engine = BufferEngine(ODBConfig(token_budget=64, max_buffer_bytes=10_000), epoch=0)
+    assert reader.byte_space(engine) == 7000
+    assert reader.byte_space(BufferEngine(ODBConfig(token_budget=64, max_buffer_bytes=None), epoch=0)) is None
+
+
+@pytest.mark.timeout(120)
+def test_held_chunks_read_ahead_to_the_streams_end_stay_within_the_window_and_are_all_trained():
+    """A consumer slow enough for the reader thread to hold every chunk, the stream's end included: the held
+    chunks are taken up to `window` pending samples (not all at once), and a stream whose end was seen while more
+    samples wait than the next fill admits stays active until they are all trained (each index once)."""
+    lengths = [8 + (i * 53) % 200 for i in range(203)]
+    loader = ODBDataLoader(LengthStream(LengthDataset(lengths)), token_budget=512, window=32, min_window=None,
+                           fetch_chunk=2, num_workers=2)
+    it = iter(loader)
+    seen, most = [], 0
+    for batch in it:
+        seen.extend(batch.info.indices)
+        most = max(most, len(it.run.reader.pending))
+        time.sleep(0.004)
+    loader.close()
+    assert sorted(seen) == list(range(len(lengths)))
+    assert 16 < most <= 32 + 2, most  # the window, plus the last chunk taken
+
+
+class _RaisesAt(LengthDataset):
+    def __getitem__(self, index: int) -> dict:
+        if index == 300:
+            raise ValueError("corrupt record 300")
+        return super().__getitem__(index)
+
+
+@pytest.mark.timeout(120)
+def test_an_error_in_a_chunk_the_reader_thread_held_is_raised_not_taken_for_the_streams_end():
+    loader = ODBDataLoader(_RaisesAt([8 + (i * 53) % 200 for i in range(400)]), token_budget=512, window=64,
+                           fetch_chunk=4, num_workers=1)
+    with pytest.raises(DatasetFetchError, match="300"):
+        for _ in loader:
+            time.sleep(0.02)
+    loader.close()
