@@ -17,6 +17,10 @@ row copies) release the GIL; its Python part is a few tens of µs per step.
     Off with `collate_ahead=False`, and with `prefetch_steps > 0`, whose producer thread already collates ahead.
   * The thread ends with its epoch (its end, `close()`, leaving it), and at interpreter exit after the collation
     it may be running (a daemon thread stopped inside a torch operator would abort the process).
+  * The step just taken goes to the thread with the next one, which drops it there: freeing a torch tensor
+    releases the GIL, so the consumer that freed a step's samples (two tensors each, ~34 for a text step) handed
+    the GIL to the reader thread at each one and waited to get it back, ~0.56 ms per step of ~24 ms on one rank
+    at 2 ms per sample (0.40 s of a 17.6 s epoch: docs/benchmarks.md, "Where the time of the sleep rows goes").
 """
 
 from __future__ import annotations
@@ -56,13 +60,15 @@ class CollateAhead:
             self.collation.release()
             raise
 
-    def start(self, step: PlannedStep) -> None:
-        """Collate `step` in the thread, unless a step is already handed over or it needs no collation."""
+    def start(self, step: PlannedStep, taken: PlannedStep | None = None) -> None:
+        """Collate `step` in the thread, unless a step is already handed over or it needs no collation; the
+        thread also drops `taken`, the step the consumer just took, whose samples are then freed there (the last
+        reference, once the consumer's `next()` returned)."""
         if not self.enabled or self._future is not None or step.batch is not None:
             return
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=COLLATE_THREAD)
-        self._step, self._future = step, self._pool.submit(self.collation.take, step, False)
+        self._step, self._future = step, self._pool.submit(_collate_dropping, self.collation, step, taken)
 
     def close(self) -> None:
         """End the thread, after the collation it may be running; a batch collated ahead is dropped, and the
@@ -77,3 +83,9 @@ class CollateAhead:
         release = getattr(self.collation.collate_fn, "release_memory", None)  # NOTE [ Reused collation memory ]
         if callable(release):
             release()
+
+
+def _collate_dropping(collation: Collation, step: PlannedStep, taken: PlannedStep | None) -> Mapping[str, Any]:
+    """`step`'s batch, collated in the thread; `taken` goes with the job's arguments, which the thread drops once
+    the job has run (see the NOTE)."""
+    return collation.take(step, False)

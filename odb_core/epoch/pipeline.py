@@ -178,7 +178,7 @@ class EpochRun(Iterator[ODBBatch]):
         step, info = self.ready.popleft()
         batch = self.collating.take(step)  # NOTE [ A step is collated when it is taken ]
         if self.ready:
-            self.collating.start(self.ready[0][0])  # NOTE [ Collating the next step ahead ]
+            self.collating.start(self.ready[0][0], step)  # NOTE [ Collating the next step ahead ]
         return ODBBatch(batch, info)
 
     def close(self) -> None:
