@@ -438,8 +438,10 @@ def test_reference_windows_follow_the_stated_rule():
 
 def test_the_exact_plan_equals_the_real_run_with_one_sample_per_rank_and_window_1():
     """Found by the step-target property: the simulator knew a stream had ended as soon as it took the last sample,
-    the real reader only once it wants more than are left (a full window does not ask); the plan paired the two
-    ranks' samples in one step where the run took two."""
+    the real reader then only once it wanted more than were left (a full window did not ask); the plan paired the
+    two ranks' samples in one step where the run took two. Since the reader learns it in that fill too (NOTE
+    [ Whether a rank's stream has ended ]: a fill that admits a known stream's last sample reads one more chunk),
+    both know it at the last sample, and the plan still equals the run."""
     case = TargetCase(lengths=[20, 2], shards=[[0], [1]],
                       options=dict(token_budget=32, window=1, planning="global", prefetch_steps=0, samples_per_step=1))
     ranks = run_target_epoch(case)

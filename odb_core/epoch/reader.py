@@ -113,7 +113,9 @@ class SampleReader:
         admitted), it reads one more chunk: the end (inactive) or samples that wait, pending, for the next fill
         (active). Before, a round replayed from a saved state planned the end of an epoch differently from the
         uninterrupted run, and two runs could too (tests/test_read_ahead.py). The cost: one chunk's wait at the
-        end of a fill with nothing pending, at a known stream's end or with an iterable dataset."""
+        end of a fill with nothing pending, at a known stream's end or with an iterable dataset, where that chunk
+        may pass `max_buffer_bytes` while it waits, pending (a stream that blocks until the trainer moves on waits
+        here; none of ODB's sources does). `simulate_epoch` plans with the same rule."""
         try:
             return self._fill(engine)
         except BaseException as exc:

@@ -102,24 +102,22 @@ def _fill(engines: Sequence[BufferEngine], streams: Sequence[Sequence[Item]], cu
     """Top every rank's buffer up from its stream; returns which ranks are still active.
 
     As `SampleReader.fill` does, a fill takes samples while the round's target has room and, given the samples'
-    payload bytes (`sizes`, by dataset index), while the buffer's bytes are under `max_buffer_bytes`; a rank learns
-    that its stream ended only when it wants more samples than are left, so one whose buffer fills up with exactly
-    the last sample is still active until a later fill has room."""
+    payload bytes (`sizes`, by dataset index), while the buffer's bytes are under `max_buffer_bytes`; a rank is
+    inactive once its stream's last sample is admitted, in that fill (NOTE [ Whether a rank's stream has ended ] in
+    odb_core/epoch/reader.py: the loader reads one more chunk to learn it)."""
     for rank, engine in enumerate(engines):
         stream, start = streams[rank], cursors[rank]
         left = len(stream) - start
         space = engine.space(left if lengths_known else None)
         held = None if sizes is None else sum(sizes[item.index] for item in engine.items)
         count = 0
-        while count < space and (held is None or fill_more(engine.config, held)):
-            if count == left:
-                ended[rank] = True
-                break
+        while count < min(space, left) and (held is None or fill_more(engine.config, held)):
             item = stream[start + count]
             engine.admit(item)
             held = None if held is None else held + sizes[item.index]  # type: ignore[index]
             count += 1
         cursors[rank] += count
+        ended[rank] = ended[rank] or cursors[rank] == len(stream)
     return [not e for e in ended]
 
 
