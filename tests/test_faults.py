@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -174,19 +175,24 @@ def test_a_frozen_rank_0_that_hosts_the_store_is_named_within_the_liveness_timeo
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(("prefetch_steps", "reader_thread"), [(0, True), (0, False), (2, True)])
 def test_killed_worker_raises_instead_of_hanging(prefetch_steps, reader_thread):
-    """A worker kills itself while the rank's main thread waits in the loader. Inline, the error is ODB's
-    `WorkerDiedError`, read directly or through the reader thread: torch's SIGCHLD handler raises its own error in
-    whatever the main thread runs, and that was the reader thread's queue wait (a review found torch's message
-    there). With a producer thread (`prefetch_steps`), torch's error may come first, in the consumer's wait."""
+    """A worker kills itself while the rank's main thread iterates. Inline, an error raised inside the loader is
+    ODB's `WorkerDiedError`, read directly or through the reader thread: torch's SIGCHLD handler raises its own
+    error in whatever the main thread runs, which was the reader thread's queue wait or the wait for the
+    collating thread (a review found torch's message there). Only where the signal finds the main thread in this
+    loop's own code does torch's error stay (about 1 run in 20 here). With a producer thread (`prefetch_steps`),
+    torch's error may come first, in the consumer's wait."""
     baseline = Baseline.now()
     loader = ODBDataLoader(KillWorkerDataset(mixed_lengths(300), kill_index=37), token_budget=1024,
                            num_workers=2, window=16, prefetch_steps=prefetch_steps, multiprocessing_context="fork",
                            reader_thread=reader_thread)
     start = time.monotonic()
-    with pytest.raises(WorkerDiedError if prefetch_steps == 0 else RuntimeError) as caught:
+    with pytest.raises(RuntimeError) as caught:
         for _ in loader:
             pass
     elapsed = time.monotonic() - start
+    if prefetch_steps == 0 and not isinstance(caught.value, WorkerDiedError):  # torch's own: raised where the
+        frames = traceback.extract_tb(caught.value.__traceback__)  # handler found the main thread, never inside ODB
+        assert not any(f"{os.sep}odb_core{os.sep}" in frame.filename for frame in frames), frames
     message = str(caught.value)
     del caught  # its traceback holds the epoch's frames, and through them the workers
     assert "DataLoader worker" in message and ("killed by signal" in message or "exited unexpectedly" in message)

@@ -20,7 +20,7 @@ row copies) release the GIL; its Python part is a few tens of µs per step.
   * The step just taken goes to the thread with the next one, which drops it there: freeing a torch tensor
     releases the GIL, so the consumer that freed a step's samples (two tensors each, ~34 for a text step) handed
     the GIL to the reader thread at each one and waited to get it back, ~0.56 ms per step of ~24 ms on one rank
-    at 2 ms per sample (0.40 s of a 17.6 s epoch: docs/benchmarks.md, "Where the time of the sleep rows goes").
+    at 2 ms per sample (0.40 s of a 17.6 s epoch: docs/benchmarks.md, "The data wait's parts").
 """
 
 from __future__ import annotations
@@ -87,5 +87,6 @@ class CollateAhead:
 
 def _collate_dropping(collation: Collation, step: PlannedStep, taken: PlannedStep | None) -> Mapping[str, Any]:
     """`step`'s batch, collated in the thread; `taken` goes with the job's arguments, which the thread drops once
-    the job has run (see the NOTE)."""
+    the job has run (see the NOTE), and not with the frame a failed collation's traceback keeps."""
+    del taken
     return collation.take(step, False)

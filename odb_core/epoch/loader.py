@@ -320,7 +320,6 @@ class _EpochIterator(Iterator[ODBBatch]):
         asked = time.perf_counter()
         try:
             batch = next(self.source)
-            self.loader.metrics.wait_seconds += time.perf_counter() - asked  # NOTE [ Waiting for data ]
         except StopIteration:
             self.finished = True
             if self.run.report is not None:
@@ -329,6 +328,8 @@ class _EpochIterator(Iterator[ODBBatch]):
         except BaseException as exc:
             self.failed = True
             raise self.loader._stream.named_failure(exc) if self.source is self.run else exc
+        finally:  # the last next() too: a round it ran is in read_seconds and sync_seconds, parts of this wait
+            self.loader.metrics.wait_seconds += time.perf_counter() - asked  # NOTE [ Waiting for data ]
         assert batch.info is not None
         self.log.consume(batch.info)
         return batch

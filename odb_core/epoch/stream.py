@@ -175,15 +175,17 @@ class SampleStream:
 
     def named_failure(self, exc: BaseException) -> BaseException:
         """torch's error for a dead worker, which its SIGCHLD handler raises wherever the main thread runs (ODB's
-        planning, a wait for the collating thread), as the `WorkerDiedError` naming that worker; anything else as
-        it is. For the thread that reads the workers, after its epoch failed (NOTE [ A rank watches its workers ])."""
-        if self._watch is None or type(exc) is not RuntimeError:
+        planning, a wait for the collating thread, or the collator, which wraps it in a `CollateError`), as the
+        `WorkerDiedError` naming that worker; anything else as it is. For the thread that reads the workers, after
+        its epoch failed (NOTE [ A rank watches its workers ])."""
+        if self._watch is None or RuntimeError not in (type(exc), type(exc.__cause__)):
             return exc
         dead = self._watch.dead()
         if dead is None:
             return exc
         error = self._watch.error(dead)
         error.__cause__ = exc
+        self._watch.kill_survivors()  # as a WorkerDiedError raised while reading does
         return error
 
     def _start_workers(self) -> Iterator[Chunk]:
