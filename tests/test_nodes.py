@@ -149,7 +149,7 @@ def exchanged_epoch(streams: list[list[Item]], config: ODBConfig, per_node: int)
             for item in streams[rank][cursors[rank] : cursors[rank] + min(space, left)]:
                 engine.admit(item)
             cursors[rank] += min(space, left)
-            active.append(space <= left)  # as `_fill`: an exactly full last fill is still active
+            active.append(cursors[rank] < len(streams[rank]))  # as `_fill`: NOTE [ Whether a rank's stream has ended ]
         states = [engine.state(flag) for engine, flag in zip(engines, active)]
         cuts = []
         for rank, engine in enumerate(engines):
