@@ -244,8 +244,13 @@ def _leave(loader: Any, case: Case, rank: int, out_dir: Path) -> None:
     if case.fault == "freeze":  # frozen with its sockets open (SIGSTOP), killed by a sidecar once stall_s passed
         subprocess.Popen(["sh", "-c", f"kill -STOP {os.getpid()}; sleep {case.stall_s}; kill -KILL {os.getpid()}"])
         time.sleep(case.stall_s + 5)
+    _stay_until_reported(case, rank, out_dir)
+
+
+def _stay_until_reported(case: Case, rank: int, out_dir: Path) -> None:
+    """Stall, alive, until every survivor reported (or `stall_s` passed), then exit."""
     peers = [out_dir / f"rank{r}.json" for r in range(case.world_size) if r != rank]
-    deadline = time.monotonic() + case.stall_s  # stall until every survivor reported (or stall_s passed)
+    deadline = time.monotonic() + case.stall_s
     while time.monotonic() < deadline and not all(p.exists() for p in peers):
         time.sleep(0.1)
     os._exit(0)
@@ -265,11 +270,7 @@ def _fail_then_close(loader: Any, case: Case, rank: int, out_dir: Path) -> None:
     finally:
         loader.close()
     _write(out_dir, f"rank{rank}.json", outcome)
-    peers = [out_dir / f"rank{r}.json" for r in range(case.world_size) if r != rank]
-    deadline = time.monotonic() + case.stall_s
-    while time.monotonic() < deadline and not all(p.exists() for p in peers):
-        time.sleep(0.1)
-    os._exit(0)
+    _stay_until_reported(case, rank, out_dir)
 
 
 def _survive(loader: Any, rank: int, out_dir: Path) -> None:
