@@ -173,6 +173,8 @@ def build_parser() -> OneLineParser:
     p.add_argument("--min-window", type=_int_or_none, default=ODBConfig.__dataclass_fields__["min_window"].default,
                    help="the first (and last) round's samples per rank (NOTE [ Round sizes ]); 'none': every round "
                         "a full window")
+    p.add_argument("--round-growth", type=float, default=ODBConfig.__dataclass_fields__["round_growth"].default,
+                   help="each growing round's size over the one before (NOTE [ Round sizes ]); 2 doubles them")
     p.add_argument("--pool-window", type=_int_or_none, default=ODBConfig.__dataclass_fields__["pool_window"].default,
                    help="the most samples one pooled plan holds (NOTE [ Pooled round sizes ]): past it each rank's "
                         "window and min window shrink; 'none': each rank keeps --window")
@@ -204,7 +206,8 @@ def plan(args: argparse.Namespace) -> int:
     plannings = ("global", "local") if args.planning == "both" and args.world_size > 1 else (
         ("global",) if args.planning == "both" else (args.planning,))
     configs = [ODBConfig(token_budget=args.token_budget, cost=args.cost, attention_alpha=args.attention_alpha,
-                         window=args.window, min_window=args.min_window, pool_window=args.pool_window,
+                         window=args.window, min_window=args.min_window, round_growth=args.round_growth,
+                         pool_window=args.pool_window,
                          join=not args.no_join,
                          accumulation_steps=args.accumulation_steps, planning=planning, seed=args.seed)
                for planning in plannings]

@@ -60,14 +60,16 @@ def saved_without(state: dict, field: str) -> dict:
     return {**old, "digest": digest_of(old)}
 
 
-def saved_midway(loader, steps: int, field: str) -> tuple[dict, list]:
+def saved_midway(loader, steps: int, field: str | None) -> tuple[dict, list]:
     """Take `steps` steps of `loader`'s epoch, save its state as an odb before `field` existed wrote it
-    (`saved_without`, through JSON as a checkpoint holds it), then run the rest of the epoch and close the loader:
-    the state and the rest's `StepInfo`s, which a resume of that state must give or refuse."""
+    (`saved_without`; None: as this odb writes it), through JSON as a checkpoint holds it, then run the rest of the
+    epoch and close the loader: the state and the rest's `StepInfo`s, which a resume of that state must give or
+    refuse."""
     it = iter(loader)
     for _ in range(steps):
         next(it)
-    state = saved_without(json.loads(json.dumps(loader.state_dict())), field)
+    state = json.loads(json.dumps(loader.state_dict()))
+    state = state if field is None else saved_without(state, field)
     rest = [b.info for b in it]
     loader.close()
     return state, rest

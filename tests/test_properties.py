@@ -131,6 +131,7 @@ def configs(draw, budget: int, join: bool | None = None) -> ODBConfig:
         attention_alpha=draw(st.sampled_from([0.0, 0.001, 0.02])) if cost == "attention" else 0.0,
         window=draw(draw(st.sampled_from([st.integers(1, 8), st.integers(1, 64), st.just(4096)]))),
         min_window=draw(st.one_of(st.none(), st.integers(1, 16), st.just(64))),  # NOTE [ Round sizes ]
+        round_growth=draw(st.sampled_from([2.0, 2.0, 1.25, 1.5])),
         max_batch_size=draw(st.one_of(st.none(), st.integers(1, 8))),
         max_patches=draw(st.one_of(st.none(), st.integers(1, 32))),
         accumulation_steps=draw(st.integers(1, 4)),

@@ -25,24 +25,99 @@ from odb_core.data.sendable import pack_sample, payload_bytes
 from odb_core.planning.round_sizes import round_target
 
 
+GROWTHS = st.one_of(st.just(2.0), st.just(2), st.sampled_from([1.25, 1.5, 3.0]), st.floats(1.01, 8.0))
+
+
 @given(window=st.integers(1, 5000), smallest=st.integers(1, 600), round_index=st.integers(0, 80),
-       buffered=st.integers(0, 5000), left=st.one_of(st.none(), st.integers(0, 20000)))
+       buffered=st.integers(0, 5000), left=st.one_of(st.none(), st.integers(0, 20000)), growth=GROWTHS)
 def test_a_round_target_grows_from_min_window_to_window_and_halves_toward_a_known_end(
-        window, smallest, round_index, buffered, left):
-    config = ODBConfig(token_budget=64, window=window, min_window=smallest)
+        window, smallest, round_index, buffered, left, growth):
+    config = ODBConfig(token_budget=64, window=window, min_window=smallest, round_growth=growth)
     target = round_target(config, round_index, buffered, left)
     assert 1 <= target <= window
     if smallest >= window:
         assert target == window
         return
-    grown = min(window, smallest * 2 ** round_index)
+    exact = smallest * 2 ** round_index if growth == 2 else math.floor(smallest * growth ** min(round_index, 1000))
+    grown = min(window, exact)
     if left is None:
         assert target == grown
-    elif grown < window and buffered + left <= 2 * grown:  # growing, and the rest fits this round and the next
+    elif grown < window and buffered + left <= grown * growth:  # growing, and the next round would take the rest
         assert target == min(window, buffered + left + 1)  # one more than is left: the fill finds the end
     else:
         assert target == min(grown, max(smallest, math.ceil((buffered + left) / 2)))  # at most half the rest
         assert target >= min(grown, smallest)  # never below the first round's size
+
+
+def test_round_growth_sets_the_ramp_and_its_default_doubles():
+    """`round_growth` is the factor between growing rounds: 2 (the default) gives the doubling rounds every recorded
+    plan has; 1.25 reaches the window in more, smaller rounds; a round index far past the window costs nothing."""
+    doubling = ODBConfig(token_budget=64)
+    assert doubling.round_growth == 2
+    assert [round_target(doubling, k, 0, None) for k in range(6)] == [256, 512, 1024, 2048, 4096, 4096]
+    gentle = ODBConfig(token_budget=64, round_growth=1.25)
+    ramp = [round_target(gentle, k, 0, None) for k in range(15)]
+    assert ramp[:5] == [256, 320, 400, 500, 625] and ramp[12:] == [3725, 4096, 4096]
+    assert round_target(gentle, 10**9, 0, None) == 4096  # no float overflow
+    assert round_target(ODBConfig(token_budget=64, round_growth=1.01), 10**9, 0, None) == 4096
+    # round 2 grows to 400 (1,024 doubling): a rest the next round would take (g x 400 = 500) is planned whole,
+    # and the fill asks for one more sample to find the end
+    assert round_target(gentle, 2, 0, 500) == 501 and round_target(doubling, 2, 0, 2048) == 2049
+    assert round_target(gentle, 2, 0, 700) == 350  # else at most half the rest
+
+
+@pytest.mark.parametrize("growth", [1.25, 1.6])
+def test_a_gentler_ramp_is_planned_alike_by_the_loader_and_the_simulator_and_resumes_exactly(growth):
+    """With `round_growth` below 2 the loader's rounds are still the simulator's (G7: a function of the config and
+    the stream), every sample is trained once, and a state saved at any step resumes to the same batches (G8)."""
+    lengths = [8 + (i * 53) % 200 for i in range(500)]
+    data = [{"input_ids": np.arange(n)} for n in lengths]
+    options = dict(token_budget=512, window=128, min_window=8, round_growth=growth, shuffle=True, seed=5)
+    loader = ODBDataLoader(data, **options)
+    order = [int(i) for i in loader.sampler]
+    full = [b.info for b in loader]
+    loader.close()
+    assert sorted(i for info in full for i in info.indices) == list(range(len(lengths)))
+    plan = simulate_epoch([[Item(index=i, length=lengths[i]) for i in order]],
+                          ODBConfig(**{k: v for k, v in options.items() if k != "shuffle"}))
+    assert [tuple(sorted(info.indices)) for info in full] == _steps(plan.steps[0])
+    doubling = simulate_epoch([[Item(index=i, length=lengths[i]) for i in order]],
+                              ODBConfig(token_budget=512, window=128, min_window=8, seed=5))
+    assert _steps(plan.steps[0]) != _steps(doubling.steps[0])  # the factor acts here, so the checks can fail
+    for stop in range(0, len(full), 4):
+        loader = ODBDataLoader(data, **options)
+        it = iter(loader)
+        for _ in range(stop):
+            next(it)
+        state = json.loads(json.dumps(loader.state_dict()))
+        loader.close()
+        again = ODBDataLoader(data, **options)
+        again.load_state_dict(state)
+        assert [b.info for b in again] == full[stop:], stop
+
+
+def test_a_state_saved_with_another_round_growth_is_refused_naming_it_and_one_saved_before_the_field_resumes():
+    """`round_growth` decides the rounds, so it is in the fingerprint: a state saved at 1.25 is refused by a
+    doubling loader, naming the value to build it with; a state saved before the field (its rounds doubled)
+    resumes on a default loader; with `min_window=None` no round grows and the field does not act."""
+    lengths = [8 + (i * 53) % 200 for i in range(400)]
+    data = [{"input_ids": np.arange(n)} for n in lengths]
+    options = dict(token_budget=512, window=128, min_window=4, seed=5)
+    state, _ = saved_midway(ODBDataLoader(data, round_growth=1.25, **options), 5, None)
+    with pytest.raises(ValueError, match=r"round_growth=1\.25 \(this loader: 2\.0\).*build the loader with "
+                                         r"round_growth=1\.25"):
+        ODBDataLoader(data, **options).load_state_dict(state)
+    state, rest = saved_midway(ODBDataLoader(data, **options), 5, "round_growth")
+    again = ODBDataLoader(data, **options)
+    again.load_state_dict(state)
+    assert [b.info for b in again] == rest
+    with pytest.raises(ValueError, match="round_growth"):  # the same state loaded again: the first load left it
+        ODBDataLoader(data, round_growth=1.5, **options).load_state_dict(state)  # as it was (no digest error)
+    flat = dict(options, min_window=None)
+    state, rest = saved_midway(ODBDataLoader(data, round_growth=1.25, **flat), 5, None)
+    again = ODBDataLoader(data, **flat)
+    again.load_state_dict(state)
+    assert [b.info for b in again] == rest
 
 
 def test_without_min_window_every_round_fills_the_window():

@@ -8,20 +8,23 @@ With every round of `window` samples, both cost a whole buffer: the first step w
 (4096 by default: 6.9 s at 6 ms per sample on 4 workers) and the epoch's last round trains with idle workers.
 
 So round k's buffer target is `min(window, min_window x 2^k)`: the first round plans after `min_window` samples and
-each round doubles the next, which the workers read while the previous round (half as many samples) trains. When
-the rank's stream has a known length (`left` samples not yet admitted), the rounds also halve towards its end: a
-round plans at most half of what is left (buffered + left, rounded up; at least `min_window`), so the epoch ends in
-rounds of about rest/2, rest/4, ..., `min_window`. The device can only train a round once all of it is read, so
+each round doubles the next, which the workers read while the previous round (half as many samples) trains. The
+device waits for each growing round unless the workers read twice a round while the device trains one, so
+`round_growth` (g, default 2) sets the factor: `min(window, floor(min_window x g^k))`; with workers a little faster
+than the device (S/D between 1 and 2) a g at or under S/D keeps it fed through the ramp, for more rounds of
+smaller pools (docs/benchmarks.md, "A gentler ramp"). When the rank's stream has a known length (`left` samples
+not yet admitted), the rounds also halve towards its end: a round plans at most half of what is left (buffered +
+left, rounded up; at least `min_window`), so the epoch ends in rounds of about rest/2, rest/4, ..., `min_window`. The device can only train a round once all of it is read, so
 when reading ends the device still has the rounds read last to train: with halving rounds, the rest after a round
 is as large as the round, and while the round trains the workers read it (past the next fill: NOTE [ Reading
 ahead ] in epoch/pipeline.py); when the workers are at most about half as fast as the device, the epoch ends about
 one `min_window` round after its last read (the round before the last is then read while its predecessor trains).
 Where the workers are nearly as fast as the device, the device stays about one round behind them through the
 epoch and trains it after the last read: one window's training per epoch, which no rule of round sizes removes
-(docs/design.md, issue 27 item 2). While the rounds still grow, a rest that fits in twice the round's size is
-planned whole instead (the next round would have taken it): a rank's shard of up to 2 x `min_window` samples is
-one round, as before this NOTE, and a short shard is not cut into rounds of a few hundred samples, which would each
-cost a partly filled step.
+(docs/design.md, issue 27 item 2). While the rounds still grow, a rest that fits in the next round (g times this
+round's size, twice at the default) is planned whole instead (the next round would have taken it): at the default
+a rank's shard of up to 2 x `min_window` samples is one round, as before this NOTE, and a short shard is not cut
+into rounds of a few hundred samples, which would each cost a partly filled step.
 
 Everything here is a function of (config, round index, samples buffered, samples left), which the round's start
 records for resume (`RoundStart.round`, `.buffer`, `.consumed`), so plans stay independent of worker timing
@@ -53,6 +56,8 @@ simulator's); the read-ahead pulls up to the bytes the next fill may add (`Sampl
 
 from __future__ import annotations
 
+import math
+
 from odb_core.settings.config import ODBConfig
 
 _MAX_DOUBLINGS = 62  # 2^62 samples: past any window, and keeps the shift an int64
@@ -64,13 +69,23 @@ def round_target(config: ODBConfig, round_index: int, buffered: int, left: int |
     smallest = config.min_window
     if smallest is None or smallest >= config.window:
         return config.window
-    grown = min(config.window, smallest << min(round_index, _MAX_DOUBLINGS))
+    grown = _grown(config.window, smallest, config.round_growth, round_index)
     if left is None:
         return grown
     rest = buffered + left
-    if grown < config.window and rest <= 2 * grown:  # the next round would take the rest: plan it all now, and
-        return min(config.window, rest + 1)  # ask for one more, so that the fill finds the stream's end (closing)
+    if grown < config.window and rest <= grown * config.round_growth:  # the next round would take the rest: plan
+        return min(config.window, rest + 1)  # it all now, and ask for one more, so that the fill finds the end
     return min(grown, max(smallest, -(-rest // 2)))
+
+
+def _grown(window: int, smallest: int, growth: float, round_index: int) -> int:
+    """min(window, floor(smallest x growth^round_index)): exact for growth 2 (a shift), and no float overflow for
+    any round index (past the round that reaches `window`, `window`)."""
+    if growth == 2:
+        return min(window, smallest << min(round_index, _MAX_DOUBLINGS))
+    if round_index * math.log(growth) >= math.log(window / smallest):
+        return window
+    return min(window, int(smallest * growth**round_index))
 
 
 def fill_more(config: ODBConfig, buffered_bytes: int) -> bool:

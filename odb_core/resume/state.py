@@ -182,13 +182,15 @@ class LoaderState:
                              "a fresh loader)")
         data.pop("version")
         world, rank = pop_field(data, "world_size", int, "state"), pop_field(data, "rank", int, "state")
-        config, epoch = pop_field(data, "config", dict, "state"), pop_field(data, "epoch", int, "state")
+        config, epoch = dict(pop_field(data, "config", dict, "state")), pop_field(data, "epoch", int, "state")
         at_least(world, 1, "state.world_size")
         at_least(epoch, 0, "state.epoch")
         if not 0 <= rank < world:
             raise StateError(f"state.rank={rank} is out of range for world_size={world}; the state is corrupt")
         if "round_ends" not in config:  # saved before the rounds halved toward the end (NOTE [ Round sizes ])
             config["round_ends"] = None if config.get("min_window") is None else "min_window left"
+        if "round_growth" not in config:  # saved before the field: rounds doubled wherever they grew
+            config["round_growth"] = None if config.get("min_window") is None else 2.0
         config = {**LEGACY_FINGERPRINT, **config}
         metrics = pop_field(data, "metrics", dict, "state")
         bad = {k: v for k, v in metrics.items()

@@ -6,6 +6,7 @@ and the allowed range. There are no aliases and no environment-variable knobs; e
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Literal, Protocol
 
@@ -22,7 +23,7 @@ MOVE_MODES: tuple[str, ...] = ("auto", "send", "fetch")
 # The fields that decide which samples share a step: a saved state records them, and ranks must agree on them
 # (`fingerprint` adds the node layout as it acts: `nproc_per_node`).
 FINGERPRINT = ("token_budget", "cost", "attention_alpha", "max_patches", "max_batch_size", "window", "min_window",
-               "pool_window", "max_buffer_bytes", "join", "accumulation_steps", "samples_per_step", "tokens_per_step",
+               "round_growth", "pool_window", "max_buffer_bytes", "join", "accumulation_steps", "samples_per_step", "tokens_per_step",
                "planning", "seed", "shuffle_steps")
 
 
@@ -67,6 +68,13 @@ class ODBConfig:
             known length (map-style data), the rounds shrink again toward `min_window` as its end nears, so the last
             round's steps, which no reading can overlap, are short. None: every round fills `window` (the only
             behaviour before this field; states saved then resume with min_window=None).
+        round_growth: how much larger each round is than the one before while the rounds grow from `min_window`
+            to `window` (NOTE [ Round sizes ]): 2 doubles them (the default). The device waits for each growing
+            round's reading unless the workers read it while the round before trains, that is, unless they are at
+            least `round_growth` times as fast as the device; a smaller value (e.g. 1.25) keeps the device fed
+            where the workers are only a little faster than it (`odb/data_wait_reading_fraction` high early in an
+            epoch), for more, smaller rounds that pack a little less tightly (docs/benchmarks.md, "A gentler
+            ramp"). A number > 1.
         pool_window: under pooled planning (`global`, node-aware or not, and `cluster`, at W > 1) the most samples
             one plan pools: when the pooled ranks x `window` exceed it, each rank's `window` and `min_window` shrink
             by the same factor (to at least 64 and 32, neither above its own value), so the pool packs as tightly
@@ -141,6 +149,7 @@ class ODBConfig:
     max_batch_size: int | None = None
     window: int = 4096
     min_window: int | None = 256
+    round_growth: float = 2.0
     pool_window: int | None = 8192
     max_buffer_bytes: int | None = 1 << 30
     join: bool = True
@@ -178,6 +187,9 @@ class ODBConfig:
         _require(self.min_window is None or (_is_int(self.min_window) and self.min_window >= 1), "min_window",
                  self.min_window, "it must be None (every round fills `window`) or an int >= 1 (the first round's "
                  "samples; the default 256 starts training after 256 processed samples)")
+        _require(_is_number(self.round_growth) and math.isfinite(self.round_growth) and self.round_growth > 1,
+                 "round_growth", self.round_growth, "it must be a finite number > 1 (each growing round's size over "
+                 "the one before; 2 doubles them)")
         _require(self.pool_window is None or (_is_int(self.pool_window) and self.pool_window >= 1), "pool_window",
                  self.pool_window, "it must be None (each rank keeps `window`) or an int >= 1 (samples one pooled "
                  "plan holds at most, e.g. 8192)")
@@ -265,7 +277,8 @@ def fingerprint(config: ODBConfig, layout: Layout | None = None) -> dict[str, ob
     ranks per node of node-aware rounds over more than one node
     (`layout.aware_per_node`), else None: states saved on one node, or before the field, resume alike.
     `pool_window` reads None where it shrinks no round (at `layout.per_node` pooled ranks), so states saved before
-    the field resume wherever it does not act."""
+    the field resume wherever it does not act; `round_growth` reads None where `min_window` reads None (no round
+    grows)."""
     values: dict[str, object] = {name: getattr(config, name) for name in FINGERPRINT}
     if layout is None or config.rounds_for_pool(layout.per_node) is config:
         values["pool_window"] = None
@@ -273,6 +286,7 @@ def fingerprint(config: ODBConfig, layout: Layout | None = None) -> dict[str, ob
     if config.min_window is not None and config.min_window >= config.window:
         values["min_window"] = None
     values["round_ends"] = None if values["min_window"] is None else ROUND_ENDS
+    values["round_growth"] = None if values["min_window"] is None else float(config.round_growth)
     if config.planning == "cluster":
         values["planning"] = "global"
     values["nproc_per_node"] = node_ranks if config.planning == "global" else None
