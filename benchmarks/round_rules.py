@@ -18,7 +18,8 @@ workers or the best-packed device allow. S = ratio x D_full / W for each `--rati
 
 Rules (`RULES`): `current` (odb's), and variants of its three parts: the smallest round (`min_window`), the rest of
 a short stream planned whole (`whole`: while the rounds grow, a rest up to twice the round's size, odb's; or only
-up to twice `min_window`), and the share of the rest a round may plan (`share`: 1/2, odb's; or 1/4, 1/8).
+up to twice `min_window`), and the share of the rest a round may plan (`share`: 1/2, odb's; or 1/4, 1/8); and odb's
+own rule at another `round_growth` (1.5, 1.25: each growing round that many times the one before, not twice).
 """
 
 from __future__ import annotations
@@ -38,7 +39,9 @@ RULES = (Candidate("current", round_target, 256), Candidate("current, min_window
          Candidate("whole <= 2 x min_window, 128", variant(whole="min_window"), 128),
          Candidate("share 1/4", variant(share=4), 256),
          Candidate("share 1/4, whole <= 2 x min_window, 128", variant(share=4, whole="min_window"), 128),
-         Candidate("share 1/8", variant(share=8), 256))
+         Candidate("share 1/8", variant(share=8), 256),
+         Candidate("round_growth 1.5", round_target, 256, (("round_growth", 1.5),)),
+         Candidate("round_growth 1.25", round_target, 256, (("round_growth", 1.25),)))
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--per-rank", type=int, nargs="+", default=[500, 800, 1200, 1700, 2500, 3300, 4500, 6000,

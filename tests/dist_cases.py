@@ -116,7 +116,8 @@ class Case:
 
     `fault` makes rank `fault_rank` leave after `fault_after` steps: `exit` kills it with os._exit, `stall` keeps
     it alive but no longer iterating, `error-then-close` has its dataset raise at the middle of its shard and its
-    loop close the loader after the error (a `finally:`) and stay alive, `kill-rank` SIGKILLs it, `kill-worker-then-rank` SIGKILLs one of its
+    loop close the loader after the error (a `finally:`) and stay alive, `step-error-then-close` the same with the
+    error raised by its own loop after `fault_after` steps (the training step, not the loader), `kill-rank` SIGKILLs it, `kill-worker-then-rank` SIGKILLs one of its
     DataLoader workers and then it, `freeze` stops it (SIGSTOP: alive, sockets open, silent) and kills it later. The other ranks then record the error they get instead of the epoch."""
 
     world_size: int
@@ -256,19 +257,28 @@ def _stay_until_reported(case: Case, rank: int, out_dir: Path) -> None:
     os._exit(0)
 
 
+class StepFailed(RuntimeError):
+    """The training step's own error in `step-error-then-close`."""
+
+
 def _fail_then_close(loader: Any, case: Case, rank: int, out_dir: Path) -> None:
-    """The faulty rank of `error-then-close`: its epoch raises mid-shard, its loop closes the loader after the
-    error, and it stays alive until the survivors have reported (or `stall_s` passed)."""
-    order = [int(i) for i in loader.sampler]
-    loader.dataset.bad_index = order[len(order) // 2]
+    """The faulty rank of `error-then-close` (its epoch raises mid-shard) and `step-error-then-close` (its own loop
+    raises after `fault_after` steps): the loop closes the loader while the error propagates (a `finally:`), and
+    the rank stays alive until the survivors have reported (or `stall_s` passed)."""
+    if case.fault == "error-then-close":
+        order = [int(i) for i in loader.sampler]
+        loader.dataset.bad_index = order[len(order) // 2]
     outcome: dict[str, Any] = {"rank": rank, "fault": case.fault}
     try:
-        for _ in loader:
-            pass
+        try:
+            for steps, _ in enumerate(loader, start=1):
+                if case.fault == "step-error-then-close" and steps == case.fault_after:
+                    raise StepFailed(f"the training step failed at step {steps}")
+        finally:
+            outcome.update(left_at=time.time())
+            loader.close()
     except Exception as exc:  # noqa: BLE001 - recorded; the peers must now get an error too
-        outcome.update(error_type=type(exc).__name__, left_at=time.time())
-    finally:
-        loader.close()
+        outcome.update(error_type=type(exc).__name__)
     _write(out_dir, f"rank{rank}.json", outcome)
     _stay_until_reported(case, rank, out_dir)
 
@@ -298,7 +308,7 @@ def run_rank(rank: int, case: Case, out_dir: Path) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=case.world_size,
                             timeout=timedelta(seconds=INIT_TIMEOUT_S))
     loader = build_loader(case, rank)
-    if case.fault == "error-then-close" and rank == case.fault_rank:
+    if case.fault in ("error-then-close", "step-error-then-close") and rank == case.fault_rank:
         _fail_then_close(loader, case, rank, out_dir)
     if case.fault is not None and rank == case.fault_rank:
         _leave(loader, case, rank, out_dir)

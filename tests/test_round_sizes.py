@@ -42,7 +42,8 @@ def test_a_round_target_grows_from_min_window_to_window_and_halves_toward_a_know
     grown = min(window, exact)
     if left is None:
         assert target == grown
-    elif grown < window and buffered + left <= grown * growth:  # growing, and the next round would take the rest
+    elif grown < window and buffered + left <= 2 * (growth - 1) * grown:  # growing, and the rest is at most twice
+        # what the next round adds (at growth 2: the rest fits this round and the next)
         assert target == min(window, buffered + left + 1)  # one more than is left: the fill finds the end
     else:
         assert target == min(grown, max(smallest, math.ceil((buffered + left) / 2)))  # at most half the rest
@@ -60,10 +61,11 @@ def test_round_growth_sets_the_ramp_and_its_default_doubles():
     assert ramp[:5] == [256, 320, 400, 500, 625] and ramp[12:] == [3725, 4096, 4096]
     assert round_target(gentle, 10**9, 0, None) == 4096  # no float overflow
     assert round_target(ODBConfig(token_budget=64, round_growth=1.01), 10**9, 0, None) == 4096
-    # round 2 grows to 400 (1,024 doubling): a rest the next round would take (g x 400 = 500) is planned whole,
-    # and the fill asks for one more sample to find the end
-    assert round_target(gentle, 2, 0, 500) == 501 and round_target(doubling, 2, 0, 2048) == 2049
-    assert round_target(gentle, 2, 0, 700) == 350  # else at most half the rest
+    # round 2 grows to 400 (1,024 doubling): a rest of up to twice what the next round adds (2 x 100; 2 x 1,024) is
+    # planned whole, and the fill asks for one more sample to find the end
+    assert round_target(gentle, 2, 0, 200) == 201 and round_target(doubling, 2, 0, 2048) == 2049
+    assert round_target(gentle, 2, 0, 201) == 256 and round_target(gentle, 2, 0, 700) == 350  # else half the rest,
+    # at least min_window
 
 
 @pytest.mark.parametrize("growth", [1.25, 1.6])

@@ -150,7 +150,8 @@ def round_bound(setup: Setup, spec: LoaderSpec, figures) -> float:
     """The efficiency ODB's round sizes allow one rank (benchmarks/lib/round_model.py) at this row's supply and
     demand per rank and samples per rank."""
     world = figures.world_size
-    options = {k: setup.odb_options[k] for k in ("min_window", "pool_window") if k in setup.odb_options}
+    options = {k: setup.odb_options[k] for k in ("min_window", "round_growth", "pool_window")
+               if k in setup.odb_options}
     planning = "local" if spec.planning == "local" else "global"
     config = ODBConfig(token_budget=setup.budget, window=spec.window, planning=planning, **options)
     return bound(setup.samples // world, figures.supply / world, figures.demand / world,

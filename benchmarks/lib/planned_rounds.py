@@ -53,6 +53,7 @@ class Candidate:
     name: str
     rule: Rule
     min_window: int | None
+    options: tuple[tuple[str, object], ...] = ()  # other `ODBConfig` fields of the candidate (e.g. round_growth)
 
 
 FULL = Candidate("whole windows", round_target, None)
@@ -89,7 +90,7 @@ def plan_epoch(candidate: Candidate, samples: int, world: int, planning: str, wi
     lengths = SlowSamples(samples, process_ms=0).lengths
     order = np.random.default_rng(1).permutation(samples)
     streams = [[Item(int(i), lengths[i], owner=rank) for i in order[rank::world]] for rank in range(world)]
-    options = {"pool_window": None, **options}
+    options = {"pool_window": None, **dict(candidate.options), **options}
     config = ODBConfig(token_budget=16384, window=window, min_window=candidate.min_window, planning=planning,
                        **options)  # type: ignore[arg-type]
     reads: list[int] = []

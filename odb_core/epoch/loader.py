@@ -28,7 +28,7 @@ from odb_core.data.sample import LengthFn
 from odb_core.data.sendable import open_files_needed
 from odb_core.epoch.estimate import ExactPlan, estimate_steps, plan_epochs_exactly
 from odb_core.epoch.pipeline import EpochReport, EpochRun, RunContext
-from odb_core.epoch.prefetch import BackgroundIterator
+from odb_core.epoch.prefetch import BackgroundIterator, unwinding
 from odb_core.epoch.stream import SampleStream, StreamOptions, worker_seed
 from odb_core.ranks.node_groups import node_layout, node_transports
 from odb_core.ranks.rounds import RoundsFactory, move_lane, move_mode
@@ -336,8 +336,8 @@ class _EpochIterator(Iterator[ODBBatch]):
 
     def close(self, leave: bool) -> None:
         """Stop the epoch; with `leave` (an explicit close before the end), leave it with the other ranks, unless
-        a `next()` raised (NOTE [ A failed epoch is not left ] in pipeline.py)."""
-        leave = leave and not self.finished and not self.failed
+        a `next()` raised or an exception propagates (NOTE [ A failed epoch is not left ] in pipeline.py)."""
+        leave = leave and not self.finished and not self.failed and not unwinding()
         if isinstance(self.source, BackgroundIterator):
             self.source.close(leave=leave, timeout_s=self.loader.config.sync_timeout_s + 5.0)
             return

@@ -21,10 +21,14 @@ ahead ] in epoch/pipeline.py); when the workers are at most about half as fast a
 one `min_window` round after its last read (the round before the last is then read while its predecessor trains).
 Where the workers are nearly as fast as the device, the device stays about one round behind them through the
 epoch and trains it after the last read: one window's training per epoch, which no rule of round sizes removes
-(docs/design.md, issue 27 item 2). While the rounds still grow, a rest that fits in the next round (g times this
-round's size, twice at the default) is planned whole instead (the next round would have taken it): at the default
-a rank's shard of up to 2 x `min_window` samples is one round, as before this NOTE, and a short shard is not cut
-into rounds of a few hundred samples, which would each cost a partly filled step.
+(docs/design.md, issue 27 item 2). While the rounds still grow, a rest of up to twice what the next round adds,
+2 (g - 1) times this round's size, is planned whole instead: at the default that is twice the round, which the
+next round would have taken, so a rank's shard of up to 2 x `min_window` samples is one round, as before this
+NOTE, and a short shard is not cut into rounds of a few hundred samples, which would each cost a partly filled
+step. A gentler ramp (g < 2) is still growing late in an epoch, where "the next round would take it" would plan
+a last round of thousands of samples that the device trains after the last read; with 2 (g - 1) the epoch ends
+in halving rounds instead (`python -m benchmarks.round_rules`: the one rule whose score at S/D 0.92 and 1.4 is
+at or above the doubling rounds' in every cell of the sweep).
 
 Everything here is a function of (config, round index, samples buffered, samples left), which the round's start
 records for resume (`RoundStart.round`, `.buffer`, `.consumed`), so plans stay independent of worker timing
@@ -73,8 +77,8 @@ def round_target(config: ODBConfig, round_index: int, buffered: int, left: int |
     if left is None:
         return grown
     rest = buffered + left
-    if grown < config.window and rest <= grown * config.round_growth:  # the next round would take the rest: plan
-        return min(config.window, rest + 1)  # it all now, and ask for one more, so that the fill finds the end
+    if grown < config.window and rest <= 2 * (config.round_growth - 1) * grown:  # twice what the next round adds:
+        return min(config.window, rest + 1)  # plan it all now, and ask for one more, so the fill finds the end
     return min(grown, max(smallest, -(-rest // 2)))
 
 
