@@ -2,6 +2,7 @@
 
     python -m benchmarks.round_rules                       # the sweep of docs/design.md, item 2
     python -m benchmarks.round_rules --per-rank 1200 6000 --worlds 1 --ratios 0.92 3
+    python -m benchmarks.round_rules --worlds 8 64 --plannings global --per-rank 1000 4000 --pool-window 8192
 
 The loader's rounds trade two costs (NOTE [ Round sizes ], docs/design.md item 2): a round trains only once all of
 it is read, so large rounds keep the device waiting where the workers are about as fast as it (S ~ D); small rounds
@@ -51,6 +52,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--ratios", type=float, nargs="+", default=[0.5, 0.92, 1.4, 3.0, 10.0],
                         help="S/D: the workers' rate over the device's")
     parser.add_argument("--window", type=int, default=4096)
+    parser.add_argument("--pool-window", type=int, default=None,
+                        help="ODBConfig.pool_window for every rule (default: none, so each rank keeps --window)")
     parser.add_argument("--out", type=Path, default=RESULTS / "round_rules.json")
     args = parser.parse_args(argv)
     cases = [(w, p, n) for w in args.worlds for p in (args.plannings if w > 1 else ["global"]) for n in args.per_rank]
@@ -61,7 +64,7 @@ def main(argv: list[str] | None = None) -> dict:
         full = plan_epoch(FULL, samples, world, planning, args.window)
         full_rate = samples / sum(full.device_seconds)
         for candidate in RULES:
-            epoch = plan_epoch(candidate, samples, world, planning, args.window)
+            epoch = plan_epoch(candidate, samples, world, planning, args.window, pool_window=args.pool_window)
             scores[candidate.name].append([score(epoch, samples, world, r, full_rate, args.window)
                                            for r in args.ratios])
             steps[candidate.name].append(epoch.steps)

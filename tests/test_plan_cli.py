@@ -62,6 +62,21 @@ def test_plan_cli_reads_npy_txt_and_jsonl(tmp_path, capsys):
     assert outputs[0][0]["samples"] == 300 and outputs[0][0]["estimated_speedup"] > 1.0
 
 
+def test_plan_takes_round_growth_and_plans_the_rounds_the_loader_would(tmp_path, capsys):
+    """`odb plan --round-growth` is the loader's `round_growth`: at 1.25 the report counts the rounds that
+    `plan_report` plans with that config, which are more than the doubling rounds of the default."""
+    lengths = lognormal_lengths(3000, cv=1.0, mean=96, seed=2, hi=1024)
+    np.save(tmp_path / "l.npy", np.array(lengths))
+    reports = {}
+    for growth in ("2", "1.25"):
+        assert main(["plan", str(tmp_path / "l.npy"), "--world-size", "1", "--token-budget", "1024", "--window",
+                     "2048", "--min-window", "64", "--round-growth", growth, "--json"]) == 0
+        reports[growth] = json.loads(capsys.readouterr().out)[0]
+    config = ODBConfig(token_budget=1024, window=2048, min_window=64, round_growth=1.25)
+    assert reports["1.25"]["rounds"] == plan_report(lengths, config, 1, StepTimeModel()).rounds
+    assert reports["1.25"]["rounds"] > reports["2"]["rounds"]
+
+
 DATA = Path(__file__).resolve().parent / "data"
 LENGTHS = DATA / "plan_lengths.txt"  # 400 fixed lengths, median 194, the longest 2000 (sample 17), 8 over 1024
 OLD_JSON_KEYS = ["world_size", "token_budget", "cost", "join", "planning", "samples", "steps", "idle_steps",

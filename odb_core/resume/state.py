@@ -39,7 +39,8 @@ READABLE_VERSIONS = (1, 2, 3)
 MERGED_FORMAT = "merged"
 # Fingerprint fields added after states were first written, with the behaviour those states had.
 LEGACY_FINGERPRINT = {"planning": "local", "samples_per_step": None, "tokens_per_step": None, "min_window": None,
-                      "max_buffer_bytes": None, "nproc_per_node": None, "round_ends": None, "pool_window": None}
+                      "max_buffer_bytes": None, "nproc_per_node": None, "round_ends": None, "pool_window": None,
+                      "round_growth": None}  # round_growth: None where min_window is, else 2.0 (from_dict)
 
 
 # -- positions ------------------------------------------------------------------------------------------------
