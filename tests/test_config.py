@@ -40,6 +40,8 @@ BAD_VALUES: list[tuple[str, Any, dict[str, Any]]] = [
     ("round_growth", 0.5, {}),
     ("round_growth", float("inf"), {}),
     ("round_growth", True, {}),
+    ("round_growth", "2", {}),
+    ("round_growth", 1025, {}),
     ("pool_window", 0, {}),
     ("pool_window", 16384.0, {}),
     ("pool_window", True, {}),

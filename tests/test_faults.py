@@ -26,6 +26,7 @@ from conftest import LengthDataset
 from dist_cases import (EXIT_CODE_OF_DEAD_RANK, REPO_ROOT, TESTS_DIR, Case, KillWorkerDataset, RaisingDataset,
                         child_env, child_pids, is_alive, mixed_lengths, run_job, wait_until)
 from odb_core import DatasetFetchError, ODBDataLoader, PeerError, WorkerDiedError
+from odb_core.epoch.pipeline import EpochRun
 from odb_core.epoch import watch
 from odb_core.epoch.watch import READER_THREAD
 
@@ -107,6 +108,78 @@ def test_a_rank_whose_training_step_raises_and_closes_its_loader_fails_its_peers
     PeerError within seconds; before, the close left the epoch as a `break` does, and rank 0's epoch ended early
     and quietly."""
     _assert_the_peer_fails(tmp_path, "step-error-then-close", prefetch_steps, "StepFailed")
+
+
+def _stops(loader: ODBDataLoader, saved: dict) -> dict:
+    """Ways a consumer stops an epoch mid-way (`saved`: a state to roll back to)."""
+
+    def raising_through_finally():
+        with pytest.raises(ValueError):
+            try:
+                raise ValueError("the training step failed")
+            finally:
+                loader.close()
+
+    def handled(error: BaseException, then):
+        try:
+            raise error
+        except BaseException:  # noqa: BLE001 - the case under test
+            then()
+
+    def generator_closed(closes_in_finally: bool):
+        def batches():
+            try:
+                if closes_in_finally:
+                    for batch in loader:
+                        yield batch
+                else:
+                    yield from loader  # closed with the generator: `yield from` calls close() with no argument
+            finally:
+                if closes_in_finally:
+                    loader.close()  # while GeneratorExit passes through
+        gen = batches()
+        next(gen)
+        gen.close()
+
+    return {"close": loader.close, "close in a finally": raising_through_finally,
+            "close in except ValueError": lambda: handled(ValueError(), loader.close),
+            "close in except KeyboardInterrupt": lambda: handled(KeyboardInterrupt(), loader.close),
+            "close in except StopIteration": lambda: handled(StopIteration(), loader.close),
+            "iter() in except ValueError": lambda: handled(ValueError(), lambda: iter(loader)),
+            "load_state_dict() in except ValueError": lambda: handled(ValueError(),
+                                                                      lambda: loader.load_state_dict(saved)),
+            "a generator that yields from it closed": lambda: generator_closed(False),
+            "a generator that closes it in a finally closed": lambda: generator_closed(True)}
+
+
+@pytest.mark.parametrize("prefetch_steps", [0, 2])
+def test_only_a_close_while_an_error_propagates_stops_the_epoch_without_leaving_it(monkeypatch, prefetch_steps):
+    """NOTE [ A failed epoch is not left ]: `close()` while an exception propagates (the training step's error in a
+    `finally:` or an `except` block, a Ctrl-C) does not take part in the leaving exchange, so the peers get an
+    error rather than a quiet end; a deliberate stop leaves it as before: a plain close, a close while a
+    StopIteration is handled, `iter()` or `load_state_dict()` in an `except` block (the loop goes on: its ranks
+    must stay in step), and a generator that `yield from`s the loader being closed. One process; the leaving
+    exchange (`EpochRun.leave`) is recorded."""
+    left: list[bool] = []
+    leave = EpochRun.leave
+    monkeypatch.setattr(EpochRun, "leave", lambda run: (left.append(True), leave(run))[1])
+    data = LengthDataset([8 + (i * 53) % 200 for i in range(300)])
+    expected = {"close": True, "close in a finally": False, "close in except ValueError": False,
+                "close in except KeyboardInterrupt": False, "close in except StopIteration": True,
+                "iter() in except ValueError": True, "load_state_dict() in except ValueError": True,
+                "a generator that yields from it closed": True,
+                "a generator that closes it in a finally closed": True}
+    seen = {}
+    for name in expected:
+        loader = ODBDataLoader(data, token_budget=512, window=16, prefetch_steps=prefetch_steps)
+        saved = loader.state_dict()
+        if not name.startswith("a generator"):  # a generator starts the epoch itself
+            next(iter(loader))
+        left.clear()
+        _stops(loader, saved)[name]()
+        seen[name] = bool(left)
+        loader.close()
+    assert seen == expected
 
 
 def _assert_the_peer_fails(tmp_path, fault: str, prefetch_steps: int, faulty_error: str) -> None:

@@ -23,6 +23,8 @@ from odb_core import Item, ODBConfig, ODBDataLoader, run_virtual_ranks, simulate
 from odb_core.data.sample import compact_ids
 from odb_core.data.sendable import pack_sample, payload_bytes
 from odb_core.planning.round_sizes import round_target
+from odb_core.resume.fields import digest_of
+from odb_core.settings.config import fingerprint
 
 
 GROWTHS = st.one_of(st.just(2.0), st.just(2), st.sampled_from([1.25, 1.5, 3.0]), st.floats(1.01, 8.0))
@@ -42,8 +44,9 @@ def test_a_round_target_grows_from_min_window_to_window_and_halves_toward_a_know
     grown = min(window, exact)
     if left is None:
         assert target == grown
-    elif grown < window and buffered + left <= 2 * (growth - 1) * grown:  # growing, and the rest is at most twice
-        # what the next round adds (at growth 2: the rest fits this round and the next)
+    elif grown < window and buffered + left <= (2 * grown if growth == 2 else min(2 * (growth - 1), growth) * grown):
+        # growing, and the rest is at most twice what the next round adds and at most the next round (at growth 2:
+        # the rest fits this round and the next)
         assert target == min(window, buffered + left + 1)  # one more than is left: the fill finds the end
     else:
         assert target == min(grown, max(smallest, math.ceil((buffered + left) / 2)))  # at most half the rest
@@ -66,6 +69,12 @@ def test_round_growth_sets_the_ramp_and_its_default_doubles():
     assert round_target(gentle, 2, 0, 200) == 201 and round_target(doubling, 2, 0, 2048) == 2049
     assert round_target(gentle, 2, 0, 201) == 256 and round_target(gentle, 2, 0, 700) == 350  # else half the rest,
     # at least min_window
+    # a fast ramp plans whole at most what its next round would take: the first step still comes after min_window
+    assert round_target(ODBConfig(token_budget=64, round_growth=4), 0, 0, 1500) == 256
+    assert round_target(ODBConfig(token_budget=64, round_growth=4), 0, 0, 1024) == 1025
+    # growth 2 is exact integer doubling, past where a float product or a logarithm would round
+    assert round_target(ODBConfig(token_budget=64, window=2**49 + 1, min_window=1), 49, 0, None) == 2**49
+    assert round_target(ODBConfig(token_budget=64, window=2**60, min_window=2**53 + 1), 0, 0, 2**54 + 2) == 2**54 + 3
 
 
 @pytest.mark.parametrize("growth", [1.25, 1.6])
@@ -115,11 +124,15 @@ def test_a_state_saved_with_another_round_growth_is_refused_naming_it_and_one_sa
     assert [b.info for b in again] == rest
     with pytest.raises(ValueError, match="round_growth"):  # the same state loaded again: the first load left it
         ODBDataLoader(data, round_growth=1.5, **options).load_state_dict(state)  # as it was (no digest error)
-    flat = dict(options, min_window=None)
-    state, rest = saved_midway(ODBDataLoader(data, round_growth=1.25, **flat), 5, None)
-    again = ODBDataLoader(data, **flat)
-    again.load_state_dict(state)
-    assert [b.info for b in again] == rest
+    for flat in (dict(options, min_window=None), dict(options, window=64, min_window=64)):  # no round grows
+        state, rest = saved_midway(ODBDataLoader(data, round_growth=1.25, **flat), 5, None)
+        again = ODBDataLoader(data, **flat)
+        again.load_state_dict(state)
+        assert [b.info for b in again] == rest
+    # an int factor is the same setting as its float: ranks and states agree on 2 and 2.0
+    assert fingerprint(ODBConfig(token_budget=64, round_growth=2)) == fingerprint(ODBConfig(token_budget=64))
+    assert digest_of(fingerprint(ODBConfig(token_budget=64, round_growth=2))) == digest_of(
+        fingerprint(ODBConfig(token_budget=64, round_growth=2.0)))
 
 
 def test_without_min_window_every_round_fills_the_window():

@@ -277,12 +277,14 @@ class ODBDataLoader:
         return self._length
 
     def leave_epoch(self) -> None:
-        """Stop the current epoch's producer thread and workers, if any; the loader can run another epoch. An epoch
-        left before its end is left in step with the other ranks (NOTE [ Leaving an epoch ] in pipeline.py): this
-        waits, at most `sync_timeout_s`, until every rank continued or left it too, so the next epoch starts
-        aligned. `iter()` and `load_state_dict()` call it."""
-        if self._current is not None:
-            self._current.close(leave=True)
+        """Stop the current epoch (its producer thread, its workers), if any, in step with the other ranks (NOTE [
+        Leaving an epoch ] in pipeline.py): this waits, at most `sync_timeout_s`, until every rank continued or left
+        it too, so the next epoch starts aligned; the loader can run another. `iter()`, `load_state_dict()` call it."""
+        self._stop_epoch(leave=True)
+
+    def _stop_epoch(self, leave: bool) -> None:
+        if getattr(self, "_current", None) is not None:  # from __del__, __init__ may have raised before setting it
+            self._current.close(leave=leave)
             self._current = None
 
     def close(self) -> None:
@@ -290,7 +292,7 @@ class ODBDataLoader:
         the transport the loader built itself, whose threads and Gloo group must not outlive the run (NOTE [ Threads
         at interpreter exit ] in odb_core/ranks/sync.py); a transport passed in stays the caller's. Idempotent. A
         closed loader keeps its state, metrics and `len()`; over Gloo its next collective raises RuntimeError."""
-        self.leave_epoch()
+        self._stop_epoch(leave=not unwinding())  # NOTE [ A failed epoch is not left ] in pipeline.py
         for part in (self._lane, self._nodes):  # the lane first: its thread may still end a move on its group
             if part is not None:
                 part.close()
@@ -298,9 +300,7 @@ class ODBDataLoader:
             self.transport.close()
 
     def __del__(self) -> None:
-        if getattr(self, "_current", None) is not None:  # __init__ may have raised before setting it
-            self._current.close(leave=False)  # no collective from a finalizer
-            self._current = None
+        self._stop_epoch(leave=False)  # no collective from a finalizer
 
 
 class _EpochIterator(Iterator[ODBBatch]):
@@ -334,10 +334,10 @@ class _EpochIterator(Iterator[ODBBatch]):
         self.log.consume(batch.info)
         return batch
 
-    def close(self, leave: bool) -> None:
-        """Stop the epoch; with `leave` (an explicit close before the end), leave it with the other ranks, unless
-        a `next()` raised or an exception propagates (NOTE [ A failed epoch is not left ] in pipeline.py)."""
-        leave = leave and not self.finished and not self.failed and not unwinding()
+    def close(self, leave: bool = True) -> None:
+        """Stop the epoch; with `leave` (an explicit close before the end; a `yield from` closed), leave it with the
+        other ranks, unless a `next()` raised (NOTE [ A failed epoch is not left ] in pipeline.py)."""
+        leave = leave and not self.finished and not self.failed
         if isinstance(self.source, BackgroundIterator):
             self.source.close(leave=leave, timeout_s=self.loader.config.sync_timeout_s + 5.0)
             return

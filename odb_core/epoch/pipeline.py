@@ -206,9 +206,10 @@ class EpochRun(Iterator[ODBBatch]):
         loader's iterator stops a failed epoch without this exchange (`_EpochIterator.close`): the other ranks meet
         the error at their next collective, as for a rank that dies (`PeerError` once this rank's Gloo group or
         process is gone, or after `sync_timeout_s`; `DesyncError` if it starts another epoch first). The same holds
-        for an error outside the loader (the training step, a callback): a loader closed, or iterated anew, while an
-        exception propagates (in an `except` block or a `finally:` it passes through; `unwinding` in prefetch.py)
-        does not leave the epoch either."""
+        for an error outside the loader (the training step, a callback): `ODBDataLoader.close()` called while an
+        exception propagates (an `except` block, a `finally:` it passes through; `unwinding` in prefetch.py) does
+        not leave the epoch either. `iter()`, `set_epoch()` and `load_state_dict()` still leave it there: a loop
+        that goes on after an error every rank met (a rollback to a saved state) needs its ranks in step."""
         self.collating.close()
         self._settle_moves()
         if not self.engine.finished:

@@ -138,7 +138,7 @@ _RUNNING: weakref.WeakSet[BackgroundIterator] = weakref.WeakSet()  # producers n
 
 def unwinding() -> bool:
     """Whether the caller runs while an exception is handled, or passes through a `finally:` (NOTE [ A failed
-    epoch is not left ] in pipeline.py): a loader stopped then did not stop on purpose. The end of an iteration
+    epoch is not left ] in pipeline.py): a loader closed then did not stop on purpose. The end of an iteration
     (StopIteration) and a generator's close (GeneratorExit) are ways to stop on purpose, not errors."""
     exc = sys.exc_info()[1]
     return exc is not None and not isinstance(exc, StopIteration | StopAsyncIteration | GeneratorExit)

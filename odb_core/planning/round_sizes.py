@@ -22,13 +22,14 @@ one `min_window` round after its last read (the round before the last is then re
 Where the workers are nearly as fast as the device, the device stays about one round behind them through the
 epoch and trains it after the last read: one window's training per epoch, which no rule of round sizes removes
 (docs/design.md, issue 27 item 2). While the rounds still grow, a rest of up to twice what the next round adds,
-2 (g - 1) times this round's size, is planned whole instead: at the default that is twice the round, which the
-next round would have taken, so a rank's shard of up to 2 x `min_window` samples is one round, as before this
-NOTE, and a short shard is not cut into rounds of a few hundred samples, which would each cost a partly filled
-step. A gentler ramp (g < 2) is still growing late in an epoch, where "the next round would take it" would plan
-a last round of thousands of samples that the device trains after the last read; with 2 (g - 1) the epoch ends
-in halving rounds instead (`python -m benchmarks.round_rules`: the one rule whose score at S/D 0.92 and 1.4 is
-at or above the doubling rounds' in every cell of the sweep).
+2 (g - 1) times this round's size (at most g times it), is planned whole instead: at the default that is twice
+the round, which the next round would have taken, so a rank's shard of up to 2 x `min_window` samples is one
+round, as before this NOTE, and a short shard is not cut into rounds of a few hundred samples, which would each
+cost a partly filled step. A gentler ramp (g < 2) is still growing late in an epoch, where "the next round would
+take it" would plan a last round of thousands of samples that the device trains after the last read; with
+2 (g - 1) the epoch ends in halving rounds instead, and a shard over 2 (g - 1) x `min_window` samples (128 at
+1.25) is cut into rounds from `min_window` on (`python -m benchmarks.round_rules`: at S/D 0.92 and 1.4 its score
+is at or above the doubling rounds' in every cell of the sweep).
 
 Everything here is a function of (config, round index, samples buffered, samples left), which the round's start
 records for resume (`RoundStart.round`, `.buffer`, `.consumed`), so plans stay independent of worker timing
@@ -60,8 +61,6 @@ simulator's); the read-ahead pulls up to the bytes the next fill may add (`Sampl
 
 from __future__ import annotations
 
-import math
-
 from odb_core.settings.config import ODBConfig
 
 _MAX_DOUBLINGS = 62  # 2^62 samples: past any window, and keeps the shift an int64
@@ -77,19 +76,29 @@ def round_target(config: ODBConfig, round_index: int, buffered: int, left: int |
     if left is None:
         return grown
     rest = buffered + left
-    if grown < config.window and rest <= 2 * (config.round_growth - 1) * grown:  # twice what the next round adds:
-        return min(config.window, rest + 1)  # plan it all now, and ask for one more, so the fill finds the end
+    if grown < config.window and rest <= _whole_up_to(config.round_growth, grown):  # plan it all now, and ask for
+        return min(config.window, rest + 1)  # one more, so that the fill finds the stream's end (closing)
     return min(grown, max(smallest, -(-rest // 2)))
 
 
 def _grown(window: int, smallest: int, growth: float, round_index: int) -> int:
-    """min(window, floor(smallest x growth^round_index)): exact for growth 2 (a shift), and no float overflow for
-    any round index (past the round that reaches `window`, `window`)."""
+    """min(window, floor(smallest x growth^round_index)) as floats compute it: exact for growth 2 (a shift), and
+    `window` where the power overflows a float."""
     if growth == 2:
         return min(window, smallest << min(round_index, _MAX_DOUBLINGS))
-    if round_index * math.log(growth) >= math.log(window / smallest):
+    try:
+        return min(window, int(smallest * float(growth) ** round_index))
+    except OverflowError:  # growth^round_index past a float's range (or an infinite product): far past `window`
         return window
-    return min(window, int(smallest * growth**round_index))
+
+
+def _whole_up_to(growth: float, grown: int) -> float:
+    """The largest rest a growing round of `grown` samples plans whole: twice what the next round adds, 2 (g - 1)
+    x grown, and at most the next round's size (g x grown) where g > 2, so that a fast ramp does not hold the
+    first step back by many rounds' samples; 2 x grown, in integers, at the default."""
+    if growth == 2:
+        return 2 * grown
+    return min(2 * (growth - 1), growth) * grown
 
 
 def fill_more(config: ODBConfig, buffered_bytes: int) -> bool:

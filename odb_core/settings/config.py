@@ -6,7 +6,6 @@ and the allowed range. There are no aliases and no environment-variable knobs; e
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 from typing import Literal, Protocol
 
@@ -74,7 +73,7 @@ class ODBConfig:
             least `round_growth` times as fast as the device; a smaller value (e.g. 1.25) keeps the device fed
             where the workers are only a little faster than it (`odb/data_wait_reading_fraction` high early in an
             epoch), for more, smaller rounds that pack a little less tightly (docs/benchmarks.md, "A gentler
-            ramp"). A number > 1.
+            ramp"). A number > 1 and <= 1024.
         pool_window: under pooled planning (`global`, node-aware or not, and `cluster`, at W > 1) the most samples
             one plan pools: when the pooled ranks x `window` exceed it, each rank's `window` and `min_window` shrink
             by the same factor (to at least 64 and 32, neither above its own value), so the pool packs as tightly
@@ -187,9 +186,9 @@ class ODBConfig:
         _require(self.min_window is None or (_is_int(self.min_window) and self.min_window >= 1), "min_window",
                  self.min_window, "it must be None (every round fills `window`) or an int >= 1 (the first round's "
                  "samples; the default 256 starts training after 256 processed samples)")
-        _require(_is_number(self.round_growth) and math.isfinite(self.round_growth) and self.round_growth > 1,
-                 "round_growth", self.round_growth, "it must be a finite number > 1 (each growing round's size over "
-                 "the one before; 2 doubles them)")
+        _require(_is_number(self.round_growth) and 1 < self.round_growth <= 1024, "round_growth", self.round_growth,
+                 "it must be a number > 1 and <= 1024 (each growing round's size over the one before; 2 doubles "
+                 "them)")
         _require(self.pool_window is None or (_is_int(self.pool_window) and self.pool_window >= 1), "pool_window",
                  self.pool_window, "it must be None (each rank keeps `window`) or an int >= 1 (samples one pooled "
                  "plan holds at most, e.g. 8192)")
