@@ -114,11 +114,12 @@ class Case:
     """One launched job. `lengths` is the whole dataset; `sampler` is `odb` (ODB's own sharding) or `distributed`
     (a shuffling `DistributedSampler`, which pads with repeated indices when W does not divide the size).
 
-    `fault` makes rank `fault_rank` leave after `fault_after` steps: `exit` kills it with os._exit, `stall` keeps
-    it alive but no longer iterating, `error-then-close` has its dataset raise at the middle of its shard and its
-    loop close the loader after the error (a `finally:`) and stay alive, `step-error-then-close` the same with the
-    error raised by its own loop after `fault_after` steps (the training step, not the loader), `kill-rank` SIGKILLs it, `kill-worker-then-rank` SIGKILLs one of its
-    DataLoader workers and then it, `freeze` stops it (SIGSTOP: alive, sockets open, silent) and kills it later. The other ranks then record the error they get instead of the epoch."""
+    `fault` makes rank `fault_rank` leave after `fault_after` steps: `exit` kills it with os._exit, `stall` keeps it
+    alive but no longer iterating, `error-then-close` has its dataset raise at the middle of its shard and its loop
+    close the loader after the error (a `finally:`) and stay alive, `step-error-then-close` the same with the error
+    raised by its own loop after `fault_after` steps (the training step, not the loader), `kill-rank` SIGKILLs it,
+    `kill-worker-then-rank` SIGKILLs one of its DataLoader workers and then it, `freeze` stops it (SIGSTOP: alive,
+    sockets open, silent) and kills it later. The other ranks then record the error they get instead of the epoch."""
 
     world_size: int
     lengths: list[int]

@@ -11,25 +11,25 @@ So round k's buffer target is `min(window, min_window x 2^k)`: the first round p
 each round doubles the next, which the workers read while the previous round (half as many samples) trains. The
 device waits for each growing round unless the workers read twice a round while the device trains one, so
 `round_growth` (g, default 2) sets the factor: `min(window, floor(min_window x g^k))`; with workers a little faster
-than the device (S/D between 1 and 2) a g at or under S/D keeps it fed through the ramp, for more rounds of
-smaller pools (docs/benchmarks.md, "A gentler ramp"). When the rank's stream has a known length (`left` samples
-not yet admitted), the rounds also halve towards its end: a round plans at most half of what is left (buffered +
-left, rounded up; at least `min_window`), so the epoch ends in rounds of about rest/2, rest/4, ..., `min_window`. The device can only train a round once all of it is read, so
-when reading ends the device still has the rounds read last to train: with halving rounds, the rest after a round
-is as large as the round, and while the round trains the workers read it (past the next fill: NOTE [ Reading
-ahead ] in epoch/pipeline.py); when the workers are at most about half as fast as the device, the epoch ends about
-one `min_window` round after its last read (the round before the last is then read while its predecessor trains).
-Where the workers are nearly as fast as the device, the device stays about one round behind them through the
-epoch and trains it after the last read: one window's training per epoch, which no rule of round sizes removes
-(docs/design.md, issue 27 item 2). While the rounds still grow, a rest of up to twice what the next round adds,
-2 (g - 1) times this round's size (at most g times it), is planned whole instead: at the default that is twice
-the round, which the next round would have taken, so a rank's shard of up to 2 x `min_window` samples is one
-round, as before this NOTE, and a short shard is not cut into rounds of a few hundred samples, which would each
-cost a partly filled step. A gentler ramp (g < 2) is still growing late in an epoch, where "the next round would
-take it" would plan a last round of thousands of samples that the device trains after the last read; with
-2 (g - 1) the epoch ends in halving rounds instead, and a shard over 2 (g - 1) x `min_window` samples (128 at
-1.25) is cut into rounds from `min_window` on (`python -m benchmarks.round_rules`: at S/D 0.92 and 1.4 its score
-is at or above the doubling rounds' in every cell of the sweep).
+than the device (S/D between 1 and 2) a g at or under S/D keeps it fed through the ramp, for more rounds of smaller
+pools (docs/benchmarks.md, "A gentler ramp"). When the rank's stream has a known length (`left` samples not yet
+admitted), the rounds also halve towards its end: a round plans at most half of what is left (buffered + left,
+rounded up; at least `min_window`), so the epoch ends in rounds of about rest/2, rest/4, ..., `min_window`. The
+device can only train a round once all of it is read, so when reading ends the device still has the rounds read last
+to train: with halving rounds, the rest after a round is as large as the round, and while the round trains the
+workers read it (past the next fill: NOTE [ Reading ahead ] in epoch/pipeline.py); when the workers are at most
+about half as fast as the device, the epoch ends about one `min_window` round after its last read (the round before
+the last is then read while its predecessor trains). Where the workers are nearly as fast as the device, the device
+stays about one round behind them through the epoch and trains it after the last read: one window's training per
+epoch, which no rule of round sizes removes (docs/design.md, issue 27 item 2). While the rounds still grow, a rest
+of up to twice what the next round adds, 2 (g - 1) times this round's size (at most g times it), is planned whole
+instead: at the default that is twice the round, which the next round would have taken, so a rank's shard of up to 2
+x `min_window` samples is one round, as before this NOTE, and a short shard is not cut into rounds of a few hundred
+samples, which would each cost a partly filled step. A gentler ramp (g < 2) is still growing late in an epoch, where
+"the next round would take it" would plan a last round of thousands of samples that the device trains after the last
+read; with 2 (g - 1) the epoch ends in halving rounds instead, and a shard over 2 (g - 1) x `min_window` samples
+(128 at 1.25) is cut into rounds from `min_window` on (`python -m benchmarks.round_rules`: at S/D 0.92 and 1.4 its
+score is at or above the doubling rounds' in every cell of the sweep).
 
 Everything here is a function of (config, round index, samples buffered, samples left), which the round's start
 records for resume (`RoundStart.round`, `.buffer`, `.consumed`), so plans stay independent of worker timing

@@ -22,8 +22,8 @@ MOVE_MODES: tuple[str, ...] = ("auto", "send", "fetch")
 # The fields that decide which samples share a step: a saved state records them, and ranks must agree on them
 # (`fingerprint` adds the node layout as it acts: `nproc_per_node`).
 FINGERPRINT = ("token_budget", "cost", "attention_alpha", "max_patches", "max_batch_size", "window", "min_window",
-               "round_growth", "pool_window", "max_buffer_bytes", "join", "accumulation_steps", "samples_per_step", "tokens_per_step",
-               "planning", "seed", "shuffle_steps")
+               "round_growth", "pool_window", "max_buffer_bytes", "join", "accumulation_steps", "samples_per_step",
+               "tokens_per_step", "planning", "seed", "shuffle_steps")
 
 
 # How the rounds of a known-length stream end (NOTE [ Round sizes ]), in every state's fingerprint: states saved
