@@ -95,16 +95,7 @@ def test_a_gentler_ramp_is_planned_alike_by_the_loader_and_the_simulator_and_res
     doubling = simulate_epoch([[Item(index=i, length=lengths[i]) for i in order]],
                               ODBConfig(token_budget=512, window=128, min_window=8, seed=5))
     assert _steps(plan.steps[0]) != _steps(doubling.steps[0])  # the factor acts here, so the checks can fail
-    for stop in range(0, len(full), 4):
-        loader = ODBDataLoader(data, **options)
-        it = iter(loader)
-        for _ in range(stop):
-            next(it)
-        state = json.loads(json.dumps(loader.state_dict()))
-        loader.close()
-        again = ODBDataLoader(data, **options)
-        again.load_state_dict(state)
-        assert [b.info for b in again] == full[stop:], stop
+    _assert_every_resume_yields_the_rest(data, options, full, every=4)
 
 
 def test_a_state_saved_with_another_round_growth_is_refused_naming_it_and_one_saved_before_the_field_resumes():
@@ -194,7 +185,13 @@ def test_a_resume_at_any_step_of_small_and_growing_rounds_yields_the_uninterrupt
     options = dict(token_budget=512, window=128, min_window=4, shuffle=True, seed=5)
     full = [b.info for b in ODBDataLoader(data, **options)]
     assert len({info.round for info in full}) >= 6
-    for stop in range(0, len(full), 3):
+    _assert_every_resume_yields_the_rest(data, options, full, every=3)
+
+
+def _assert_every_resume_yields_the_rest(data, options: dict, full: list, every: int) -> None:
+    """A state saved after every `every`-th step of the epoch whose `StepInfo`s are `full` (through JSON, as a
+    checkpoint holds it) resumes in a fresh loader to exactly the rest of `full`."""
+    for stop in range(0, len(full), every):
         loader = ODBDataLoader(data, **options)
         it = iter(loader)
         for _ in range(stop):
