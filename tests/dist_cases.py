@@ -96,15 +96,16 @@ class ImagesFromDataset(LengthDataset):
     """Samples from index `first_image` on carry an image (4 patch rows per text token, grid 1 x 2 x 2n), the
     ones before are text-only: a VLM mix whose first samples have no image."""
 
-    def __init__(self, lengths: list[int], first_image: int) -> None:
+    def __init__(self, lengths: list[int], first_image: int, width: int = 6) -> None:
         super().__init__(lengths)
-        self.first_image = first_image
+        self.first_image, self.width = first_image, width
 
     def __getitem__(self, index: int) -> dict:
         sample = super().__getitem__(index)
         if index >= self.first_image:
             n = len(sample["input_ids"])
-            sample.update(pixel_values=torch.ones(4 * n, 6), image_grid_thw=torch.tensor([[1, 2, 2 * n]]))
+            sample.update(pixel_values=torch.full((4 * n, self.width), float(index)),
+                          image_grid_thw=torch.tensor([[1, 2, 2 * n]]))
         return sample
 
 
@@ -141,6 +142,7 @@ class Case:
     fault_after: int = 3
     stall_s: float = 30.0
     first_image: int | None = None  # an ImagesFromDataset from this index on (None: a plain LengthDataset)
+    image_width: int = 6  # its pixel rows' width (4 rows per token)
     planning: str = "global"
     move: str = "auto"
     workers_by_rank: list[int] | None = None  # per-rank num_workers (overrides num_workers)
@@ -168,7 +170,7 @@ def build_loader(case: Case, rank: int) -> Any:
     elif case.first_image is None:
         dataset = LengthDataset(case.lengths)
     else:
-        dataset = ImagesFromDataset(case.lengths, case.first_image)
+        dataset = ImagesFromDataset(case.lengths, case.first_image, case.image_width)
     sampler = None
     if case.sampler == "distributed":
         sampler = DistributedSampler(dataset, num_replicas=case.world_size, rank=rank, shuffle=True, seed=3)
@@ -235,7 +237,7 @@ def _leave(loader: Any, case: Case, rank: int, out_dir: Path) -> None:
         next(it)
     workers = child_pids(os.getpid())
     _write(out_dir, f"rank{rank}.json", {"rank": rank, "left_at": time.time(), "fault": case.fault,
-                                         "workers": workers})
+                                         "workers": workers, "pid": os.getpid()})
     if case.fault == "exit":
         os._exit(EXIT_CODE_OF_DEAD_RANK)
     if case.fault == "kill-worker-then-rank":  # one worker dies, then its rank; the other worker is an orphan
@@ -289,7 +291,7 @@ def _survive(loader: Any, rank: int, out_dir: Path) -> None:
     from odb_core import PeerError
 
     steps, last = 0, time.monotonic()
-    outcome: dict[str, Any] = {"rank": rank, "error_type": None}
+    outcome: dict[str, Any] = {"rank": rank, "error_type": None, "pid": os.getpid()}
     try:
         for _ in loader:
             steps, last = steps + 1, time.monotonic()
@@ -316,7 +318,10 @@ def run_rank(rank: int, case: Case, out_dir: Path) -> None:
     if case.fault is not None or case.record_errors:
         _survive(loader, rank, out_dir)
     epochs = _epochs(loader, case, rank)
-    _write(out_dir, f"rank{rank}.json", {"rank": rank, "epochs": epochs})
+    lane = getattr(loader, "_lane", None)  # the move lane's own bytes (frames, or their descriptors)
+    lane_bytes = lane.transport.stats.bytes_sent if lane is not None and lane.transport is not None else None
+    _write(out_dir, f"rank{rank}.json", {"rank": rank, "epochs": epochs, "pid": os.getpid(),
+                                         "lane_bytes_sent": lane_bytes})
     loader.close()
     dist.destroy_process_group()
 

@@ -80,6 +80,8 @@ BAD_VALUES: list[tuple[str, Any, dict[str, Any]]] = [
     ("collate_ahead", "no", {}),
     ("overlap_moves", 1, {}),
     ("overlap_moves", "yes", {}),
+    ("shared_memory_moves", 1, {}),
+    ("shared_memory_moves", "no", {}),
     ("sync_timeout_s", 0, {}),
     ("sync_timeout_s", -5.0, {}),
     ("sync_timeout_s", float("nan"), {}),

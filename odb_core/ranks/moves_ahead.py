@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import torch
 
 from odb_core.data.collate import sample_supervised_tokens
 from odb_core.data.sample import LengthFn, input_tokens
@@ -56,6 +57,7 @@ from odb_core.data.sendable import pack_sample, unpack_sample
 from odb_core.planning.pooled import PooledRound
 from odb_core.ranks.moves import (Pickled, decode_samples, frame_of, frame_size, incoming, outgoing, pickle_samples,
                                   unsendable)
+from odb_core.ranks.shared_handles import HandleRoutes, from_handles, to_handles
 from odb_core.ranks.sync import Transport
 
 FACT_FIELDS = 3  # per moved sample: supervised tokens, has labels (0/1), input tokens (with a length_fn; else 0)
@@ -148,9 +150,11 @@ class MoveLane:
     `DesyncError` from their first exchange, as they do without a lane. `open_transport` returns None where the
     transport cannot make a lane (moves then run in line)."""
 
-    def __init__(self, open_transport: Callable[[], Transport | None]) -> None:
+    def __init__(self, open_transport: Callable[[], Transport | None], shared_memory: bool = True) -> None:
         self._open: Callable[[], Transport | None] | None = open_transport
+        self.shared_memory = shared_memory
         self.transport: Transport | None = None
+        self.routes = HandleRoutes((), meet=False)  # NOTE [ Moving shared tensors by handle ]
         self._thread: ThreadPoolExecutor | None = None
 
     def opened(self) -> bool:
@@ -158,13 +162,15 @@ class MoveLane:
             open_transport, self._open = self._open, None
             self.transport = open_transport()
             if self.transport is not None:
+                self.routes = HandleRoutes.open(self.transport, self.shared_memory)
                 self._thread = ThreadPoolExecutor(1, thread_name_prefix="odb-moves")
         return self._thread is not None
 
-    def submit(self, pickled: list[Pickled | None]) -> Future[Received]:
-        """One exchange (a chunk's frames per destination), run after those submitted before it."""
+    def submit(self, pickled: list[Pickled | None], keep: list[torch.UntypedStorage]) -> Future[Received]:
+        """One exchange (a chunk's frames per destination), run after those submitted before it; `keep` holds the
+        storages its handles point at until every rank has opened them."""
         assert self._thread is not None and self.transport is not None, "submit() on a lane that is not open"
-        return self._thread.submit(_exchange, self.transport, pickled)
+        return self._thread.submit(_exchange, self.transport, pickled, keep, self.routes.meet)
 
     def close(self) -> None:
         """End the thread after the exchange in flight (bounded by the lane's timeouts), then the transport."""
@@ -175,16 +181,21 @@ class MoveLane:
             self.transport.close()
 
 
-def _exchange(lane: Transport, pickled: list[Pickled | None]) -> Received:
-    """On the lane's thread: write the frames, exchange them, decode what came."""
+def _exchange(lane: Transport, pickled: list[Pickled | None], keep: list[torch.UntypedStorage],
+              meet: bool) -> Received:
+    """On the lane's thread: write the frames, exchange them, decode what came (opening the handles' files), and
+    where handles travel, meet the lane's ranks before `keep` is let go."""
     frames: list[bytes | np.ndarray] = [b"" if p is None else frame_of(p) for p in pickled]
     received = lane.all_to_all_bytes(frames)
     del frames, pickled
     samples: Received = {}
     for owner, chunk in enumerate(received):
         if owner != lane.rank and len(chunk):
-            samples[owner] = [unpack_sample(s) for s in decode_samples(chunk)]
+            samples[owner] = [from_handles(unpack_sample(s)) for s in decode_samples(chunk)]
             received[owner] = b""  # its arrays hold the chunk now, and free it with their samples
+    if meet:
+        lane.all_gather([0])  # every rank has opened the files of the handles it received
+    keep.clear()
     return samples
 
 
@@ -198,7 +209,8 @@ class OverlappedMoves:
     def exchange(self, plan: PooledRound, take_own: Callable[[int], Any]) -> MovesInFlight:
         rank, world = self.transport.rank, self.transport.world_size
         step_ranges = step_chunks(len(plan.steps))
-        chunks: list[list[Pickled | None]] = []
+        chunks: list[tuple[list[Pickled | None], list[torch.UntypedStorage]]] = []
+        routes = self.lane.routes
         facts_out: list[list[tuple[int, int, int]]] = [[] for _ in range(world)]
         sizes_out = [[0] * len(step_ranges) for _ in range(world)]  # frame bytes per chunk
         starts: defaultdict[int, list[int]] = defaultdict(list)
@@ -206,16 +218,21 @@ class OverlappedMoves:
         for c, steps in enumerate(step_ranges):
             part = dataclasses.replace(plan, steps=plan.steps[steps.start : steps.stop])
             pickled: list[Pickled | None] = [None] * world
+            keep: list[torch.UntypedStorage] = []
             for dest, items in outgoing(part, rank).items():
                 samples = [take_own(it.index) for it in items]
                 facts_out[dest] += [sample_facts(s, self.length_fn) for s in samples]
+                handled = 0
+                if routes.to and routes.to[dest]:  # NOTE [ Moving shared tensors by handle ]
+                    handles = [to_handles(s, keep) for s in samples]
+                    samples, handled = [s for s, _ in handles], sum(n for _, n in handles)
                 packed = [pack_sample(s, limit_bytes=None) for s in samples]
                 try:
                     pickled[dest] = pickle_samples(packed)
                 except Exception as exc:  # noqa: BLE001 - name the sample that cannot travel
                     raise unsendable(items, packed, rank, dest) from exc
-                sizes_out[dest][c] = frame_size(pickled[dest])
-            chunks.append(pickled)
+                sizes_out[dest][c] = frame_size(pickled[dest]) + handled
+            chunks.append((pickled, keep))
             arriving = incoming(part, rank)
             for owner in range(world):
                 starts[owner].append(arrived[owner])
@@ -231,5 +248,5 @@ class OverlappedMoves:
             if len(sent) != arrived[owner]:
                 raise RuntimeError(f"rank {rank}: rank {owner} sent the facts of {len(sent)} samples where the plan "
                                    f"moves {arrived[owner]} from it: the ranks do not run the same plan")
-        futures = [self.lane.submit(pickled) for pickled in chunks]  # in step order, on every rank
+        futures = [self.lane.submit(pickled, keep) for pickled, keep in chunks]  # in step order, on every rank
         return MovesInFlight(facts, futures, dict(starts), samples=sum(arrived), bytes_in=bytes_in)

@@ -220,7 +220,7 @@ def move_lane(config: ODBConfig, transport: Transport, layout: NodeLayout, map_s
     pooled = is_pooled(config, transport.world_size)
     if not (config.overlap_moves and pooled and move_mode(config, map_style) == "send"):
         return None
-    return MoveLane(functools.partial(lane_transport, transport, layout))
+    return MoveLane(functools.partial(lane_transport, transport, layout), config.shared_memory_moves)
 
 
 def move_mode(config: ODBConfig, map_style: bool) -> str:

@@ -133,6 +133,10 @@ class ODBConfig:
             group and a thread of their own while its steps train (NOTE [ Moves overlap training ] in
             ranks/moves_ahead.py); False moves them before the round's first step. Does not change the batches;
             every rank must set the same value.
+        shared_memory_moves: on the move lane, pass a moved tensor that already lies in a shared-memory file
+            (what DataLoader workers send over the pipe's limit: images) to a rank of the same host by a handle to
+            that file instead of its bytes (NOTE [ Moving shared tensors by handle ] in ranks/shared_handles.py):
+            nothing copied or sent. Does not change the batches; ranks may differ.
         sync_timeout_s: how long a Gloo collective waits for a live peer that does not take part (a peer may pause
             legitimately: a checkpoint save, an evaluation); then it raises. A dead peer raises at once.
         liveness_timeout_s: a peer whose heartbeat stops this long (frozen, hung, unreachable) makes a waiting
@@ -166,6 +170,7 @@ class ODBConfig:
     reader_thread: bool = True
     collate_ahead: bool = True
     overlap_moves: bool = True
+    shared_memory_moves: bool = True
     sync_timeout_s: float = 300.0
     liveness_timeout_s: float = 30.0
     worker_timeout_s: float = 0.0
@@ -224,6 +229,8 @@ class ODBConfig:
         _require(isinstance(self.reader_thread, bool), "reader_thread", self.reader_thread, "it must be True or False")
         _require(isinstance(self.collate_ahead, bool), "collate_ahead", self.collate_ahead, "it must be True or False")
         _require(isinstance(self.overlap_moves, bool), "overlap_moves", self.overlap_moves, "it must be True or False")
+        _require(isinstance(self.shared_memory_moves, bool), "shared_memory_moves", self.shared_memory_moves,
+                 "it must be True or False")
         _require(_is_number(self.sync_timeout_s) and self.sync_timeout_s > 0, "sync_timeout_s", self.sync_timeout_s, "it must be > 0 seconds")
         _require(_is_number(self.liveness_timeout_s) and self.liveness_timeout_s > 0, "liveness_timeout_s",
                  self.liveness_timeout_s, "it must be > 0 seconds")

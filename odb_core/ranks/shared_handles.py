@@ -1,0 +1,180 @@
+"""Moved tensors that already live in shared memory travel by handle between the ranks of one host.
+
+NOTE [ Moving shared tensors by handle ]
+A sample read by DataLoader workers reaches its rank with every tensor over the pipe's limit in a shared-memory
+file (NOTE [ The pipe or shared memory ] in data/sendable.py): a VLM sample's `pixel_values`, MBs. When the sample
+then moves to another rank (NOTE [ Moves overlap training ]), its frame copied those bytes once more and Gloo's
+socket carried them (copied into the kernel and out again, into a buffer the receiver had faulted in). For a
+rank of the same host none of that is needed: the file is already there. So, on the move lane, such a tensor is
+replaced in the pickled sample by a `SharedHandle` (the owner's pid, the file descriptor of the tensor's storage,
+its size, and the tensor's dtype, shape, stride and offset: `to_handles`), and the receiver opens the same file
+through `/proc/<pid>/fd/<fd>` and maps it (`from_handles`): no byte of the tensor is copied or sent. The owner
+keeps the storages (`keep`) until every rank of the lane has opened what it received: after each exchange the
+lane's ranks meet once more (a one-int all_gather), and only then are the storages let go; the receiver's mapping
+then holds the memory alone. Nothing is named in /dev/shm (torch's `file_descriptor` files are unlinked when made),
+so a killed rank leaves nothing behind: the kernel frees a file with its last descriptor and mapping.
+Which pairs: when the lane opens (`HandleRoutes.open`), each rank makes a small shared storage holding a random
+token and the ranks gather (host key, pid, fd, token); each rank opens every peer's probe by that path and checks
+the token; the ranks gather who could open whose. A sender passes handles to a receiver that read its token, and
+frames otherwise: another host, another /dev/shm or pid namespace (the host key is the kernel's boot id with the
+/dev/shm mount's device and inode, and the token catches a pid that names another process), a /proc that hides
+the peer, or a process that shares tensors by file name (`torch.multiprocessing`'s `file_system` strategy: its
+storages have no descriptor, `_get_shared_fd` refuses, and they travel in the frame as before). A tensor whose
+storage is not a shared file (text samples' small tensors, a dataset read without workers) always travels in the
+frame. Every rank computes the same `meet` from the gathered table, so the ranks need not agree on
+`shared_memory_moves` (a rank that turns it off reports key 0).
+The batches are those of the frames: the receiver's tensor has the owner's dtype, shape, stride and values (it is
+the owner's memory); `moved_bytes` counts a handle's tensor as the bytes the frame would have carried, so the
+counters stay those of moving in line (tests/test_shared_handles.py).
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import os
+import secrets
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import torch
+
+from odb_core.ranks.sync import PeerError, Transport
+
+_DTYPES = {str(d): d for d in (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+                               torch.int16, torch.int8, torch.uint8, torch.bool)}
+
+
+class SharedHandle(NamedTuple):
+    """A tensor left in its owner's shared-memory file: where the file is and how the tensor lies in it."""
+
+    pid: int
+    fd: int
+    nbytes: int  # the storage's
+    dtype: str
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+
+    @property
+    def tensor_bytes(self) -> int:
+        return _numel(self.shape) * _DTYPES[self.dtype].itemsize
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for size in shape:
+        n *= size
+    return n
+
+
+def host_key() -> int:
+    """An int64 that two processes share when they run on one kernel and see one /dev/shm mount; 0 where either
+    cannot be read."""
+    try:
+        shm = os.stat("/dev/shm")
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
+            boot = f.read().strip()
+    except OSError:
+        return 0
+    digest = hashlib.blake2b(f"{boot}/{shm.st_dev}/{shm.st_ino}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little", signed=True) or 1
+
+
+def _shared_fd(tensor: torch.Tensor) -> int | None:
+    """The descriptor of the shared-memory file under `tensor`'s storage, or None (not a shared file, or shared
+    by name). `_get_shared_fd` only reads: unlike `_share_fd_cpu_`, it never moves a storage."""
+    if tensor.device.type != "cpu" or tensor.requires_grad or str(tensor.dtype) not in _DTYPES:
+        return None
+    try:
+        return tensor.untyped_storage()._get_shared_fd()
+    except RuntimeError:
+        return None
+
+
+def to_handles(sample: Any, keep: list[torch.UntypedStorage]) -> tuple[Any, int]:
+    """`sample` with each top-level tensor of a shared file replaced by its `SharedHandle` (a copy of the mapping;
+    the caller's sample is left as it was), and the bytes those tensors hold; their storages are appended to
+    `keep`, which the caller holds until the receivers have opened them."""
+    if not isinstance(sample, dict):
+        return sample, 0
+    out, handled = None, 0
+    for key, value in sample.items():
+        if not isinstance(value, torch.Tensor):
+            continue
+        fd = _shared_fd(value)
+        if fd is None:
+            continue
+        if out is None:
+            out = dict(sample) if type(sample) is dict else copy.copy(sample)
+        storage = value.untyped_storage()
+        handle = SharedHandle(os.getpid(), fd, storage.nbytes(), str(value.dtype), tuple(value.shape),
+                              tuple(value.stride()), value.storage_offset())
+        out[key] = handle
+        keep.append(storage)
+        handled += handle.tensor_bytes
+    return (sample, 0) if out is None else (out, handled)
+
+
+def from_handles(sample: Any) -> Any:
+    """The receiver's side of `to_handles`: each `SharedHandle` of a received sample as the owner's tensor, mapped
+    from its file."""
+    if not isinstance(sample, dict):
+        return sample
+    for key, value in sample.items():
+        if type(value) is SharedHandle:
+            sample[key] = _open(value)
+    return sample
+
+
+def _open(handle: SharedHandle) -> torch.Tensor:
+    path = f"/proc/{handle.pid}/fd/{handle.fd}"
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    except OSError as exc:
+        raise PeerError(f"a moved tensor's shared-memory file {path} could not be opened ({exc}): its owner rank "
+                        f"(pid {handle.pid}) probably died mid-move") from exc
+    try:
+        storage = torch.UntypedStorage._new_shared_fd_cpu(fd, handle.nbytes)
+    finally:
+        os.close(fd)  # the storage keeps a descriptor of its own
+    return torch.empty(0, dtype=_DTYPES[handle.dtype]).set_(storage, handle.offset, handle.shape, handle.stride)
+
+
+class HandleRoutes:
+    """Which ranks of a lane pass shared tensors by handle to which (NOTE [ Moving shared tensors by handle ]):
+    `to[r]`, whether this rank sends handles to lane rank r; `meet`, whether the lane's ranks meet after each
+    exchange (the same on every rank)."""
+
+    def __init__(self, to: Sequence[bool], meet: bool) -> None:
+        self.to, self.meet = tuple(to), meet
+
+    @classmethod
+    def open(cls, lane: Transport, enabled: bool) -> HandleRoutes:
+        """Two all_gathers on the lane, at the same point on every rank: the probes, then who read whose."""
+        probe, mine = None, [0, 0, 0, 0]
+        if enabled and (key := host_key()):
+            try:
+                probe = torch.UntypedStorage._new_shared(8)
+                token = secrets.randbits(62) + 1
+                torch.empty(0, dtype=torch.int64).set_(probe, 0, (1,)).fill_(token)
+                mine = [key, os.getpid(), probe._get_shared_fd(), token]
+            except RuntimeError:  # no shared memory, or shared by name (`file_system`)
+                probe = None
+        probes = lane.all_gather(mine)
+        read = [int(r != lane.rank and _reads(mine[0], p)) for r, p in enumerate(probes)]
+        table = lane.all_gather(read)  # table[r][s]: rank r read rank s's probe
+        del probe  # every peer has tried it by now
+        return cls([bool(table[r][lane.rank]) for r in range(lane.world_size)], any(any(row) for row in table))
+
+
+def _reads(key: int, probe: Sequence[int]) -> bool:
+    """Whether this rank (host `key`) opens a peer's probe by its path and finds its token."""
+    peer_key, pid, fd, token = probe
+    if not key or peer_key != key:
+        return False
+    try:
+        tensor = _open(SharedHandle(pid, fd, 8, "torch.int64", (1,), (1,), 0))
+    except (PeerError, RuntimeError, OSError):
+        return False
+    return int(tensor.item()) == token
