@@ -9,7 +9,9 @@ to frames without a desync; a rank whose owner died mid-move must raise, and not
 
 from __future__ import annotations
 
+import errno
 import os
+import resource
 import secrets
 import threading
 import time
@@ -28,10 +30,6 @@ from odb_core.ranks.virtual import VirtualHub, VirtualTransport
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self/fd") or host_key() == 0,
                                 reason="no /proc or /dev/shm here")
-
-
-def _shm_names() -> set[str]:
-    return set(os.listdir("/dev/shm"))
 
 
 def test_a_shared_tensor_goes_by_handle_and_comes_back_as_the_owners_memory_with_its_layout():
@@ -53,10 +51,15 @@ def test_a_shared_tensor_goes_by_handle_and_comes_back_as_the_owners_memory_with
 
 def test_only_tensors_in_a_shared_file_go_by_handle():
     torch_owned = torch.ones(4)  # not shared: its bytes travel in the frame
-    grads = torch.ones(4, requires_grad=True)
-    sample = {"a": torch_owned, "b": grads.detach().share_memory_(), "c": [torch.ones(2).share_memory_()]}
+    complex_pair = torch.tensor([1 + 2j, 3 + 4j]).share_memory_()
+    frames = {"a": torch_owned, "grad": torch.ones(4).share_memory_().requires_grad_(),
+              "empty": torch.empty(0, 6).share_memory_(),  # its storage reports descriptor -1
+              "negated": complex_pair.conj().imag}  # a lazily negated view: a handle would lose the sign
+    assert frames["negated"].is_neg()
+    sample = {**frames, "b": torch.ones(4).share_memory_(), "c": [torch.ones(2).share_memory_()]}
     sent, handled = to_handles(sample, [])
-    assert sent["a"] is torch_owned and type(sent["b"]) is SharedHandle and isinstance(sent["c"], list)
+    assert all(sent[key] is value for key, value in frames.items())
+    assert type(sent["b"]) is SharedHandle and isinstance(sent["c"], list)
     assert handled == 16  # "c" is not at the top level: its list travels in the frame
     not_a_mapping = [torch.ones(3).share_memory_()]
     assert to_handles(not_a_mapping, []) == (not_a_mapping, 0)
@@ -67,26 +70,73 @@ def test_a_peer_reads_a_probe_only_through_the_right_key_and_token():
     token = secrets.randbits(62) + 1
     torch.empty(0, dtype=torch.int64).set_(probe, 0, (1,)).fill_(token)
     key, fd = host_key(), probe._get_shared_fd()
-    assert _reads(key, [key, os.getpid(), fd, token])
-    assert not _reads(key, [key, os.getpid(), fd, token + 1])  # a pid of another process (another pid namespace)
-    assert not _reads(key, [key ^ 1, os.getpid(), fd, token])  # another host or /dev/shm
-    assert not _reads(0, [0, os.getpid(), fd, token])
-    assert not _reads(key, [key, os.getpid(), 10_000, token])  # no such descriptor
+    inode = os.fstat(fd).st_ino
+    assert _reads(key, [key, os.getpid(), fd, inode, token])
+    assert not _reads(key, [key, os.getpid(), fd, inode, token + 1])  # another process's file of that inode
+    assert not _reads(key, [key ^ 1, os.getpid(), fd, inode, token])  # another host or /dev/shm
+    assert not _reads(0, [0, os.getpid(), fd, inode, token])
+    assert not _reads(key, [key, os.getpid(), 10_000, inode, token])  # no such descriptor
 
 
-def test_routes_follow_who_read_whose_probe_and_every_rank_meets_alike():
+def test_a_path_that_leads_to_another_file_is_neither_read_nor_written(tmp_path):
+    """A pid that names another process (another pid namespace, or a pid reused after the owner died) may lead to
+    any file that process holds: it is refused before it is mapped, and left as it was."""
+    small = tmp_path / "lock"
+    small.write_bytes(b"abc")
+    with small.open("r+b") as held:
+        fd = held.fileno()
+        assert not _reads(host_key(), [host_key(), os.getpid(), fd, os.fstat(fd).st_ino + 1, 1])
+        with pytest.raises(ValueError, match="is not the owner's shared-memory file"):
+            from_handles({"x": SharedHandle(os.getpid(), fd, os.fstat(fd).st_ino, 8, "torch.int64", (1,), (1,), 0)})
+    assert small.read_bytes() == b"abc"  # not grown to 8 bytes, nothing written
+
+
+def test_running_out_of_open_files_is_said_as_such_not_as_a_dead_peer():
+    image = torch.full((8,), 3.0).share_memory_()
+    sent, _ = to_handles({"x": image}, [])
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    lowest_free = os.open(os.devnull, os.O_RDONLY)  # the descriptor the next open would take
+    os.close(lowest_free)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (lowest_free, hard))
+    try:
+        with pytest.raises(OSError, match="ulimit -n") as raised:
+            from_handles(dict(sent))
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert not isinstance(raised.value, PeerError) and raised.value.errno == errno.EMFILE
+    assert torch.equal(from_handles(dict(sent))["x"], image)
+
+
+def test_routes_follow_who_read_whose_probe():
     def open_routes(rank, transport):
         return HandleRoutes.open(transport, enabled=rank != 2)
 
     routes = run_virtual_ranks(open_routes, 3, timeout_s=30)
     assert [r.to for r in routes] == [(False, True, False), (True, False, False), (False, False, False)]
-    assert all(r.meet for r in routes)
     alone = run_virtual_ranks(lambda rank, t: HandleRoutes.open(t, enabled=rank == 0), 2, timeout_s=30)
-    assert [r.meet for r in alone] == [False, False] and all(not any(r.to) for r in alone)
+    assert all(not any(r.to) for r in alone)
+
+
+def test_a_rank_that_may_receive_handles_raises_its_open_files_limit():
+    """Each received tensor keeps a file open until it is freed: a rank that may receive handles raises its soft
+    limit for them (NOTE [ The pipe or shared memory ]); one that may not, leaves it."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    low = len(os.listdir("/proc/self/fd")) + 64
+    want = min(low + 500, hard)
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (low, hard))
+        run_virtual_ranks(lambda rank, t: HandleRoutes.open(t, enabled=False, open_files=want), 2, timeout_s=30)
+        assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] == low
+        routes = run_virtual_ranks(lambda rank, t: HandleRoutes.open(t, enabled=True, open_files=want), 2,
+                                   timeout_s=30)
+        assert all(r.receives for r in routes) and resource.getrlimit(resource.RLIMIT_NOFILE)[0] == want
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
 def test_a_receiver_whose_owner_is_gone_raises_naming_the_file():
-    handle = SharedHandle(pid=2**22 + 7, fd=3, nbytes=8, dtype="torch.int64", shape=(1,), stride=(1,), offset=0)
+    handle = SharedHandle(pid=2**22 + 7, fd=3, inode=1, nbytes=8, dtype="torch.int64", shape=(1,), stride=(1,),
+                          offset=0)
     with pytest.raises(PeerError, match=r"could not be opened .* probably died mid-move"):
         from_handles({"pixel_values": handle})
 
@@ -102,17 +152,17 @@ class SharedImages(ImagesFromDataset):
         return sample
 
 
-def _records(world: int, **options) -> list[dict]:
+def _records(world: int, dataset_class: type | None = None, **options) -> list[dict]:
     def rank_body(rank, transport):
-        loader = ODBDataLoader(SharedImages(mixed_lengths(240), 60), token_budget=2048, transport=transport,
-                               shuffle=True, window=32, **options)
+        dataset = (dataset_class or SharedImages)(mixed_lengths(240), 60)
+        loader = ODBDataLoader(dataset, token_budget=2048, transport=transport, shuffle=True, window=32, **options)
         epochs = [[(batch.info, tuple((key, tuple(value.shape), value.flatten().tolist())
                                       for key, value in sorted(batch.items()) if isinstance(value, torch.Tensor)))
                    for batch in loader] for _ in range(2)]
         lane = loader._lane
         record = {"epochs": epochs, "moved_samples": loader.metrics.moved_samples,
                   "moved_bytes": loader.metrics.moved_bytes, "lane_bytes": lane.transport.stats.bytes_sent,
-                  "handles": any(lane.routes.to)}
+                  "lane_calls": lane.transport.stats.calls, "handles": any(lane.routes.to)}
         loader.close()
         return record
 
@@ -122,7 +172,6 @@ def _records(world: int, **options) -> list[dict]:
 @pytest.mark.parametrize(("world", "options"), [(2, {}), (3, {}), (4, {"nproc_per_node": 2})],
                          ids=["W2", "W3", "2x2-nodes"])
 def test_virtual_ranks_with_handles_run_the_batches_and_counters_of_the_frames(world, options):
-    before = _shm_names()
     handles = _records(world, **options)
     frames = _records(world, shared_memory_moves=False, **options)
     assert [r["epochs"] for r in handles] == [r["epochs"] for r in frames]
@@ -131,8 +180,19 @@ def test_virtual_ranks_with_handles_run_the_batches_and_counters_of_the_frames(w
         assert by_handle["handles"] and not by_frame["handles"]
         assert by_handle["moved_bytes"] == pytest.approx(by_frame["moved_bytes"], rel=0.01)
         assert by_handle["lane_bytes"] < by_frame["lane_bytes"] / 5  # the images stayed where they were
+        assert by_handle["lane_calls"] > by_frame["lane_calls"]  # and the ranks met after those exchanges
     assert sum(r["moved_bytes"] for r in handles) > 1_000_000
-    assert _shm_names() == before
+
+
+def test_rounds_that_pass_no_handle_end_their_exchanges_without_a_meeting():
+    """Samples without a shared file (text, or images read without workers) never go by handle, so the lane runs
+    exactly the collectives it runs with handles off: no meeting after each exchange."""
+    on = _records(2, ImagesFromDataset)
+    off = _records(2, ImagesFromDataset, shared_memory_moves=False)
+    assert [r["epochs"] for r in on] == [r["epochs"] for r in off]
+    assert [r["lane_calls"] for r in on] == [r["lane_calls"] for r in off]
+    assert [r["lane_bytes"] for r in on] == [r["lane_bytes"] for r in off]
+    assert all(r["handles"] for r in on)  # the routes allow handles; no sample needed one
 
 
 def test_ranks_that_disagree_on_the_setting_run_the_batches_of_the_frames():
@@ -157,12 +217,40 @@ def test_ranks_that_disagree_on_the_setting_run_the_batches_of_the_frames():
 
 def test_an_exchange_whose_peer_never_comes_lets_the_storages_go():
     """The lane's peer died before the exchange: the collective raises, and the storages held for the handles are
-    released with the failed job (`keep` is not kept alive by the lane)."""
+    let go at once (not kept by the exception's traceback, which the lane's future holds)."""
     keep = [torch.UntypedStorage._new_shared(64)]
     lane = VirtualTransport(VirtualHub(2, timeout_s=0.3), 0)
     with pytest.raises(PeerError):
         _exchange(lane, [None, None], keep, meet=True)
-    assert len(keep) == 1  # the caller's list: released with the job that held it
+    assert keep == []
+
+
+def test_a_receiver_that_fails_to_open_a_handle_still_meets_so_the_next_exchange_runs():
+    """The receiver cannot map what it received (here a handle that names another file): it raises, but only
+    after the ranks met, so both lanes stay in step and the next exchange carries its samples."""
+    image = torch.full((4,), 5.0).share_memory_()
+    fd = image.untyped_storage()._get_shared_fd()
+    forged = {"x": SharedHandle(os.getpid(), fd, os.fstat(fd).st_ino + 1, 16, "torch.float32", (4,), (1,), 0)}
+    hub, outcomes = VirtualHub(2, timeout_s=5), {}
+
+    def run(rank: int, frames: list) -> None:
+        lane = VirtualTransport(hub, rank)
+        try:
+            _exchange(lane, frames, [], meet=True)
+            outcomes[rank, 1] = "ok"
+        except Exception as exc:  # noqa: BLE001 - asserted below
+            outcomes[rank, 1] = type(exc).__name__
+        outcomes[rank, 2] = _exchange(lane, [None, pickle_samples([{"y": 7}])] if rank == 0 else [None, None], [],
+                                      meet=False)
+
+    threads = [threading.Thread(target=run, args=(0, [None, pickle_samples([forged])])),
+               threading.Thread(target=run, args=(1, [None, None]))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(20)
+    assert outcomes[0, 1] == "ok" and outcomes[1, 1] == "ValueError"
+    assert outcomes[1, 2] == {0: [{"y": 7}]} and outcomes[0, 2] == {}
 
 
 def _slowly() -> str:

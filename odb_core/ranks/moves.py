@@ -19,9 +19,11 @@ destination's samples travel as one frame (`encode_samples`): a header (the buff
 each buffer's), the pickle stream (protocol 5, every contiguous array out of band), and each array's bytes at a
 multiple of `ALIGN`, copied once, from the sample into the frame (one `torch.cat`, without the GIL).
 `GlooTransport` sends a bytearray or numpy chunk from its own memory and receives each sender's chunk into its own
-bytearray (`_all_to_all_bytes`: a sizes all_to_all, then one isend/irecv per pair of ranks with bytes to move); `decode_samples` unpickles with the buffers as views into
-it. The old path copied the arrays six times (pickle in band, `join`, `bytearray`, `tobytes`, a slice per sender,
-unpickle) and held up to four copies at once. Costs now: one copy on the sending rank, none on the receiving one;
+bytearray (`_all_to_all_bytes`: a sizes all_to_all, then one isend/irecv per pair of ranks with bytes to move);
+`decode_samples` unpickles with the buffers as views into it. On the move lane, a tensor already in a shared-memory
+file goes to a rank of the same host by handle instead (NOTE [ Moving shared tensors by handle ]). The old path
+copied the arrays six times (pickle in band, `join`, `bytearray`, `tobytes`, a slice per sender, unpickle) and
+held up to four copies at once. Costs now: one copy on the sending rank, none on the receiving one;
 peak memory on top of the samples, the frames sent (freed when the exchange returns, with the samples they were
 made of) and those received (which are the samples). A sender's chunk lives as long as any sample in it: the
 samples it carried are all staged in this round, so it is freed when the last of them is trained on. A

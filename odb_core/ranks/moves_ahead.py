@@ -12,8 +12,9 @@ global planning, W > 1; `MoveLane`):
      labels, and its input tokens when a `length_fn` sets the length) and pickles them with their arrays out of
      band (the pickling is where a sample that cannot travel fails, on its owner, at once: `SampleError`);
   2. the facts travel in one `all_to_all_bytes` on the metadata transport, in the rounds' collective order (every
-     rank calls it every pooled round, with or without moves): a few ints per moved sample, and the size of each
-     chunk's frame (so `LoaderMetrics.moved_bytes` is counted at the plan, as in line);
+     rank calls it every pooled round, with or without moves): a few ints per moved sample, the size of each
+     chunk's frame (so `LoaderMetrics.moved_bytes` is counted at the plan, as in line), and whether the owner
+     passes shared tensors by handle this round (NOTE [ Moving shared tensors by handle ]);
   3. the samples travel on the lane, a second Gloo group with a courier thread of its own, driven by one
      `ThreadPoolExecutor` thread per loader ("odb-moves"): the frames are written (the one copy of the arrays),
      exchanged and decoded there, in chunks of steps (`step_chunks`: step 0, then 1-2, 3-6, ..., one exchange
@@ -150,11 +151,12 @@ class MoveLane:
     `DesyncError` from their first exchange, as they do without a lane. `open_transport` returns None where the
     transport cannot make a lane (moves then run in line)."""
 
-    def __init__(self, open_transport: Callable[[], Transport | None], shared_memory: bool = True) -> None:
+    def __init__(self, open_transport: Callable[[], Transport | None], shared_memory: bool = True,
+                 open_files: int = 0) -> None:
         self._open: Callable[[], Transport | None] | None = open_transport
-        self.shared_memory = shared_memory
+        self.shared_memory, self.open_files = shared_memory, open_files
         self.transport: Transport | None = None
-        self.routes = HandleRoutes((), meet=False)  # NOTE [ Moving shared tensors by handle ]
+        self.routes = HandleRoutes(())  # NOTE [ Moving shared tensors by handle ]
         self._thread: ThreadPoolExecutor | None = None
 
     def opened(self) -> bool:
@@ -162,15 +164,17 @@ class MoveLane:
             open_transport, self._open = self._open, None
             self.transport = open_transport()
             if self.transport is not None:
-                self.routes = HandleRoutes.open(self.transport, self.shared_memory)
+                self.routes = HandleRoutes.open(self.transport, self.shared_memory, self.open_files)
                 self._thread = ThreadPoolExecutor(1, thread_name_prefix="odb-moves")
         return self._thread is not None
 
-    def submit(self, pickled: list[Pickled | None], keep: list[torch.UntypedStorage]) -> Future[Received]:
+    def submit(self, pickled: list[Pickled | None], keep: list[torch.UntypedStorage],
+               meet: bool) -> Future[Received]:
         """One exchange (a chunk's frames per destination), run after those submitted before it; `keep` holds the
-        storages its handles point at until every rank has opened them."""
+        storages its handles point at until every rank has opened them (`meet`: a rank of the lane sends handles in
+        this round, which every rank knows from the facts)."""
         assert self._thread is not None and self.transport is not None, "submit() on a lane that is not open"
-        return self._thread.submit(_exchange, self.transport, pickled, keep, self.routes.meet)
+        return self._thread.submit(_exchange, self.transport, pickled, keep, meet)
 
     def close(self) -> None:
         """End the thread after the exchange in flight (bounded by the lane's timeouts), then the transport."""
@@ -185,18 +189,30 @@ def _exchange(lane: Transport, pickled: list[Pickled | None], keep: list[torch.U
               meet: bool) -> Received:
     """On the lane's thread: write the frames, exchange them, decode what came (opening the handles' files), and
     where handles travel, meet the lane's ranks before `keep` is let go."""
-    frames: list[bytes | np.ndarray] = [b"" if p is None else frame_of(p) for p in pickled]
-    received = lane.all_to_all_bytes(frames)
-    del frames, pickled
-    samples: Received = {}
-    for owner, chunk in enumerate(received):
-        if owner != lane.rank and len(chunk):
-            samples[owner] = [from_handles(unpack_sample(s)) for s in decode_samples(chunk)]
-            received[owner] = b""  # its arrays hold the chunk now, and free it with their samples
-    if meet:
-        lane.all_gather([0])  # every rank has opened the files of the handles it received
-    keep.clear()
-    return samples
+    try:
+        frames: list[bytes | np.ndarray] = [b"" if p is None else frame_of(p) for p in pickled]
+        received = lane.all_to_all_bytes(frames)
+        del frames, pickled
+        samples: Received = {}
+        failure: BaseException | None = None
+        try:
+            for owner, chunk in enumerate(received):
+                if owner != lane.rank and len(chunk):
+                    samples[owner] = [from_handles(unpack_sample(s)) for s in decode_samples(chunk)]
+                    received[owner] = b""  # its arrays hold the chunk now, and free it with their samples
+        except BaseException as exc:  # noqa: BLE001 - raised below, once the ranks have met
+            failure = exc
+        if meet:  # even after a failure here, so that every lane stays in step
+            try:
+                lane.all_gather([0])  # every rank has opened the files of the handles it received
+            except BaseException:
+                if failure is None:
+                    raise
+        if failure is not None:
+            raise failure
+        return samples
+    finally:
+        keep.clear()  # also on failure: a traceback kept by the future must not keep the storages
 
 
 class OverlappedMoves:
@@ -238,15 +254,17 @@ class OverlappedMoves:
                 starts[owner].append(arrived[owner])
                 arrived[owner] += len(arriving.get(owner, ()))
         n_chunks = len(chunks)
+        handles = int(any(keep for _, keep in chunks))  # to every rank, so that all know whether the lane meets
         facts_in = [np.frombuffer(bytes(b), dtype="<i8") for b in self.transport.all_to_all_bytes(
-            [np.array(sizes + [x for fact in f for x in fact], dtype="<i8").tobytes()
+            [np.array([handles, *sizes] + [x for fact in f for x in fact], dtype="<i8").tobytes()
              for sizes, f in zip(sizes_out, facts_out, strict=True)])]
-        facts = {owner: facts_in[owner][n_chunks:].reshape(-1, FACT_FIELDS).tolist()
+        meet = any(int(v[0]) for v in facts_in)
+        facts = {owner: facts_in[owner][1 + n_chunks :].reshape(-1, FACT_FIELDS).tolist()
                  for owner in range(world) if arrived[owner]}
-        bytes_in = sum(int(v[:n_chunks].sum()) for owner, v in enumerate(facts_in) if owner != rank and len(v))
+        bytes_in = sum(int(v[1 : 1 + n_chunks].sum()) for owner, v in enumerate(facts_in) if owner != rank)
         for owner, sent in facts.items():
             if len(sent) != arrived[owner]:
                 raise RuntimeError(f"rank {rank}: rank {owner} sent the facts of {len(sent)} samples where the plan "
                                    f"moves {arrived[owner]} from it: the ranks do not run the same plan")
-        futures = [self.lane.submit(pickled, keep) for pickled, keep in chunks]  # in step order, on every rank
+        futures = [self.lane.submit(pickled, keep, meet) for pickled, keep in chunks]  # in step order, on every rank
         return MovesInFlight(facts, futures, dict(starts), samples=sum(arrived), bytes_in=bytes_in)

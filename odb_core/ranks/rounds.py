@@ -28,6 +28,7 @@ from odb_core.planning.termination import RankState
 from odb_core.ranks.moves import Arrivals, FetchMoves, SendMoves
 from odb_core.ranks.moves_ahead import MoveLane, MovesInFlight, OverlappedMoves
 from odb_core.ranks.node_groups import NodeTransports, lane_transport
+from odb_core.ranks.shared_handles import open_files_with_handles
 from odb_core.ranks.sync import Transport
 from odb_core.settings.config import ODBConfig
 
@@ -220,7 +221,8 @@ def move_lane(config: ODBConfig, transport: Transport, layout: NodeLayout, map_s
     pooled = is_pooled(config, transport.world_size)
     if not (config.overlap_moves and pooled and move_mode(config, map_style) == "send"):
         return None
-    return MoveLane(functools.partial(lane_transport, transport, layout), config.shared_memory_moves)
+    return MoveLane(functools.partial(lane_transport, transport, layout), config.shared_memory_moves,
+                    open_files_with_handles(config.max_buffer_bytes, config.window))
 
 
 def move_mode(config: ODBConfig, map_style: bool) -> str:

@@ -9,10 +9,13 @@ rank of the same host none of that is needed: the file is already there. So, on 
 replaced in the pickled sample by a `SharedHandle` (the owner's pid, the file descriptor of the tensor's storage,
 its size, and the tensor's dtype, shape, stride and offset: `to_handles`), and the receiver opens the same file
 through `/proc/<pid>/fd/<fd>` and maps it (`from_handles`): no byte of the tensor is copied or sent. The owner
-keeps the storages (`keep`) until every rank of the lane has opened what it received: after each exchange the
-lane's ranks meet once more (a one-int all_gather), and only then are the storages let go; the receiver's mapping
-then holds the memory alone. Nothing is named in /dev/shm (torch's `file_descriptor` files are unlinked when made),
-so a killed rank leaves nothing behind: the kernel frees a file with its last descriptor and mapping.
+keeps the storages (`keep`) until every rank of the lane has opened what it received: after an exchange of a
+round in which some rank sends handles, the lane's ranks meet once more (a one-int all_gather), and only then are
+the storages let go; the receiver's mapping then holds the memory alone. Whether a round's exchanges end with that
+meeting travels with the moved samples' facts (one int from every owner to every rank, NOTE [ Moves overlap
+training ]), so every rank decides alike, and a round of text samples, which hold no shared file, has no meeting.
+Nothing is named in /dev/shm (torch's `file_descriptor` files are unlinked when made), so a killed rank leaves
+nothing behind: the kernel frees a file with its last descriptor and mapping.
 Which pairs: when the lane opens (`HandleRoutes.open`), each rank makes a small shared storage holding a random
 token and the ranks gather (host key, pid, fd, token); each rank opens every peer's probe by that path and checks
 the token; the ranks gather who could open whose. A sender passes handles to a receiver that read its token, and
@@ -20,26 +23,42 @@ frames otherwise: another host, another /dev/shm or pid namespace (the host key 
 /dev/shm mount's device and inode, and the token catches a pid that names another process), a /proc that hides
 the peer, or a process that shares tensors by file name (`torch.multiprocessing`'s `file_system` strategy: its
 storages have no descriptor, `_get_shared_fd` refuses, and they travel in the frame as before). A tensor whose
-storage is not a shared file (text samples' small tensors, a dataset read without workers) always travels in the
-frame. Every rank computes the same `meet` from the gathered table, so the ranks need not agree on
-`shared_memory_moves` (a rank that turns it off reports key 0).
-The batches are those of the frames: the receiver's tensor has the owner's dtype, shape, stride and values (it is
-the owner's memory); `moved_bytes` counts a handle's tensor as the bytes the frame would have carried, so the
-counters stay those of moving in line (tests/test_shared_handles.py).
+storage is not a shared file (text samples' small tensors; a dataset read without workers, unless it shares its
+tensors itself) always travels in the frame. The ranks need not agree on `shared_memory_moves`: a rank that turns
+it off reports key 0, and neither sends nor receives handles.
+The receiver maps a path only where it leads to the owner's file: opened without a controlling tty or blocking,
+a regular file whose inode is the one the handle names and at least as large (`_open`), so a pid of another
+process, or a pid reused after the owner died, can neither be read nor grown. Each mapped tensor keeps a file
+open until it is freed, so a rank that may receive handles raises its soft limit of open files for a third
+buffer's worth (`open_files_with_handles`); `ulimit -n` running out is an `OSError` naming the fix, an owner gone
+a `PeerError`.
+The batches are those of the frames: the receiver's tensor has the owner's dtype, shape and values (it is the
+owner's memory). It also keeps the owner's strides, where a frame made a non-contiguous tensor contiguous, and a
+dataset that hands one shared storage to two samples now gives two ranks the same memory, where frames gave each
+a copy: as a sample that stays on its rank is the dataset's own. `moved_bytes` counts a handle's tensor as the
+bytes the frame would have carried, so the counters stay those of moving in line (tests/test_shared_handles.py).
+A receiver that fails to open what it received still meets the others before it raises, so every lane stays in
+step (`_exchange` in moves_ahead.py).
 """
 
 from __future__ import annotations
 
 import copy
+import errno
 import hashlib
+import logging
 import os
 import secrets
+import stat
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import torch
 
+from odb_core.data.sendable import OTHER_FILES, open_files_needed, raise_open_files
 from odb_core.ranks.sync import PeerError, Transport
+
+LOGGER = logging.getLogger("odb")
 
 _DTYPES = {str(d): d for d in (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
                                torch.int16, torch.int8, torch.uint8, torch.bool)}
@@ -50,6 +69,7 @@ class SharedHandle(NamedTuple):
 
     pid: int
     fd: int
+    inode: int  # the file's: the receiver maps it only if the path leads to that file
     nbytes: int  # the storage's
     dtype: str
     shape: tuple[int, ...]
@@ -82,14 +102,18 @@ def host_key() -> int:
 
 
 def _shared_fd(tensor: torch.Tensor) -> int | None:
-    """The descriptor of the shared-memory file under `tensor`'s storage, or None (not a shared file, or shared
-    by name). `_get_shared_fd` only reads: unlike `_share_fd_cpu_`, it never moves a storage."""
-    if tensor.device.type != "cpu" or tensor.requires_grad or str(tensor.dtype) not in _DTYPES:
-        return None
+    """The descriptor of the shared-memory file under `tensor`'s storage, or None (not a shared file, shared by
+    name, empty, or a tensor whose bits a frame would carry differently: a lazily negated or conjugated view).
+    `_get_shared_fd` only reads: unlike `_share_fd_cpu_`, it never moves a storage."""
+    storage = tensor.untyped_storage()
+    if (not storage.is_shared() or not storage.nbytes() or tensor.device.type != "cpu" or tensor.requires_grad
+            or tensor.is_neg() or tensor.is_conj() or str(tensor.dtype) not in _DTYPES):
+        return None  # `is_shared` first: 0.1 µs, where `_get_shared_fd` refusing a text sample's tensor costs 8 µs
     try:
-        return tensor.untyped_storage()._get_shared_fd()
+        fd = storage._get_shared_fd()
     except RuntimeError:
         return None
+    return fd if fd >= 0 else None
 
 
 def to_handles(sample: Any, keep: list[torch.UntypedStorage]) -> tuple[Any, int]:
@@ -108,8 +132,8 @@ def to_handles(sample: Any, keep: list[torch.UntypedStorage]) -> tuple[Any, int]
         if out is None:
             out = dict(sample) if type(sample) is dict else copy.copy(sample)
         storage = value.untyped_storage()
-        handle = SharedHandle(os.getpid(), fd, storage.nbytes(), str(value.dtype), tuple(value.shape),
-                              tuple(value.stride()), value.storage_offset())
+        handle = SharedHandle(os.getpid(), fd, os.fstat(fd).st_ino, storage.nbytes(), str(value.dtype),
+                              tuple(value.shape), tuple(value.stride()), value.storage_offset())
         out[key] = handle
         keep.append(storage)
         handled += handle.tensor_bytes
@@ -128,53 +152,73 @@ def from_handles(sample: Any) -> Any:
 
 
 def _open(handle: SharedHandle) -> torch.Tensor:
+    """The handle's tensor, mapped from the owner's file; `PeerError` where the owner is gone, `OSError` (with
+    what to do) for any other failure to open it, `ValueError` where the path leads to another file."""
     path = f"/proc/{handle.pid}/fd/{handle.fd}"
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOCTTY | os.O_NONBLOCK)
     except OSError as exc:
-        raise PeerError(f"a moved tensor's shared-memory file {path} could not be opened ({exc}): its owner rank "
-                        f"(pid {handle.pid}) probably died mid-move") from exc
+        if exc.errno in (errno.ENOENT, errno.ESRCH):
+            raise PeerError(f"a moved tensor's shared-memory file {path} could not be opened ({exc}): its owner "
+                            f"rank (pid {handle.pid}) probably died mid-move") from exc
+        raise OSError(exc.errno, f"a moved tensor's shared-memory file {path} could not be opened ({exc.strerror}); "
+                      "raise `ulimit -n` if too many files are open, or set shared_memory_moves=False") from exc
     try:
+        seen = os.fstat(fd)  # map only the owner's file: never grow or write another one
+        if not stat.S_ISREG(seen.st_mode) or seen.st_ino != handle.inode or seen.st_size < handle.nbytes:
+            raise ValueError(f"{path} is not the owner's shared-memory file (inode {seen.st_ino}, {seen.st_size} "
+                             f"bytes; the handle names inode {handle.inode}, {handle.nbytes} bytes)")
         storage = torch.UntypedStorage._new_shared_fd_cpu(fd, handle.nbytes)
     finally:
         os.close(fd)  # the storage keeps a descriptor of its own
     return torch.empty(0, dtype=_DTYPES[handle.dtype]).set_(storage, handle.offset, handle.shape, handle.stride)
 
 
+def open_files_with_handles(max_buffer_bytes: int | None, window: int) -> int:
+    """`open_files_needed` and a third buffer's worth of tensors: the round's moved-in samples, each of whose
+    handles keeps a file open on the receiver, beside the rank's own two buffers."""
+    own = open_files_needed(max_buffer_bytes, window)
+    return own + (own - OTHER_FILES) // 2
+
+
 class HandleRoutes:
     """Which ranks of a lane pass shared tensors by handle to which (NOTE [ Moving shared tensors by handle ]):
-    `to[r]`, whether this rank sends handles to lane rank r; `meet`, whether the lane's ranks meet after each
-    exchange (the same on every rank)."""
+    `to[r]`, whether this rank sends handles to lane rank r; `receives`, whether some rank sends it handles."""
 
-    def __init__(self, to: Sequence[bool], meet: bool) -> None:
-        self.to, self.meet = tuple(to), meet
+    def __init__(self, to: Sequence[bool], receives: bool = False) -> None:
+        self.to, self.receives = tuple(to), receives
 
     @classmethod
-    def open(cls, lane: Transport, enabled: bool) -> HandleRoutes:
-        """Two all_gathers on the lane, at the same point on every rank: the probes, then who read whose."""
-        probe, mine = None, [0, 0, 0, 0]
+    def open(cls, lane: Transport, enabled: bool, open_files: int = 0) -> HandleRoutes:
+        """Two all_gathers on the lane, at the same point on every rank: the probes, then who read whose. A rank
+        that may receive handles raises its soft limit of open files to `open_files` (NOTE [ The pipe or shared
+        memory ])."""
+        probe, mine = None, [0, 0, 0, 0, 0]
         if enabled and (key := host_key()):
             try:
                 probe = torch.UntypedStorage._new_shared(8)
                 token = secrets.randbits(62) + 1
                 torch.empty(0, dtype=torch.int64).set_(probe, 0, (1,)).fill_(token)
-                mine = [key, os.getpid(), probe._get_shared_fd(), token]
-            except RuntimeError:  # no shared memory, or shared by name (`file_system`)
+                fd = probe._get_shared_fd()
+                mine = [key, os.getpid(), fd, os.fstat(fd).st_ino, token]
+            except (RuntimeError, OSError):  # no shared memory, or shared by name (`file_system`)
                 probe = None
         probes = lane.all_gather(mine)
         read = [int(r != lane.rank and _reads(mine[0], p)) for r, p in enumerate(probes)]
         table = lane.all_gather(read)  # table[r][s]: rank r read rank s's probe
         del probe  # every peer has tried it by now
-        return cls([bool(table[r][lane.rank]) for r in range(lane.world_size)], any(any(row) for row in table))
+        if any(read) and open_files and (warning := raise_open_files(open_files)) is not None:
+            LOGGER.warning(warning)
+        return cls([bool(table[r][lane.rank]) for r in range(lane.world_size)], receives=any(read))
 
 
 def _reads(key: int, probe: Sequence[int]) -> bool:
     """Whether this rank (host `key`) opens a peer's probe by its path and finds its token."""
-    peer_key, pid, fd, token = probe
+    peer_key, pid, fd, inode, token = probe
     if not key or peer_key != key:
         return False
     try:
-        tensor = _open(SharedHandle(pid, fd, 8, "torch.int64", (1,), (1,), 0))
-    except (PeerError, RuntimeError, OSError):
+        tensor = _open(SharedHandle(pid, fd, inode, 8, "torch.int64", (1,), (1,), 0))
+    except (RuntimeError, OSError, ValueError):  # PeerError is a RuntimeError
         return False
     return int(tensor.item()) == token

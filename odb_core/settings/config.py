@@ -179,7 +179,8 @@ class ODBConfig:
         _require(_is_int(self.token_budget) and self.token_budget > 0, "token_budget", self.token_budget,
                  "it must be a positive int (tokens per micro-batch per rank), e.g. 16384")
         _require(self.cost in COST_NAMES, "cost", self.cost, f"choose one of {COST_NAMES}")
-        _require(_is_number(self.attention_alpha) and self.attention_alpha >= 0, "attention_alpha", self.attention_alpha, "it must be >= 0")
+        _require(_is_number(self.attention_alpha) and self.attention_alpha >= 0, "attention_alpha",
+                 self.attention_alpha, "it must be >= 0")
         _require(self.cost == "attention" or self.attention_alpha == 0, "attention_alpha", self.attention_alpha,
                  "it only applies to cost='attention'; leave it at 0 or set cost='attention'")
         _require(self.max_patches is None or (_is_int(self.max_patches) and self.max_patches > 0),
@@ -231,11 +232,12 @@ class ODBConfig:
         _require(isinstance(self.overlap_moves, bool), "overlap_moves", self.overlap_moves, "it must be True or False")
         _require(isinstance(self.shared_memory_moves, bool), "shared_memory_moves", self.shared_memory_moves,
                  "it must be True or False")
-        _require(_is_number(self.sync_timeout_s) and self.sync_timeout_s > 0, "sync_timeout_s", self.sync_timeout_s, "it must be > 0 seconds")
+        _require(_is_number(self.sync_timeout_s) and self.sync_timeout_s > 0, "sync_timeout_s", self.sync_timeout_s,
+                 "it must be > 0 seconds")
         _require(_is_number(self.liveness_timeout_s) and self.liveness_timeout_s > 0, "liveness_timeout_s",
                  self.liveness_timeout_s, "it must be > 0 seconds")
-        _require(_is_number(self.worker_timeout_s) and self.worker_timeout_s >= 0, "worker_timeout_s", self.worker_timeout_s,
-                 "it must be >= 0 seconds (0 = no timeout)")
+        _require(_is_number(self.worker_timeout_s) and self.worker_timeout_s >= 0, "worker_timeout_s",
+                 self.worker_timeout_s, "it must be >= 0 seconds (0 = no timeout)")
 
     def rounds_for_pool(self, ranks: int) -> ODBConfig:
         """This config as the rounds of a plan that pools `ranks` ranks' buffers run it (NOTE [ Pooled round sizes ]
