@@ -10,6 +10,7 @@ to frames without a desync; a rank whose owner died mid-move must raise, and not
 from __future__ import annotations
 
 import errno
+import gc
 import os
 import resource
 import secrets
@@ -54,7 +55,8 @@ def test_only_tensors_in_a_shared_file_go_by_handle():
     complex_pair = torch.tensor([1 + 2j, 3 + 4j]).share_memory_()
     frames = {"a": torch_owned, "grad": torch.ones(4).share_memory_().requires_grad_(),
               "empty": torch.empty(0, 6).share_memory_(),  # its storage reports descriptor -1
-              "negated": complex_pair.conj().imag}  # a lazily negated view: a handle would lose the sign
+              "negated": complex_pair.conj().imag,  # a lazily negated view: a handle would lose the sign
+              "complex": complex_pair}  # a dtype the handles do not carry
     assert frames["negated"].is_neg()
     sample = {**frames, "b": torch.ones(4).share_memory_(), "c": [torch.ones(2).share_memory_()]}
     sent, handled = to_handles(sample, [])
@@ -132,6 +134,65 @@ def test_a_rank_that_may_receive_handles_raises_its_open_files_limit():
         assert all(r.receives for r in routes) and resource.getrlimit(resource.RLIMIT_NOFILE)[0] == want
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+class _TableLane:
+    """A lane whose second all_gather returns a given who-read-whose table (one-way reads: a container that sees
+    the host's pids but not the reverse, or `/proc` rules that let one process in and not the other)."""
+
+    def __init__(self, rank: int, table: list[list[int]]) -> None:
+        self.rank, self.world_size, self.table, self.calls = rank, len(table), table, 0
+
+    def all_gather(self, values: list[int]) -> list[list[int]]:
+        self.calls += 1
+        return [list(values)] * self.world_size if self.calls == 1 else self.table
+
+
+def test_routes_send_to_the_ranks_that_read_this_ranks_probe_not_to_those_it_read():
+    table = [[0, 0, 0], [1, 0, 0], [0, 0, 0]]  # rank 1 read rank 0's probe; rank 0 read nobody's
+    assert HandleRoutes.open(_TableLane(0, table), enabled=True).to == (False, True, False)
+    assert HandleRoutes.open(_TableLane(1, table), enabled=True).to == (False, False, False)
+
+
+def test_a_dict_subclass_keeps_its_type_and_its_handles_open():
+    class Feature(dict):
+        pass
+
+    image = torch.full((8, 8), 3.0).share_memory_()
+    sent, handled = to_handles(Feature(pixel_values=image, n=1), [])
+    assert type(sent) is Feature and type(sent["pixel_values"]) is SharedHandle and handled == 256
+    got = from_handles(sent)
+    assert type(got) is Feature and torch.equal(got["pixel_values"], image) and got["n"] == 1
+
+
+def test_plain_tuples_of_a_received_sample_are_left_alone():
+    image = torch.ones(4, 4).share_memory_()
+    sent, _ = to_handles({"pixel_values": image, "size": (4, 4), "crop": (0, 0, 2, 2, 1, 1, 0, 3)}, [])
+    got = from_handles(dict(sent))
+    assert got["size"] == (4, 4) and got["crop"] == (0, 0, 2, 2, 1, 1, 0, 3)
+    assert torch.equal(got["pixel_values"], image)
+
+
+def test_opening_handles_leaves_no_descriptor_behind_once_the_tensors_are_freed():
+    image = torch.full((64, 64), 1.0).share_memory_()
+    sent, _ = to_handles({"pixel_values": image}, [])
+    gc.collect()
+    before = len(os.listdir("/proc/self/fd"))
+    for _ in range(50):
+        assert from_handles(dict(sent))["pixel_values"].sum().item() == 4096.0
+    gc.collect()
+    assert len(os.listdir("/proc/self/fd")) <= before + 2
+
+
+def test_the_host_key_changes_with_the_dev_shm_mount(monkeypatch):
+    """Two containers of one kernel, each with a /dev/shm of its own, must not count as one host."""
+    real, key = os.stat("/dev/shm"), host_key()
+
+    class OtherMount:
+        st_dev, st_ino = real.st_dev, real.st_ino + 1
+
+    monkeypatch.setattr(os, "stat", lambda path, *a, **k: OtherMount() if path == "/dev/shm" else real)
+    assert host_key() not in (key, 0)
 
 
 def test_a_receiver_whose_owner_is_gone_raises_naming_the_file():
@@ -292,6 +353,25 @@ def test_the_owner_holds_its_storages_until_a_slow_receiver_has_opened_them():
     [sample] = got[0]
     assert sample["slow"] == "read" and torch.equal(sample["pixel_values"], torch.full((256, 256), 7.0))
     assert ended["owner"] >= ended["receiver"] - 0.2  # the owner waited for the slow receiver
+
+
+def test_a_rank_that_turned_handles_off_receives_every_byte_in_frames():
+    """In one process every rank could open the others' files, so only the bytes show who sent handles to whom."""
+    def received(setting) -> list[int]:
+        def rank_body(rank, transport):
+            loader = ODBDataLoader(SharedImages(mixed_lengths(180), 0), token_budget=2048, transport=transport,
+                                   shuffle=True, window=32, shared_memory_moves=setting(rank))
+            for _ in loader:
+                pass
+            got = loader._lane.transport.stats.bytes_received
+            loader.close()
+            return got
+
+        return run_virtual_ranks(rank_body, 3, timeout_s=60)
+
+    mixed, frames = received(lambda rank: rank != 1), received(lambda rank: False)
+    assert mixed[1] >= 0.95 * frames[1] and mixed[1] > 1_000_000
+    assert mixed[0] < 0.8 * frames[0]  # rank 0 still gets rank 2's images by handle
 
 
 @pytest.mark.slow
