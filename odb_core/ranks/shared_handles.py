@@ -7,8 +7,9 @@ then moves to another rank (NOTE [ Moves overlap training ]), its frame copied t
 socket carried them (copied into the kernel and out again, into a buffer the receiver had faulted in). For a
 rank of the same host none of that is needed: the file is already there. So, on the move lane, such a tensor is
 replaced in the pickled sample by a `SharedHandle` (the owner's pid, the file descriptor of the tensor's storage,
-its size, and the tensor's dtype, shape, stride and offset: `to_handles`), and the receiver opens the same file
-through `/proc/<pid>/fd/<fd>` and maps it (`from_handles`): no byte of the tensor is copied or sent. The owner
+the file's inode, its size, and the tensor's dtype, shape, stride and offset: `to_handles`), and the receiver
+opens the same file through `/proc/<pid>/fd/<fd>` and maps it (`from_handles`): no byte of the tensor is copied
+or sent. The owner
 keeps the storages (`keep`) until every rank of the lane has opened what it received: after an exchange of a
 round in which some rank sends handles, the lane's ranks meet once more (a one-int all_gather), and only then are
 the storages let go; the receiver's mapping then holds the memory alone. Whether a round's exchanges end with that
@@ -17,12 +18,13 @@ training ]), so every rank decides alike, and a round of text samples, which hol
 Nothing is named in /dev/shm (torch's `file_descriptor` files are unlinked when made), so a killed rank leaves
 nothing behind: the kernel frees a file with its last descriptor and mapping.
 Which pairs: when the lane opens (`HandleRoutes.open`), each rank makes a small shared storage holding a random
-token and the ranks gather (host key, pid, fd, token); each rank opens every peer's probe by that path and checks
-the token; the ranks gather who could open whose. A sender passes handles to a receiver that read its token, and
-frames otherwise: another host, another /dev/shm or pid namespace (the host key is the kernel's boot id with the
-/dev/shm mount's device and inode, and the token catches a pid that names another process), a /proc that hides
-the peer, or a process that shares tensors by file name (`torch.multiprocessing`'s `file_system` strategy: its
-storages have no descriptor, `_get_shared_fd` refuses, and they travel in the frame as before). A tensor whose
+token and the ranks gather (host key, pid, fd, inode, token); each rank opens every peer's probe by that path
+and checks the token; the ranks gather who could open whose. A sender passes handles to a receiver that read
+its token, and frames otherwise: another host, another /dev/shm or pid namespace (the host key is the kernel's
+boot id with the /dev/shm mount's device and inode, and the token catches a pid that names another process), a
+/proc that hides the peer, or a process that shares tensors by file name (`torch.multiprocessing`'s
+`file_system` strategy: its storages have no descriptor, `_get_shared_fd` refuses, and they travel in the frame
+as before). A tensor whose
 storage is not a shared file (text samples' small tensors; a dataset read without workers, unless it shares its
 tensors itself) always travels in the frame. The ranks need not agree on `shared_memory_moves`: a rank that turns
 it off reports key 0, and neither sends nor receives handles.
