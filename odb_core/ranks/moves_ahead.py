@@ -239,7 +239,7 @@ class OverlappedMoves:
                 samples = [take_own(it.index) for it in items]
                 facts_out[dest] += [sample_facts(s, self.length_fn) for s in samples]
                 handled = 0
-                if routes.to and routes.to[dest]:  # NOTE [ Moving shared tensors by handle ]
+                if routes.to[dest]:  # NOTE [ Moving shared tensors by handle ]
                     handles = [to_handles(s, keep) for s in samples]
                     samples, handled = [s for s, _ in handles], sum(n for _, n in handles)
                 packed = [pack_sample(s, limit_bytes=None) for s in samples]
@@ -254,9 +254,9 @@ class OverlappedMoves:
                 starts[owner].append(arrived[owner])
                 arrived[owner] += len(arriving.get(owner, ()))
         n_chunks = len(chunks)
-        handles = int(any(keep for _, keep in chunks))  # to every rank, so that all know whether the lane meets
+        sends_handles = int(any(keep for _, keep in chunks))  # to every rank: all know whether the lane meets
         facts_in = [np.frombuffer(bytes(b), dtype="<i8") for b in self.transport.all_to_all_bytes(
-            [np.array([handles, *sizes] + [x for fact in f for x in fact], dtype="<i8").tobytes()
+            [np.array([sends_handles, *sizes] + [x for fact in f for x in fact], dtype="<i8").tobytes()
              for sizes, f in zip(sizes_out, facts_out, strict=True)])]
         meet = any(int(v[0]) for v in facts_in)
         facts = {owner: facts_in[owner][1 + n_chunks :].reshape(-1, FACT_FIELDS).tolist()

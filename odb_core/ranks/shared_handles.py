@@ -78,17 +78,6 @@ class SharedHandle(NamedTuple):
     stride: tuple[int, ...]
     offset: int
 
-    @property
-    def tensor_bytes(self) -> int:
-        return _numel(self.shape) * _DTYPES[self.dtype].itemsize
-
-
-def _numel(shape: Sequence[int]) -> int:
-    n = 1
-    for size in shape:
-        n *= size
-    return n
-
 
 def host_key() -> int:
     """An int64 that two processes share when they run on one kernel and see one /dev/shm mount; 0 where either
@@ -138,7 +127,7 @@ def to_handles(sample: Any, keep: list[torch.UntypedStorage]) -> tuple[Any, int]
                               tuple(value.shape), tuple(value.stride()), value.storage_offset())
         out[key] = handle
         keep.append(storage)
-        handled += handle.tensor_bytes
+        handled += value.numel() * value.element_size()
     return (sample, 0) if out is None else (out, handled)
 
 
