@@ -216,6 +216,7 @@ def _epochs(loader: Any, case: Case, rank: int) -> list[dict[str, Any]]:
                 time.sleep(case.step_s_by_rank[rank])
             if epoch == 0 and len(steps) == case.break_after:
                 time.sleep(case.break_skew_s if rank == 1 else 0.0)
+                steps[-1]["planned_ahead_at_break"] = _planned_ahead(loader)
                 break
         report = loader.last_report
         epochs.append({"steps": steps, "sampler": [int(i) for i in loader.sampler],
@@ -227,6 +228,13 @@ def _epochs(loader: Any, case: Case, rank: int) -> list[dict[str, Any]]:
             epochs[-1]["waits"] = {name: getattr(loader.metrics, name)  # cumulative over the epochs so far
                                    for name in ("wait_seconds", "read_seconds", "sync_seconds")}
     return epochs
+
+
+def _planned_ahead(loader: Any) -> bool:
+    """Whether the epoch being left has run its next round ahead (NOTE [ Planning the next round ahead ]): a test
+    that breaks at a round's last step checks that it covered that path (read from the loader's insides)."""
+    run = getattr(loader._current, "run", None)
+    return run is not None and run.round_ahead.pending
 
 
 def _leave(loader: Any, case: Case, rank: int, out_dir: Path) -> None:

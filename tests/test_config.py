@@ -78,6 +78,8 @@ BAD_VALUES: list[tuple[str, Any, dict[str, Any]]] = [
     ("reader_thread", "yes", {}),
     ("collate_ahead", 0, {}),
     ("collate_ahead", "no", {}),
+    ("plan_ahead", 1, {}),
+    ("plan_ahead", "yes", {}),
     ("overlap_moves", 1, {}),
     ("overlap_moves", "yes", {}),
     ("shared_memory_moves", 1, {}),

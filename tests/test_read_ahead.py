@@ -1,5 +1,5 @@
 """The next round's samples are read while the current round's steps are taken (NOTE [ Reading ahead ] in
-odb_core/epoch/pipeline.py), without changing any batch.
+odb_core/epoch/reader.py), without changing any batch.
 
 With `num_workers=0` the DataLoader reads a sample when it is pulled, so the count of `__getitem__` calls seen at
 each step shows when the reader pulled. Before, a round read nothing while its steps were taken: every step of the
@@ -16,8 +16,7 @@ import torch
 from batch_record import LengthStream
 from conftest import CountingDataset, LengthDataset
 from odb_core import DatasetFetchError, ODBConfig, ODBDataLoader
-from odb_core.epoch.pipeline import ReadAhead
-from odb_core.epoch.reader import Pull, SampleReader
+from odb_core.epoch.reader import Pull, ReadAhead, SampleReader
 from odb_core.planning.planner import BufferEngine
 
 WINDOW = 64

@@ -139,7 +139,8 @@ class ODBDataLoader:
                                length_fn=length_fn, metrics=self.metrics, observer=observer,
                                fallback_dummy=_LoaderCall(self._stream.fallback_dummy),
                                fetch=_LoaderCall(self._stream.fetch), packed_samples=num_workers > 0,
-                               collate_ahead=config.collate_ahead and config.prefetch_steps == 0)
+                               collate_ahead=config.collate_ahead and config.prefetch_steps == 0,
+                               plan_ahead=config.plan_ahead and config.prefetch_steps == 0)
         self._cursor = EpochCursor()
         self._current: _EpochIterator | None = None
         self.last_report: EpochReport | None = None
@@ -254,13 +255,12 @@ class ODBDataLoader:
 
     # -- length ---------------------------------------------------------------------------------------------
     def estimate_steps(self, sample_size: int = 512) -> int:
-        """Estimate the next epoch's step count, the same on every rank, and make `len()` return it.
-
-        Every rank must call this at the same point (one all_gather of one int); see `odb_core.epoch.estimate`. Exact
-        at W=1 when `sample_size` covers the epoch."""
-        self._length = estimate_steps(self._stream, self.config, epoch=self._cursor.epoch, length_fn=self._ctx.length_fn,
-                                      transport=self.transport, sample_size=sample_size,
-                                      per_node=self.layout.aware_per_node)
+        """Estimate the next epoch's step count, the same on every rank, and make `len()` return it. Every rank
+        must call this at the same point (one all_gather of one int; `odb_core.epoch.estimate`). Exact at W=1 when
+        `sample_size` covers the epoch."""
+        self._length = estimate_steps(self._stream, self.config, epoch=self._cursor.epoch,
+                                      length_fn=self._ctx.length_fn, transport=self.transport,
+                                      sample_size=sample_size, per_node=self.layout.aware_per_node)
         return self._length
 
     def plan_epochs_exactly(self, epochs: Iterable[int]) -> ExactPlan:

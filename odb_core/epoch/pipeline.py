@@ -29,7 +29,8 @@ from odb_core.data.collate import CollateFn
 from odb_core.data.sample import LengthFn
 from odb_core.epoch.collate_ahead import CollateAhead
 from odb_core.epoch.collation import Collation, PlannedStep
-from odb_core.epoch.reader import Pull, SampleReader
+from odb_core.epoch.plan_ahead import PlanAhead
+from odb_core.epoch.reader import ReadAhead, SampleReader
 from odb_core.epoch.stream import Chunk
 from odb_core.planning.alignment import Slot
 from odb_core.planning.termination import STEP_SUM_FIELDS
@@ -65,48 +66,6 @@ class Once:
     given: bool = False
 
 
-@dataclass(slots=True)
-class ReadAhead:
-    """NOTE [ Reading ahead ]
-    A round fills the buffer, plans, and releases its steps; if nothing were read while the consumer trains on
-    them, the DataLoader workers would stop after their small prefetch and the next round would wait for a
-    whole buffer of samples. So while a round's steps are taken, the reader pulls the next round's samples into
-    its `pending` samples, a share per step: after a round is planned, the next fill will admit exactly
-    `engine.space()` samples (the buffer changes only at a fill and a plan), so the reader waits for up to that
-    many, spread over the steps released now, and the workers keep processing while the accelerator works. The
-    samples wait unadmitted, so the next plan sees the buffer it would have seen (batches unchanged), and a saved
-    position still points at the round's start (they are re-read on resume). The pulls run in the consumer's
-    thread, between its steps; the pipe reads and unpickling behind them run in the reader thread while the
-    consumer's device works (NOTE [ A thread reads the workers ] in reader_thread.py). Under `max_buffer_bytes` the next
-    fill may stop before `space` samples: the pulls stop at the same share of the bytes it may add
-    (`byte_space`), so pending samples hold about one fill's bytes (the last chunk pulled may pass it).
-    Past that share, each step also takes whatever chunks the reader thread already holds (`ready`, never
-    waiting), up to `cap` pending samples (the `window`) and `byte_space` bytes: towards the end of an epoch the
-    rounds halve (NOTE [ Round sizes ]), the next fill is smaller than what the workers read while a round
-    trains, and without these pulls they would idle until the next round. The device never waits for them, and
-    they change no plan: fills admit pending samples in stream order, `space` at a time."""
-
-    space: int = 0
-    byte_space: int | None = None
-    steps: int = 0
-    taken: int = 0
-    cap: int = 0
-
-    @property
-    def due(self) -> bool:
-        return self.taken < self.steps
-
-    def plan(self, space: int, byte_space: int | None, steps: int, cap: int) -> None:
-        self.space, self.byte_space, self.steps, self.taken, self.cap = space, byte_space, steps, 0, cap
-
-    def take_step(self) -> Pull:
-        """Once one more step was taken: the pending samples (and payload bytes) to wait for, the next fill's share
-        of the steps taken; then the samples (and bytes) to take without waiting, `cap` and `byte_space`."""
-        self.taken += 1
-        share_bytes = None if self.byte_space is None else -(-self.byte_space * self.taken // self.steps)
-        return Pull(-(-self.space * self.taken // self.steps), share_bytes, self.cap, self.byte_space)
-
-
 @dataclass(frozen=True, slots=True)
 class RunContext:
     """Everything an epoch needs besides its data; shared by the epochs of one loader."""
@@ -121,6 +80,7 @@ class RunContext:
     observer: Callable[[StepInfo], None] | None = None
     packed_samples: bool = False  # worker processes send small tensors as arrays
     collate_ahead: bool = False  # NOTE [ Collating the next step ahead ]
+    plan_ahead: bool = False  # NOTE [ Planning the next round ahead ]
     oversize_warning: Once = field(default_factory=Once)  # NOTE [ Samples over the budget ]
 
 
@@ -155,6 +115,7 @@ class EpochRun(Iterator[ODBBatch]):
         self.collating = CollateAhead(self.collation, ctx.collate_ahead)
         self.ahead = ReadAhead()  # NOTE [ Reading ahead ]
         self.flight: MovesInFlight | None = None  # NOTE [ Moves overlap training ]
+        self.round_ahead: PlanAhead[ODBBatch] = PlanAhead(ctx.metrics)  # NOTE [ Planning the next round ahead ]
         self.skip_below = 0
         self.report: EpochReport | None = None
         if resume is not None:
@@ -167,12 +128,19 @@ class EpochRun(Iterator[ODBBatch]):
             self.engine.resumed_at = resume.steps_consumed  # checked against every rank's (check_same_progress)
 
     def __next__(self) -> ODBBatch:
+        batch = self.round_ahead.take() if self.round_ahead.pending else self._next_step()
+        if self.ctx.plan_ahead and not self.ready and not self.engine.finished:
+            self.round_ahead.start(self._next_step)  # NOTE [ Planning the next round ahead ]
+        return batch
+
+    def _next_step(self) -> ODBBatch:
         if self.ahead.due:
             self.reader.read_ahead(self.ahead.take_step())
         while not self.ready:
             if self.engine.finished:
                 self._close_epoch()
                 self.collating.close()
+                self.round_ahead.close(0.0)
                 raise StopIteration
             self._run_round()
         step, info = self.ready.popleft()
@@ -184,6 +152,7 @@ class EpochRun(Iterator[ODBBatch]):
     def close(self) -> None:
         """Release the worker iterator (and with it the worker processes) and the collating thread; called on
         errors and on shutdown."""
+        self.round_ahead.close(self.engine.config.sync_timeout_s)
         self.reader.close()
         self.collating.close()
 
@@ -209,7 +178,12 @@ class EpochRun(Iterator[ODBBatch]):
         for an error outside the loader (the training step, a callback): `ODBDataLoader.close()` called while an
         exception propagates (an `except` block, a `finally:` it passes through; `unwinding` in prefetch.py) does
         not leave the epoch either. `iter()`, `set_epoch()` and `load_state_dict()` still leave it there: a loop
-        that goes on after an error every rank met (a rollback to a saved state) needs its ranks in step."""
+        that goes on after an error every rank met (a rollback to a saved state) needs its ranks in step.
+        A round planned ahead ends first (NOTE [ Planning the next round ahead ]); if it failed, the epoch is not
+        left either, and its error is raised here."""
+        error = self.round_ahead.settle(self.engine.config.sync_timeout_s)
+        if error is not None:
+            raise error
         self.collating.close()
         self._settle_moves()
         if not self.engine.finished:

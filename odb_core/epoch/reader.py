@@ -25,7 +25,7 @@ from odb_core.steps.metrics import LoaderMetrics
 
 @dataclass(frozen=True, slots=True)
 class Pull:
-    """What the reader pulls once a step was taken (NOTE [ Reading ahead ] in pipeline.py): it waits until `samples`
+    """What the reader pulls once a step was taken (NOTE [ Reading ahead ]): it waits until `samples`
     samples (or `bytes` of payloads; None: no byte bound) are pending, then takes, without waiting, the chunks a
     reader thread already holds, up to `cap` pending samples (`cap_bytes`)."""
 
@@ -33,6 +33,48 @@ class Pull:
     bytes: int | None
     cap: int = 0
     cap_bytes: int | None = None
+
+
+@dataclass(slots=True)
+class ReadAhead:
+    """NOTE [ Reading ahead ]
+    A round fills the buffer, plans, and releases its steps; if nothing were read while the consumer trains on
+    them, the DataLoader workers would stop after their small prefetch and the next round would wait for a
+    whole buffer of samples. So while a round's steps are taken, the reader pulls the next round's samples into
+    its `pending` samples, a share per step: after a round is planned, the next fill will admit exactly
+    `engine.space()` samples (the buffer changes only at a fill and a plan), so the reader waits for up to that
+    many, spread over the steps released now, and the workers keep processing while the accelerator works. The
+    samples wait unadmitted, so the next plan sees the buffer it would have seen (batches unchanged), and a saved
+    position still points at the round's start (they are re-read on resume). The pulls run in the consumer's
+    thread, between its steps; the pipe reads and unpickling behind them run in the reader thread while the
+    consumer's device works (NOTE [ A thread reads the workers ] in reader_thread.py). Under `max_buffer_bytes` the next
+    fill may stop before `space` samples: the pulls stop at the same share of the bytes it may add
+    (`byte_space`), so pending samples hold about one fill's bytes (the last chunk pulled may pass it).
+    Past that share, each step also takes whatever chunks the reader thread already holds (`ready`, never
+    waiting), up to `cap` pending samples (the `window`) and `byte_space` bytes: towards the end of an epoch the
+    rounds halve (NOTE [ Round sizes ]), the next fill is smaller than what the workers read while a round
+    trains, and without these pulls they would idle until the next round. The device never waits for them, and
+    they change no plan: fills admit pending samples in stream order, `space` at a time."""
+
+    space: int = 0
+    byte_space: int | None = None
+    steps: int = 0
+    taken: int = 0
+    cap: int = 0
+
+    @property
+    def due(self) -> bool:
+        return self.taken < self.steps
+
+    def plan(self, space: int, byte_space: int | None, steps: int, cap: int) -> None:
+        self.space, self.byte_space, self.steps, self.taken, self.cap = space, byte_space, steps, 0, cap
+
+    def take_step(self) -> Pull:
+        """Once one more step was taken: the pending samples (and payload bytes) to wait for, the next fill's share
+        of the steps taken; then the samples (and bytes) to take without waiting, `cap` and `byte_space`."""
+        self.taken += 1
+        share_bytes = None if self.byte_space is None else -(-self.byte_space * self.taken // self.steps)
+        return Pull(-(-self.space * self.taken // self.steps), share_bytes, self.cap, self.byte_space)
 
 
 @dataclass(slots=True)
@@ -171,7 +213,7 @@ class SampleReader:
     def read_ahead(self, pull: Pull) -> None:
         """Pull chunks from the workers until `pull.samples` samples (or `pull.bytes` of payloads) are pending or
         the stream ends, then those a reader thread already holds, up to `pull.cap` samples (`pull.cap_bytes`)
-        pending (NOTE [ Reading ahead ] in pipeline.py); they are admitted, in order, by the next fills."""
+        pending (NOTE [ Reading ahead ]); they are admitted, in order, by the next fills."""
         pending, target, target_bytes, cap, cap_bytes = self.pending, pull.samples, pull.bytes, pull.cap, pull.cap_bytes
         try:
             while (len(pending) < target and not self.stream_ended

@@ -10,7 +10,7 @@ does it, `prepare` included (`stream.read_chunk`), while the training thread wai
 pin-memory thread reads a plain DataLoader's batches in the background. Its GIL holds are short (one chunk's
 unpickling and unpacking, tens of µs; the reads release the GIL), far below the interpreter's 5 ms switch
 interval, unlike a thread that plans and collates (`prefetch_steps`). The consumer takes chunks from its queue
-(`next`, waiting; `ready`, not waiting: NOTE [ Reading ahead ] in pipeline.py) in the order the DataLoader yields
+(`next`, waiting; `ready`, not waiting: NOTE [ Reading ahead ] in reader.py) in the order the DataLoader yields
 them, so nothing it plans depends on the thread's timing. The cost is in fault detection (NOTE [ A rank watches
 its workers ] in watch.py): a dead worker is reported after `GRACE_S` (1 s) of silence instead of at once, and a
 thread blocked on a half message stays behind (a daemon). `reader_thread=False` reads directly, as before.

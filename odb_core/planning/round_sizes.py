@@ -2,7 +2,7 @@
 
 NOTE [ Round sizes ]
 A round fills its buffer, plans it, and releases its steps; while they are taken the next round's samples are
-read (NOTE [ Reading ahead ] in epoch/pipeline.py). Two moments of an epoch cannot overlap like that: before the
+read (NOTE [ Reading ahead ] in epoch/reader.py). Two moments of an epoch cannot overlap like that: before the
 first step nothing has been read, and after the last read nothing is left to read while the last round trains.
 With every round of `window` samples, both cost a whole buffer: the first step waits for `window` processed samples
 (4096 by default: 6.9 s at 6 ms per sample on 4 workers) and the epoch's last round trains with idle workers.
@@ -17,7 +17,7 @@ admitted), the rounds also halve towards its end: a round plans at most half of 
 rounded up; at least `min_window`), so the epoch ends in rounds of about rest/2, rest/4, ..., `min_window`. The
 device can only train a round once all of it is read, so when reading ends the device still has the rounds read last
 to train: with halving rounds, the rest after a round is as large as the round, and while the round trains the
-workers read it (past the next fill: NOTE [ Reading ahead ] in epoch/pipeline.py); when the workers are at most
+workers read it (past the next fill: NOTE [ Reading ahead ] in epoch/reader.py); when the workers are at most
 about half as fast as the device, the epoch ends about one `min_window` round after its last read (the round before
 the last is then read while its predecessor trains). Where the workers are nearly as fast as the device, the device
 stays about one round behind them through the epoch and trains it after the last read: one window's training per

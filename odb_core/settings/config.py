@@ -129,6 +129,9 @@ class ODBConfig:
         collate_ahead: collate the step after the one just taken in a thread while the consumer trains (NOTE [
             Collating the next step ahead ] in epoch/collate_ahead.py): with `PadCollator`, e.g. a VLM step's
             `pixel_values` concatenation. Does not change the batches; off with `prefetch_steps > 0`.
+        plan_ahead: once the consumer takes a round's last step, run the next round (its last reads, exchanges,
+            plan and first collation) in a thread while that step trains (NOTE [ Planning the next round ahead ]
+            in epoch/plan_ahead.py). Does not change the batches; off with `prefetch_steps > 0`; ranks may differ.
         overlap_moves: under global planning with `move="send"`, move a round's samples between ranks on a Gloo
             group and a thread of their own while its steps train (NOTE [ Moves overlap training ] in
             ranks/moves_ahead.py); False moves them before the round's first step. Does not change the batches;
@@ -169,6 +172,7 @@ class ODBConfig:
     fetch_chunk: int = 8
     reader_thread: bool = True
     collate_ahead: bool = True
+    plan_ahead: bool = True
     overlap_moves: bool = True
     shared_memory_moves: bool = True
     sync_timeout_s: float = 300.0
@@ -229,6 +233,7 @@ class ODBConfig:
                  "it must be an int >= 1")
         _require(isinstance(self.reader_thread, bool), "reader_thread", self.reader_thread, "it must be True or False")
         _require(isinstance(self.collate_ahead, bool), "collate_ahead", self.collate_ahead, "it must be True or False")
+        _require(isinstance(self.plan_ahead, bool), "plan_ahead", self.plan_ahead, "it must be True or False")
         _require(isinstance(self.overlap_moves, bool), "overlap_moves", self.overlap_moves, "it must be True or False")
         _require(isinstance(self.shared_memory_moves, bool), "shared_memory_moves", self.shared_memory_moves,
                  "it must be True or False")

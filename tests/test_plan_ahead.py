@@ -1,0 +1,163 @@
+"""The next round runs in a thread while the consumer trains on a round's last step (NOTE [ Planning the next
+round ahead ] in odb_core/epoch/plan_ahead.py): same batches, same errors, exact resume, ranks that stay in step
+when one leaves with a round planned ahead, and the data wait's parts counted only where the consumer waited."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+
+from conftest import LengthDataset, lognormal_lengths
+from dist_cases import Case, mixed_lengths, run_job, wait_until
+from odb_core import CollateError, ODBDataLoader, PadCollator
+from odb_core.epoch.plan_ahead import PLAN_THREAD, PlanAhead
+from odb_core.steps.metrics import LoaderMetrics
+
+LENGTHS = lognormal_lengths(400, 1.0, 128, seed=5, hi=1024)
+
+
+def _make(dataset, **kw):
+    return ODBDataLoader(dataset, token_budget=1024, shuffle=True, window=64, **kw)
+
+
+def _record(batch):
+    i = batch.info
+    return (i.epoch, i.step, i.round, i.indices, i.is_idle, i.window_tokens, i.global_tokens,
+            tuple(batch["input_ids"].shape), int(batch["input_ids"].sum()))
+
+
+def _last_steps_of_rounds(records) -> list[int]:
+    """The steps after which the next one belongs to another round (the epoch's last round left out)."""
+    return [k for k in range(len(records) - 1) if records[k][2] != records[k + 1][2]]
+
+
+@pytest.mark.parametrize("options", [{}, {"accumulation_steps": 3}, {"samples_per_step": 24}])
+def test_planning_ahead_yields_the_batches_of_planning_inline(options):
+    inline = [_record(b) for _ in range(2) for b in _make(LengthDataset(LENGTHS), plan_ahead=False, **options)]
+    ahead = [_record(b) for _ in range(2) for b in _make(LengthDataset(LENGTHS), **options)]
+    assert len(_last_steps_of_rounds(inline)) >= 4
+    assert ahead == inline
+
+
+def test_the_next_round_runs_in_its_thread_while_the_rounds_last_step_trains():
+    reference = [_record(b) for b in _make(LengthDataset(LENGTHS), plan_ahead=False)]
+    boundaries = _last_steps_of_rounds(reference)
+    for plan_ahead in (True, False):
+        threads: dict[int, set[str]] = {}
+        observer = lambda info: threads.setdefault(info.round, set()).add(threading.current_thread().name)  # noqa: E731
+        loader = _make(LengthDataset(LENGTHS), plan_ahead=plan_ahead, observer=observer)
+        ran_ahead = []
+        for k, batch in enumerate(loader):
+            if k in boundaries:  # the consumer "trains" the round's last step; has the next round run meanwhile?
+                round_ = batch.info.round
+                ran_ahead.append(wait_until(lambda: loader.metrics.rounds == round_ + 2, 5.0 if plan_ahead else 0.3))
+        assert ran_ahead == [plan_ahead] * len(boundaries)
+        later = set().union(*(names for round_, names in threads.items() if round_ > 0))
+        assert all(name.startswith(PLAN_THREAD) for name in later) == plan_ahead, later
+        assert threads[0] == {threading.current_thread().name}  # the first round runs in the consumer's next()
+
+
+def test_an_error_in_the_round_planned_ahead_is_raised_by_the_next_step_as_inline():
+    bad = 200  # a sample of a later round that the collator refuses (collated at plan time: not label-preserving)
+    lengths = [min(n, 900) for n in LENGTHS]
+    lengths[bad] = 999
+
+    def refusing(samples):
+        if any(len(s["input_ids"]) == 999 for s in samples):
+            raise ValueError("a sample the collator cannot take")
+        return PadCollator()(samples)
+
+    outcomes = []
+    for plan_ahead in (False, True):
+        loader = ODBDataLoader(LengthDataset(lengths), token_budget=1024, window=64, collate_fn=refusing,
+                               plan_ahead=plan_ahead)
+        taken = []
+        with pytest.raises(CollateError) as caught:
+            for batch in loader:
+                taken.append(_record(batch))
+        outcomes.append((taken, str(caught.value)))
+        loader.close()
+    assert outcomes[0] == outcomes[1]
+    assert len(outcomes[0][0]) > 2 and "a sample the collator cannot take" in outcomes[0][1]
+
+
+def test_a_state_saved_after_a_rounds_last_step_with_the_next_round_run_ahead_resumes_exactly():
+    reference = [_record(b) for b in _make(LengthDataset(LENGTHS), plan_ahead=False)]
+    for stop in _last_steps_of_rounds(reference)[:3]:
+        loader = _make(LengthDataset(LENGTHS))
+        it = iter(loader)
+        got = [_record(next(it)) for _ in range(stop + 1)]
+        round_ = got[-1][2]
+        assert wait_until(lambda: loader.metrics.rounds == round_ + 2, 5.0), "the next round did not run ahead"
+        state = json.loads(json.dumps(loader.state_dict()))
+        assert state["position"]["steps_consumed"] == stop + 1
+        loader.close()
+        resumed = _make(LengthDataset(LENGTHS))
+        resumed.load_state_dict(state)
+        got += [_record(b) for b in resumed]
+        assert got == reference, f"resume after step {stop} diverged"
+
+
+def test_the_consumer_waits_only_for_what_is_left_of_the_job_and_its_parts_count_in_that_share():
+    metrics = LoaderMetrics(token_budget=100, world_size=1)
+
+    def job():  # 0.3 s, of which 0.2 s "reading" and 0.1 s "exchanging"
+        time.sleep(0.3)
+        metrics.read_seconds += 0.2
+        metrics.sync_seconds += 0.1
+        return "step"
+
+    ahead: PlanAhead[str] = PlanAhead(metrics)
+    ahead.start(job)
+    time.sleep(0.6)  # the consumer trains longer than the job takes: it waits for none of it
+    assert ahead.take() == "step"
+    assert metrics.read_seconds < 0.02 and metrics.sync_seconds < 0.01, metrics
+    ahead.start(job)  # taken at once: the consumer waits for the whole job, and its parts count in full
+    assert ahead.take() == "step"
+    assert 0.18 < metrics.read_seconds < 0.22 and 0.09 < metrics.sync_seconds < 0.11, metrics
+    ahead.close(1.0)
+
+
+def test_settle_returns_the_jobs_error_and_close_ends_the_thread():
+    ahead: PlanAhead[str] = PlanAhead(LoaderMetrics(token_budget=100, world_size=1))
+    ahead.start(lambda: 1 / 0)
+    assert isinstance(ahead.settle(5.0), ZeroDivisionError)
+    assert not ahead.pending
+    ran_on: list[threading.Thread] = []
+    ahead.start(lambda: ran_on.append(threading.current_thread()))
+    ahead.close(5.0)
+    assert ran_on[0].name.startswith(PLAN_THREAD)
+    assert wait_until(lambda: not ran_on[0].is_alive(), 5.0)
+
+
+def test_an_epoch_that_ends_ends_its_planning_thread():
+    ran_on: set[threading.Thread] = set()
+    loader = _make(LengthDataset(LENGTHS), observer=lambda info: ran_on.add(threading.current_thread()))
+    assert len(list(loader)) > 5
+    planners = [t for t in ran_on if t.name.startswith(PLAN_THREAD)]
+    assert planners and wait_until(lambda: not any(t.is_alive() for t in planners), 5.0)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_ranks_stay_in_step_when_one_leaves_with_a_round_planned_ahead(tmp_path):
+    """Real Gloo ranks, no background producer: each breaks out of epoch 0 after `break_after` steps (rank 1 a
+    second later) and runs epoch 1 whole. Where the break follows a round's last step, the next round has run
+    ahead on both ranks; leaving must wait for it, so the leaving exchange pairs with the peer's next round."""
+    covered = False
+    for break_after in (2, 3, 4, 5, 6, 7):
+        case = Case(world_size=2, lengths=mixed_lengths(300), window=8, prefetch_steps=0, epochs=2,
+                    break_after=break_after, break_skew_s=1.0, shuffle=True, sync_timeout_s=30.0)
+        result = run_job(case, "env", tmp_path / str(break_after), timeout_s=120)
+        assert not result.timed_out and result.returncodes == [0, 0], result.output[-4000:]
+        first = [result.records[r]["epochs"][0]["steps"] for r in range(2)]
+        second = [result.records[r]["epochs"][1] for r in range(2)]
+        assert [len(steps) for steps in first] == [break_after, break_after]
+        assert len(second[0]["steps"]) == len(second[1]["steps"]) > 0
+        emitted = sorted(i for r in second for s in r["steps"] for i in s["indices"])
+        assert emitted == list(range(300)), "epoch 1 must cover every index once"
+        covered |= all(steps[-1]["planned_ahead_at_break"] for steps in first)
+    assert covered, "no break came right after a round's last step on both ranks"
