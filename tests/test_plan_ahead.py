@@ -5,6 +5,8 @@ when one leaves with a round planned ahead, and the data wait's parts counted on
 from __future__ import annotations
 
 import json
+import logging
+import signal
 import threading
 import time
 
@@ -12,8 +14,8 @@ import pytest
 
 from conftest import LengthDataset, lognormal_lengths
 from dist_cases import Case, mixed_lengths, run_job, wait_until
-from odb_core import CollateError, ODBDataLoader, PadCollator
-from odb_core.epoch.plan_ahead import PLAN_THREAD, PlanAhead
+from odb_core import CollateError, ODBDataLoader, PadCollator, SampleError
+from odb_core.epoch.plan_ahead import PLAN_THREAD, PlanAhead, WaitParts
 from odb_core.steps.metrics import LoaderMetrics
 
 LENGTHS = lognormal_lengths(400, 1.0, 128, seed=5, hi=1024)
@@ -29,6 +31,10 @@ def _record(batch):
             tuple(batch["input_ids"].shape), int(batch["input_ids"].sum()))
 
 
+def _epochs(loader, n=2):
+    return [_record(b) for _ in range(n) for b in loader]
+
+
 def _last_steps_of_rounds(records) -> list[int]:
     """The steps after which the next one belongs to another round (the epoch's last round left out)."""
     return [k for k in range(len(records) - 1) if records[k][2] != records[k + 1][2]]
@@ -36,9 +42,9 @@ def _last_steps_of_rounds(records) -> list[int]:
 
 @pytest.mark.parametrize("options", [{}, {"accumulation_steps": 3}, {"samples_per_step": 24}])
 def test_planning_ahead_yields_the_batches_of_planning_inline(options):
-    inline = [_record(b) for _ in range(2) for b in _make(LengthDataset(LENGTHS), plan_ahead=False, **options)]
-    ahead = [_record(b) for _ in range(2) for b in _make(LengthDataset(LENGTHS), **options)]
-    assert len(_last_steps_of_rounds(inline)) >= 4
+    inline = _epochs(_make(LengthDataset(LENGTHS), plan_ahead=False, **options))
+    ahead = _epochs(_make(LengthDataset(LENGTHS), **options))
+    assert {r[0] for r in inline} == {0, 1} and len(_last_steps_of_rounds(inline)) >= 4
     assert ahead == inline
 
 
@@ -65,8 +71,11 @@ def test_an_error_in_the_round_planned_ahead_is_raised_by_the_next_step_as_inlin
     lengths = [min(n, 900) for n in LENGTHS]
     lengths[bad] = 999
 
+    refused_on: list[str] = []
+
     def refusing(samples):
         if any(len(s["input_ids"]) == 999 for s in samples):
+            refused_on.append(threading.current_thread().name)
             raise ValueError("a sample the collator cannot take")
         return PadCollator()(samples)
 
@@ -82,6 +91,7 @@ def test_an_error_in_the_round_planned_ahead_is_raised_by_the_next_step_as_inlin
         loader.close()
     assert outcomes[0] == outcomes[1]
     assert len(outcomes[0][0]) > 2 and "a sample the collator cannot take" in outcomes[0][1]
+    assert refused_on[0] == threading.current_thread().name and refused_on[1].startswith(PLAN_THREAD), refused_on
 
 
 def test_a_state_saved_after_a_rounds_last_step_with_the_next_round_run_ahead_resumes_exactly():
@@ -101,36 +111,60 @@ def test_a_state_saved_after_a_rounds_last_step_with_the_next_round_run_ahead_re
         assert got == reference, f"resume after step {stop} diverged"
 
 
-def test_the_consumer_waits_only_for_what_is_left_of_the_job_and_its_parts_count_in_that_share():
-    metrics = LoaderMetrics(token_budget=100, world_size=1)
+def test_the_job_counts_its_wait_parts_apart_and_the_consumer_adds_only_the_share_it_waited_for():
+    metrics, parts = LoaderMetrics(token_budget=100, world_size=1), WaitParts()
 
     def job():  # 0.3 s, of which 0.2 s "reading" and 0.1 s "exchanging"
         time.sleep(0.3)
-        metrics.read_seconds += 0.2
-        metrics.sync_seconds += 0.1
+        parts.read_seconds += 0.2
+        parts.sync_seconds += 0.1
         return "step"
 
-    ahead: PlanAhead[str] = PlanAhead(metrics)
+    ahead: PlanAhead[str] = PlanAhead(parts, metrics)
     ahead.start(job)
     time.sleep(0.6)  # the consumer trains longer than the job takes: it waits for none of it
+    assert (metrics.read_seconds, metrics.sync_seconds) == (0.0, 0.0)  # nothing counted before the consumer waits
     assert ahead.take() == "step"
     assert metrics.read_seconds < 0.02 and metrics.sync_seconds < 0.01, metrics
     ahead.start(job)  # taken at once: the consumer waits for the whole job, and its parts count in full
     assert ahead.take() == "step"
     assert 0.18 < metrics.read_seconds < 0.22 and 0.09 < metrics.sync_seconds < 0.11, metrics
-    ahead.close(1.0)
+    assert (parts.read_seconds, parts.sync_seconds) == (0.0, 0.0)
+
+
+def test_an_interrupted_wait_for_the_job_leaves_it_pending():
+    ahead: PlanAhead[str] = PlanAhead(WaitParts(), LoaderMetrics(token_budget=100, world_size=1))
+    ahead.start(lambda: time.sleep(0.5) or "step")
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.1)
+        with pytest.raises(KeyboardInterrupt):
+            ahead.take()
+    finally:
+        signal.signal(signal.SIGALRM, previous)
+    assert ahead.pending  # still the job's: a close() waits for it, and the next take() gets its step
+    assert ahead.take() == "step"
 
 
 def test_settle_returns_the_jobs_error_and_close_ends_the_thread():
-    ahead: PlanAhead[str] = PlanAhead(LoaderMetrics(token_budget=100, world_size=1))
+    ahead: PlanAhead[str] = PlanAhead(WaitParts(), LoaderMetrics(token_budget=100, world_size=1))
     ahead.start(lambda: 1 / 0)
-    assert isinstance(ahead.settle(5.0), ZeroDivisionError)
+    ended, error = ahead.settle(5.0)
+    assert ended and isinstance(error, ZeroDivisionError)
     assert not ahead.pending
     ran_on: list[threading.Thread] = []
     ahead.start(lambda: ran_on.append(threading.current_thread()))
     ahead.close(5.0)
-    assert ran_on[0].name.startswith(PLAN_THREAD)
+    assert ran_on[0].name.startswith(PLAN_THREAD) and ran_on[0].daemon
     assert wait_until(lambda: not ran_on[0].is_alive(), 5.0)
+    ahead.start(lambda: time.sleep(2.0))
+    started = time.monotonic()
+    ahead.close(0.2)  # a job that does not end in time is left to end on its own
+    assert time.monotonic() - started < 1.0
 
 
 def test_an_epoch_that_ends_ends_its_planning_thread():
@@ -139,6 +173,107 @@ def test_an_epoch_that_ends_ends_its_planning_thread():
     assert len(list(loader)) > 5
     planners = [t for t in ran_on if t.name.startswith(PLAN_THREAD)]
     assert planners and wait_until(lambda: not any(t.is_alive() for t in planners), 5.0)
+
+
+class ArmedBadSample(LengthDataset):
+    """`LengthDataset` whose sample `bad` has empty `input_ids` (a `SampleError` at its round's fill) while armed."""
+
+    def __init__(self, lengths, bad: int) -> None:
+        super().__init__(lengths)
+        self.bad, self.armed = bad, True
+
+    def __getitem__(self, index: int) -> dict:
+        sample = super().__getitem__(index)
+        if self.armed and index == self.bad:
+            sample["input_ids"] = sample["input_ids"][:0]
+        return sample
+
+
+def _boundary_and_next_sample(**options):
+    reference = [_record(b) for b in ODBDataLoader(LengthDataset(LENGTHS), token_budget=1024, window=64,
+                                                   plan_ahead=False, **options)]
+    stop = _last_steps_of_rounds(reference)[1]
+    return stop, reference[stop + 1][3][0]  # round 2's first step's first sample: read by round 2's fill
+
+
+def test_a_break_after_a_rounds_last_step_leaves_the_epoch_when_the_round_run_ahead_failed_in_its_fill(caplog):
+    """The consumer stops at a round's last step; the next round, which it never asked for, ran ahead and failed
+    before its first exchange (a bad sample in the fill): the rank leaves the epoch as inline, saying why."""
+    stop, bad = _boundary_and_next_sample()
+    outcomes = []
+    for plan_ahead in (False, True):
+        dataset = ArmedBadSample(LENGTHS, bad)
+        loader = ODBDataLoader(dataset, token_budget=1024, window=64, plan_ahead=plan_ahead)
+        for k, _ in enumerate(loader):
+            if k == stop:
+                break
+        run = loader._current.run  # its report says whether the epoch was left
+        with caplog.at_level(logging.WARNING):
+            loader.leave_epoch()
+        dataset.armed = False
+        outcomes.append((run.report is not None and run.report.abandoned, _epochs(loader, 1)))
+    assert outcomes[0] == outcomes[1] and outcomes[0][0]
+    assert any("run ahead failed" in r.message and "SampleError" in r.message for r in caplog.records)
+
+
+class Tagged(LengthDataset):
+    """`LengthDataset` whose first token is the sample's index + 1000, so that a collator can tell samples apart."""
+
+    def __getitem__(self, index: int) -> dict:
+        sample = super().__getitem__(index)
+        sample["input_ids"][0] = index + 1000
+        return sample
+
+
+def test_a_round_run_ahead_that_failed_inside_its_exchanges_is_not_left(caplog):
+    """The limit of the above: a collator counted at plan time fails between the round's plan and its all_reduce,
+    where the peers wait; the epoch is not left (as for any rank failing mid-round), and the error is logged.
+    Inline, the round never ran and the epoch is left."""
+    refused: set[int] = set()
+
+    def refusing(samples):
+        if any(int(s["input_ids"][0]) - 1000 in refused for s in samples):
+            raise ValueError("refused")
+        return PadCollator()(samples)
+
+    reference = [_record(b) for b in ODBDataLoader(Tagged(LENGTHS), token_budget=1024, window=64,
+                                                   collate_fn=refusing, plan_ahead=False)]
+    stop = _last_steps_of_rounds(reference)[1]
+    left = []
+    for plan_ahead in (False, True):
+        refused.clear()
+        loader = ODBDataLoader(Tagged(LENGTHS), token_budget=1024, window=64, collate_fn=refusing,
+                               plan_ahead=plan_ahead)
+        for k, _ in enumerate(loader):
+            if k == stop - 1:  # round 1 was collated at its plan: refuse round 2's first step from now on
+                refused.update(reference[stop + 1][3])
+            if k == stop:
+                break
+        run = loader._current.run
+        with caplog.at_level(logging.WARNING):
+            loader.leave_epoch()
+        left.append(run.report is not None and run.report.abandoned)
+    assert left == [True, False]
+    assert any("leaving the epoch early failed" in r.message and "refused" in r.message for r in caplog.records)
+
+
+def test_the_loaders_own_exchanges_wait_for_a_round_run_ahead():
+    """`estimate_steps` after a break at a round's last step: its all_gather must come after the job's round."""
+    stop, _ = _boundary_and_next_sample()
+
+    def slow_in_the_job(sample):
+        if threading.current_thread().name.startswith(PLAN_THREAD):
+            time.sleep(0.005)
+        return len(sample["input_ids"])
+
+    loader = ODBDataLoader(LengthDataset(LENGTHS), token_budget=1024, window=64, length_fn=slow_in_the_job)
+    for k, batch in enumerate(loader):
+        if k == stop:
+            round_ = batch.info.round
+            break
+    assert loader.metrics.rounds == round_ + 1  # the job is still filling its round (64 samples x 5 ms)
+    loader.estimate_steps(sample_size=32)
+    assert loader.metrics.rounds == round_ + 2, "estimate_steps ran its exchange beside the job's round"
 
 
 @pytest.mark.slow

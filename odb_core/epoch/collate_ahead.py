@@ -74,8 +74,8 @@ class CollateAhead:
         """End the thread, after the collation it may be running; a batch collated ahead is dropped, and the
         collator's reusable memory that no batch uses is given back (`PadCollator.release_memory`). Called on a
         collating thread itself (a garbage collection there finalized the loader), it does not wait: a thread
-        cannot join itself."""
-        self._step, self._future = None, None
+        cannot join itself. No step is collated ahead after it (a round run ahead that outlived a close)."""
+        self._step, self._future, self.enabled = None, None, False
         if self._pool is not None:
             on_collating_thread = threading.current_thread().name.startswith(COLLATE_THREAD)
             self._pool.shutdown(wait=not on_collating_thread, cancel_futures=True)

@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
@@ -29,7 +28,7 @@ from odb_core.data.sendable import open_files_needed
 from odb_core.epoch.estimate import ExactPlan, estimate_steps, plan_epochs_exactly
 from odb_core.epoch.pipeline import EpochReport, EpochRun, RunContext
 from odb_core.epoch.prefetch import BackgroundIterator, unwinding
-from odb_core.epoch.stream import SampleStream, StreamOptions, worker_seed
+from odb_core.epoch.stream import LoaderCall, SampleStream, StreamOptions, worker_seed
 from odb_core.ranks.node_groups import node_layout, node_transports
 from odb_core.ranks.rounds import RoundsFactory, move_lane, move_mode
 from odb_core.ranks.sync import Transport, default_transport
@@ -61,20 +60,6 @@ def _config(token_budget: int | None, config: ODBConfig | None, fields_given: di
     if token_budget is not None or fields_given:
         raise TypeError("pass either config=ODBConfig(...) or individual config fields, not both")
     return config
-
-
-class _LoaderCall:
-    """Calls a method of the loader's parts through a weak reference. The producer thread holds the epoch's
-    `RunContext`; a bound method there would keep a deleted loader, and so its thread and workers, alive forever."""
-
-    def __init__(self, method: Callable[..., Any]) -> None:
-        self._method = weakref.WeakMethod(method)
-
-    def __call__(self, *args: Any) -> Any:
-        method = self._method()
-        if method is None:
-            raise RuntimeError("the ODBDataLoader running this epoch was deleted")
-        return method(*args)
 
 
 class ODBDataLoader:
@@ -133,12 +118,12 @@ class ODBDataLoader:
         move_mode(config, map_style)  # refuses move='fetch' for a stream, now
         self._nodes = node_transports(self.transport, self.layout) if self.layout.n_nodes > 1 else None
         self._lane = move_lane(config, self.transport, self.layout, map_style)  # NOTE [ Moves overlap training ]
-        rounds = RoundsFactory(config=config, transport=self.transport, fetch=_LoaderCall(self._stream.fetch),
+        rounds = RoundsFactory(config=config, transport=self.transport, fetch=LoaderCall(self._stream.fetch),
                                map_style=map_style, length_fn=length_fn, nodes=self._nodes, lane=self._lane)
         self._ctx = RunContext(rounds_factory=rounds, transport=self.transport, collate_fn=collate_fn,
                                length_fn=length_fn, metrics=self.metrics, observer=observer,
-                               fallback_dummy=_LoaderCall(self._stream.fallback_dummy),
-                               fetch=_LoaderCall(self._stream.fetch), packed_samples=num_workers > 0,
+                               fallback_dummy=LoaderCall(self._stream.fallback_dummy),
+                               fetch=LoaderCall(self._stream.fetch), packed_samples=num_workers > 0,
                                collate_ahead=config.collate_ahead and config.prefetch_steps == 0,
                                plan_ahead=config.plan_ahead and config.prefetch_steps == 0)
         self._cursor = EpochCursor()
@@ -258,6 +243,7 @@ class ODBDataLoader:
         """Estimate the next epoch's step count, the same on every rank, and make `len()` return it. Every rank
         must call this at the same point (one all_gather of one int; `odb_core.epoch.estimate`). Exact at W=1 when
         `sample_size` covers the epoch."""
+        self._quiet_epoch()
         self._length = estimate_steps(self._stream, self.config, epoch=self._cursor.epoch,
                                       length_fn=self._ctx.length_fn, transport=self.transport,
                                       sample_size=sample_size, per_node=self.layout.aware_per_node)
@@ -267,8 +253,15 @@ class ODBDataLoader:
         """The real micro-batch and optimizer-step counts of `epochs`, the same on every rank (NOTE [ Exact
         schedule ] in estimate.py). Every rank must call it at the same point. Raises TypeError where no exact
         plan exists (an iterable dataset, `tokens_per_step`)."""
+        self._quiet_epoch()
         return plan_epochs_exactly(self._stream, self.config, epochs=list(epochs), length_fn=self._ctx.length_fn,
                                    transport=self.transport, per_node=self.layout.aware_per_node)
+
+    def _quiet_epoch(self) -> None:
+        """A collective of the loader's own waits for a round the current epoch runs ahead (NOTE [ Planning the
+        next round ahead ]): two threads' collectives on one transport could pair up differently on each rank."""
+        if self._current is not None and not self._current.run.round_ahead.wait(self.config.sync_timeout_s + 5.0):
+            raise RuntimeError("ODB: the round run ahead did not end; no other exchange can start (a peer is stuck)")
 
     def __len__(self) -> int:
         if self._length is None:

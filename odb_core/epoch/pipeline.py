@@ -20,6 +20,7 @@ The whole round is deterministic given the samples, so the batches do not depend
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -29,7 +30,7 @@ from odb_core.data.collate import CollateFn
 from odb_core.data.sample import LengthFn
 from odb_core.epoch.collate_ahead import CollateAhead
 from odb_core.epoch.collation import Collation, PlannedStep
-from odb_core.epoch.plan_ahead import PlanAhead
+from odb_core.epoch.plan_ahead import CLOSE_WAIT_S, PlanAhead, WaitParts
 from odb_core.epoch.reader import ReadAhead, SampleReader
 from odb_core.epoch.stream import Chunk
 from odb_core.planning.alignment import Slot
@@ -44,6 +45,8 @@ from odb_core.settings.console import warn_oversize
 from odb_core.steps.accumulation import AccumulationWindow, StepTarget
 from odb_core.steps.metrics import LoaderMetrics, cost_cv
 from odb_core.steps.step_info import ODBBatch, StepInfo
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,8 +108,9 @@ class EpochRun(Iterator[ODBBatch]):
         self.ctx, self.epoch, self.log = ctx, epoch, log
         self.rounds = ctx.rounds_factory(epoch)
         self.engine = self.rounds.engine
+        self.parts = WaitParts()  # this epoch's reading and exchange seconds, until counted (NOTE [ Waiting for data ])
         self.reader = SampleReader(chunks, ctx.length_fn, ctx.fallback_dummy, ctx.packed_samples, stream_length,
-                                   ctx.metrics)
+                                   self.parts)
         config = self.engine.config
         target = StepTarget(*config.step_target) if config.step_target is not None else None
         self.window: AccumulationWindow[PlannedStep] = AccumulationWindow(config.accumulation_steps, target)
@@ -115,7 +119,8 @@ class EpochRun(Iterator[ODBBatch]):
         self.collating = CollateAhead(self.collation, ctx.collate_ahead)
         self.ahead = ReadAhead()  # NOTE [ Reading ahead ]
         self.flight: MovesInFlight | None = None  # NOTE [ Moves overlap training ]
-        self.round_ahead: PlanAhead[ODBBatch] = PlanAhead(ctx.metrics)  # NOTE [ Planning the next round ahead ]
+        self.round_ahead: PlanAhead[ODBBatch] = PlanAhead(self.parts, ctx.metrics)  # NOTE [ Planning the next ... ]
+        self.exchanging = False  # inside a round's collectives (from its plan to its all_reduce)
         self.skip_below = 0
         self.report: EpochReport | None = None
         if resume is not None:
@@ -128,7 +133,13 @@ class EpochRun(Iterator[ODBBatch]):
             self.engine.resumed_at = resume.steps_consumed  # checked against every rank's (check_same_progress)
 
     def __next__(self) -> ODBBatch:
-        batch = self.round_ahead.take() if self.round_ahead.pending else self._next_step()
+        if self.round_ahead.pending:
+            batch = self.round_ahead.take()
+        else:
+            try:
+                batch = self._next_step()
+            finally:
+                self.parts.add_to(self.ctx.metrics)
         if self.ctx.plan_ahead and not self.ready and not self.engine.finished:
             self.round_ahead.start(self._next_step)  # NOTE [ Planning the next round ahead ]
         return batch
@@ -140,7 +151,6 @@ class EpochRun(Iterator[ODBBatch]):
             if self.engine.finished:
                 self._close_epoch()
                 self.collating.close()
-                self.round_ahead.close(0.0)
                 raise StopIteration
             self._run_round()
         step, info = self.ready.popleft()
@@ -151,8 +161,9 @@ class EpochRun(Iterator[ODBBatch]):
 
     def close(self) -> None:
         """Release the worker iterator (and with it the worker processes) and the collating thread; called on
-        errors and on shutdown."""
-        self.round_ahead.close(self.engine.config.sync_timeout_s)
+        errors and on shutdown; a round run ahead gets `CLOSE_WAIT_S` to end (NOTE [ Planning the next round
+        ahead ])."""
+        self.round_ahead.close()
         self.reader.close()
         self.collating.close()
 
@@ -179,11 +190,16 @@ class EpochRun(Iterator[ODBBatch]):
         exception propagates (an `except` block, a `finally:` it passes through; `unwinding` in prefetch.py) does
         not leave the epoch either. `iter()`, `set_epoch()` and `load_state_dict()` still leave it there: a loop
         that goes on after an error every rank met (a rollback to a saved state) needs its ranks in step.
-        A round planned ahead ends first (NOTE [ Planning the next round ahead ]); if it failed, the epoch is not
-        left either, and its error is raised here."""
-        error = self.round_ahead.settle(self.engine.config.sync_timeout_s)
-        if error is not None:
+        A round run ahead ends first (NOTE [ Planning the next round ahead ]); one that failed inside its
+        collectives leaves the peers there, so the epoch is not left, and its error is raised here."""
+        ended, error = self.round_ahead.settle(self.engine.config.sync_timeout_s + CLOSE_WAIT_S)
+        if not ended:
+            raise TimeoutError("the round run ahead did not end; the epoch is not left")
+        if error is not None and self.exchanging:
             raise error
+        if error is not None:
+            logger.warning("ODB: the round run ahead failed (%s: %s) outside its exchanges; the epoch is left as "
+                           "asked", type(error).__name__, error)
         self.collating.close()
         self._settle_moves()
         if not self.engine.finished:
@@ -212,8 +228,10 @@ class EpochRun(Iterator[ODBBatch]):
         active = self.reader.fill(self.engine)
         self._warn_oversize()
         first_step = self.engine.steps_done
+        self.exchanging = True
         planned = self.rounds.plan(active, self.reader.take)
         if planned.abandoned:
+            self.exchanging = False
             self.report = self._report(abandoned=True)
             self.log.end_epoch(self.engine.steps_done, metrics.snapshot())
             return
@@ -225,6 +243,7 @@ class EpochRun(Iterator[ODBBatch]):
             self.log.record_owned(first_step, planned.owned_by_step)
         steps = [self._plan_step(slot, planned) for slot in planned.slots]  # samples and counts, no batch
         reduced = self.ctx.transport.all_reduce_sum([x for step in steps for x in step.counts.as_ints()])
+        self.exchanging = False
         moved = planned.arrivals
         self.flight = moved if isinstance(moved, MovesInFlight) else None
         metrics.rounds += 1
@@ -233,7 +252,7 @@ class EpochRun(Iterator[ODBBatch]):
         metrics.moved_samples += moved.samples if moved else 0
         metrics.moved_bytes += moved.bytes_in if moved else 0
         metrics.sync_bytes += stats.bytes_sent - bytes_before - (moved.bytes_out if moved else 0)
-        metrics.sync_seconds += stats.seconds - seconds_before
+        self.parts.sync_seconds += stats.seconds - seconds_before
         for k, step in enumerate(steps):
             totals = reduced[k * STEP_SUM_FIELDS : (k + 1) * STEP_SUM_FIELDS]
             self._stage(step, totals, planned.index, first_step + k)

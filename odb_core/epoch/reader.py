@@ -16,11 +16,11 @@ from typing import Any
 
 from odb_core.data.sample import LengthFn, count_patches, inspect_sample
 from odb_core.data.sendable import payload_bytes
+from odb_core.epoch.plan_ahead import WaitParts
 from odb_core.epoch.stream import Chunk, ReadChunk, read_chunk
 from odb_core.planning.planner import BufferEngine
 from odb_core.planning.round_sizes import fill_more
 from odb_core.resume.state import RoundStart
-from odb_core.steps.metrics import LoaderMetrics
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,13 +111,13 @@ class SampleReader:
     `consumed` counts the samples admitted so far (the resume offset included); `pending` holds samples read from
     the workers that no fill admitted yet (`pending_bytes` their payloads); `stream_length` is the number of samples
     of this rank's epoch, resume offset included, or None when unknown (NOTE [ Round sizes ]). The seconds a read
-    blocks on the stream are added to `metrics.read_seconds` (NOTE [ Waiting for data ] in metrics.py)."""
+    blocks on the stream are added to `parts.read_seconds` (NOTE [ Waiting for data ] in metrics.py)."""
 
     def __init__(self, chunks: Iterator[Chunk], length_fn: LengthFn | None,
                  fallback_dummy: Callable[[], Mapping[str, Any]], packed: bool, stream_length: int | None,
-                 metrics: LoaderMetrics | None = None) -> None:
+                 parts: WaitParts | None = None) -> None:
         self.chunks, self.length_fn, self.fallback_dummy = chunks, length_fn, fallback_dummy
-        self.metrics = metrics
+        self.parts = parts
         self.packed = packed  # worker processes send small tensors as arrays (sendable.PackedTensor)
         self.stream_length = stream_length
         self.pending: deque[tuple[int, Any]] = deque()
@@ -240,13 +240,13 @@ class SampleReader:
 
     def _next_chunk(self) -> Chunk | None:
         """The stream's next chunk (None at its end), the seconds it took counted as reading."""
-        if self.metrics is None:
+        if self.parts is None:
             return next(self.chunks, None)
         asked = time.perf_counter()
         try:
             return next(self.chunks, None)
         finally:
-            self.metrics.read_seconds += time.perf_counter() - asked
+            self.parts.read_seconds += time.perf_counter() - asked
 
     def _extend(self, chunk: Chunk) -> None:
         """Queue a chunk's samples, unpacked, with their payload bytes; a reader thread already did both."""

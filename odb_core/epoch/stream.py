@@ -22,7 +22,8 @@ from __future__ import annotations
 import itertools
 import os
 import random
-from collections.abc import Iterator, Mapping
+import weakref
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -132,6 +133,20 @@ def skip_stream(chunks: Iterator[Chunk], consumed: int, needed: set[int]) -> tup
         seen += take
         rest = chunk[take:]
     return kept, itertools.chain([rest] if rest else [], chunks)
+
+
+class LoaderCall:
+    """Calls a method of the loader's parts through a weak reference. The producer thread holds the epoch's
+    `RunContext`; a bound method there would keep a deleted loader, and so its thread and workers, alive forever."""
+
+    def __init__(self, method: Callable[..., Any]) -> None:
+        self._method = weakref.WeakMethod(method)
+
+    def __call__(self, *args: Any) -> Any:
+        method = self._method()
+        if method is None:
+            raise RuntimeError("the ODBDataLoader running this epoch was deleted")
+        return method(*args)
 
 
 class SampleStream:

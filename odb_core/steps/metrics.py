@@ -246,10 +246,12 @@ class StepMeter:
         waits for its last samples;
       * `odb/data_wait_exchange_fraction` (world > 1): the rounds' collectives on ODB's own group, which wait for
         the slowest rank to arrive (`LoaderMetrics.sync_seconds`). High when another rank reads or trains slower.
-    The rest of the wait is the loader's own work in the trainer's thread: planning, counting, collating, and
-    moved samples still on the move lane. Inline (the default, `prefetch_steps=0`) both parts are spent inside
-    `next()`; with `prefetch_steps > 0` a producer thread spends them, partly while the trainer trains, and they
-    can exceed the wait. Wall times, capped at 1, not part of a saved state.
+    The rest of the wait is the loader's own work: planning, counting, collating, and moved samples still on the
+    move lane. By default (`prefetch_steps=0`) both parts are spent inside `next()`, except a round run ahead
+    while a round's last step trains (NOTE [ Planning the next round ahead ] in epoch/plan_ahead.py): its parts
+    count in the share of it the consumer waited for, when the consumer takes its step, so they never exceed the
+    wait. With `prefetch_steps > 0` a producer thread spends them, partly while the trainer trains, and they can
+    exceed the wait. Wall times, capped at 1, not part of a saved state.
     """
 
     def __init__(self, config: ODBConfig, loader_metrics: LoaderMetrics, *,
