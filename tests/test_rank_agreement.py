@@ -25,6 +25,7 @@ DIFFERENCES = [
     ("window", 64, 32, "window is 64 on rank 0 but 32 on rank 1"),
     ("samples_per_step", None, 16, "samples_per_step is None on rank 0 but 16 on rank 1"),
     ("oversize", "alone", "error", "oversize is 'alone' on rank 0 but 'error' on rank 1"),
+    ("plan_ahead", True, False, "plan_ahead is True on rank 0 but False on rank 1"),
 ]
 
 

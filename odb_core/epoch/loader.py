@@ -27,6 +27,7 @@ from odb_core.data.sample import LengthFn
 from odb_core.data.sendable import open_files_needed
 from odb_core.epoch.estimate import ExactPlan, estimate_steps, plan_epochs_exactly
 from odb_core.epoch.pipeline import EpochReport, EpochRun, RunContext
+from odb_core.epoch.plan_ahead import RoundAheadError
 from odb_core.epoch.prefetch import BackgroundIterator, unwinding
 from odb_core.epoch.stream import LoaderCall, SampleStream, StreamOptions, worker_seed
 from odb_core.ranks.node_groups import node_layout, node_transports
@@ -184,7 +185,7 @@ class ODBDataLoader:
         node layout), `oversize`, `move`, and ODB's own sharded index source (size, shuffle, seed)."""
         settings: dict[str, object] = {**fingerprint(self.config, self.layout),
                                        "oversize": self.config.oversize, "move": self.config.move,
-                                       "overlap_moves": self.config.overlap_moves}
+                                       "overlap_moves": self.config.overlap_moves, "plan_ahead": self.config.plan_ahead}
         source = self._stream.source()
         if isinstance(source, ShardedSource):
             settings["sampler"] = source_to_dict(source)
@@ -271,8 +272,9 @@ class ODBDataLoader:
 
     def leave_epoch(self) -> None:
         """Stop the current epoch (its producer thread, its workers), if any, in step with the other ranks (NOTE [
-        Leaving an epoch ] in pipeline.py): this waits, at most `sync_timeout_s`, until every rank continued or left
-        it too, so the next epoch starts aligned; the loader can run another. `iter()`, `load_state_dict()` call it."""
+        Leaving an epoch ] in pipeline.py): this waits, at most `sync_timeout_s` (plus as long again for a round run
+        ahead), until every rank continued or left it too, so the next epoch starts aligned; the loader can run
+        another. `iter()`, `load_state_dict()` call it."""
         self._stop_epoch(leave=True)
 
     def _stop_epoch(self, leave: bool) -> None:
@@ -285,12 +287,14 @@ class ODBDataLoader:
         the transport the loader built itself, whose threads and Gloo group must not outlive the run (NOTE [ Threads
         at interpreter exit ] in odb_core/ranks/sync.py); a transport passed in stays the caller's. Idempotent. A
         closed loader keeps its state, metrics and `len()`; over Gloo its next collective raises RuntimeError."""
-        self._stop_epoch(leave=not unwinding())  # NOTE [ A failed epoch is not left ] in pipeline.py
-        for part in (self._lane, self._nodes):  # the lane first: its thread may still end a move on its group
-            if part is not None:
-                part.close()
-        if self._owns_transport:
-            self.transport.close()
+        try:
+            self._stop_epoch(leave=not unwinding())  # NOTE [ A failed epoch is not left ] in pipeline.py
+        finally:
+            for part in (self._lane, self._nodes):  # the lane first: its thread may still end a move on its group
+                if part is not None:
+                    part.close()
+            if self._owns_transport:
+                self.transport.close()
 
     def __del__(self) -> None:
         self._stop_epoch(leave=False)  # no collective from a finalizer
@@ -337,6 +341,8 @@ class _EpochIterator(Iterator[ODBBatch]):
         try:
             if leave:
                 self.run.leave()
+        except RoundAheadError:  # this rank cannot go on in step: said, not logged (NOTE [ Planning the next ... ])
+            raise
         except Exception as exc:  # noqa: BLE001 - the next epoch's first exchange reports the same peer problem
             logger.warning("ODB: leaving the epoch early failed (%s: %s)", type(exc).__name__, exc)
         finally:

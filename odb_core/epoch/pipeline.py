@@ -30,7 +30,7 @@ from odb_core.data.collate import CollateFn
 from odb_core.data.sample import LengthFn
 from odb_core.epoch.collate_ahead import CollateAhead
 from odb_core.epoch.collation import Collation, PlannedStep
-from odb_core.epoch.plan_ahead import CLOSE_WAIT_S, PlanAhead, WaitParts
+from odb_core.epoch.plan_ahead import CLOSE_WAIT_S, PlanAhead, RoundAheadError, WaitParts
 from odb_core.epoch.reader import ReadAhead, SampleReader
 from odb_core.epoch.stream import Chunk
 from odb_core.planning.alignment import Slot
@@ -191,12 +191,13 @@ class EpochRun(Iterator[ODBBatch]):
         not leave the epoch either. `iter()`, `set_epoch()` and `load_state_dict()` still leave it there: a loop
         that goes on after an error every rank met (a rollback to a saved state) needs its ranks in step.
         A round run ahead ends first (NOTE [ Planning the next round ahead ]); one that failed inside its
-        collectives leaves the peers there, so the epoch is not left, and its error is raised here."""
+        collectives leaves the peers there, so the epoch is not left: `RoundAheadError` from its error."""
         ended, error = self.round_ahead.settle(self.engine.config.sync_timeout_s + CLOSE_WAIT_S)
         if not ended:
             raise TimeoutError("the round run ahead did not end; the epoch is not left")
         if error is not None and self.exchanging:
-            raise error
+            raise RoundAheadError(f"the round run ahead failed inside its exchanges ({type(error).__name__}: "
+                                  f"{error}), so the epoch cannot be left in step with the other ranks") from error
         if error is not None:
             logger.warning("ODB: the round run ahead failed (%s: %s) outside its exchanges; the epoch is left as "
                            "asked", type(error).__name__, error)

@@ -11,16 +11,20 @@ over, that next `next()` runs at once in a thread of its own (`odb-plan`), while
 consumer's `next()` takes its step (waiting for what is left of it).
   * Same batches, same collectives in the same order: the job is exactly the `next()` it replaces, and the
     consumer touches the epoch again only once the job has ended; the loader's own collectives outside an epoch
-    (`estimate_steps`, `plan_exactly`) wait for it first. Nothing depends on the thread's timing (G7).
+    (`estimate_steps`, `plan_epochs_exactly`) wait for it first, and every rank must set the same `plan_ahead`
+    (checked when the loaders are built). Nothing depends on the thread's timing (G7).
   * Resume: the job records its round's start in the `RoundLog` as a round run inline would; the saved position
     stays at the step the consumer took last (NOTE [ Exact resume ]), as with `prefetch_steps`.
   * Errors: what the job raises (a bad sample, a dead worker or peer) is raised by the consumer's next `next()`.
   * Leaving (NOTE [ Leaving an epoch ]) waits for the job, so the leaving exchange comes after the job's round,
-    as on the peers. The job ran a round the consumer never asked for: if it failed before the round's first
-    collective or after its last (a bad sample in the fill, the first step's collation), the rank still leaves,
-    at the position inline leaving would have taken or the one after the completed round, and the error is
-    logged; a failure between them (a collator counted at plan time, a move) left the peers inside the round, so
-    the epoch is not left (the peers get `PeerError`), as for a rank that fails mid-round.
+    as on the peers. The job ran a round the consumer never asked for: if it failed before the round's plan or
+    after its all_reduce (a bad sample in the fill, the first step's collation), the rank still leaves, at the
+    position inline leaving would have taken or the one after the completed round, and the error is logged; a
+    failure between them (a collator counted at plan time, a move made in line, a peer's failure) may leave the
+    peers inside the round, so the epoch is not left (they get `PeerError`) and the leave raises
+    `RoundAheadError` with the job's error (the rank cannot go on in step with its peers).
+  * With workers, the job's reads go through a reader thread even with `reader_thread=False` (a read from a
+    second thread moves every later one there: NOTE [ A rank watches its workers ] in watch.py).
   * Closing while an error propagates (NOTE [ A failed epoch is not left ]) waits at most `CLOSE_WAIT_S` for the
     job: its peers may be stuck in the failed step's own collectives and never come to the job's exchange.
   * The GIL: the job's Python work (planning, counting) runs beside one step per round. A training loop that
@@ -70,6 +74,10 @@ class WaitParts:
         self.read_seconds = self.sync_seconds = 0.0
 
 
+class RoundAheadError(RuntimeError):
+    """A round run ahead failed inside its collectives, so the epoch could not be left in step with the peers."""
+
+
 class PlanAhead(Generic[T]):
     """One epoch's job that runs the next `next()` ahead, at most one at a time (see the NOTE)."""
 
@@ -87,7 +95,7 @@ class PlanAhead(Generic[T]):
         future: Future[T] = Future()
         self._future = future
         self._thread = threading.Thread(target=self._run, args=(produce, future), name=PLAN_THREAD, daemon=True)
-        _RUNNING.add(self)
+        _RUNNING.add(self._thread)
         self._thread.start()
 
     def _run(self, produce: Callable[[], T], future: Future[T]) -> None:
@@ -101,7 +109,7 @@ class PlanAhead(Generic[T]):
             self._seconds = time.perf_counter() - started
             future.set_result(result)
         finally:
-            _RUNNING.discard(self)
+            _RUNNING.discard(threading.current_thread())
 
     def take(self) -> T:
         """The job's step (or its error, or StopIteration). The job's reading and exchange seconds go to the metrics
@@ -110,12 +118,19 @@ class PlanAhead(Generic[T]):
         assert future is not None, "take() without a job"
         asked = time.perf_counter()
         try:
-            return future.result()
-        finally:
-            if future.done():
-                self._future = None
-                waited = time.perf_counter() - asked
-                self.parts.add_to(self.metrics, min(1.0, waited / self._seconds) if self._seconds > 0 else 1.0)
+            result = future.result()
+        except BaseException as exc:
+            if not future.done() or future.exception() is not exc:  # the wait was interrupted, not the job
+                raise
+            self._took(asked)
+            raise
+        self._took(asked)
+        return result
+
+    def _took(self, asked: float) -> None:
+        self._future = None
+        waited = time.perf_counter() - asked
+        self.parts.add_to(self.metrics, min(1.0, waited / self._seconds) if self._seconds > 0 else 1.0)
 
     def wait(self, timeout_s: float) -> bool:
         """Wait up to `timeout_s` for the job to end, leaving its result to `take()`/`settle()`; whether it ended."""
@@ -157,11 +172,11 @@ class PlanAhead(Generic[T]):
             logger.debug("ODB: the round run ahead of a closed epoch failed: %s: %s", type(error).__name__, error)
 
 
-_RUNNING: weakref.WeakSet[PlanAhead] = weakref.WeakSet()  # epochs with a job that may still run
+_RUNNING: weakref.WeakSet[threading.Thread] = weakref.WeakSet()  # job threads that may still run
 
 
 @atexit.register
 def _wait_at_exit() -> None:
     """Give running jobs `CLOSE_WAIT_S` to end while the interpreter is whole (see the NOTE)."""
-    for ahead in list(_RUNNING):
-        ahead.wait(CLOSE_WAIT_S)
+    for thread in list(_RUNNING):
+        thread.join(CLOSE_WAIT_S)

@@ -131,7 +131,8 @@ class ODBConfig:
             `pixel_values` concatenation. Does not change the batches; off with `prefetch_steps > 0`.
         plan_ahead: once the consumer takes a round's last step, run the next round (its last reads, exchanges,
             plan and first collation) in a thread while that step trains (NOTE [ Planning the next round ahead ]
-            in epoch/plan_ahead.py). Does not change the batches; off with `prefetch_steps > 0`; ranks may differ.
+            in epoch/plan_ahead.py). Does not change the batches; off with `prefetch_steps > 0`; every rank must set the
+            same value.
         overlap_moves: under global planning with `move="send"`, move a round's samples between ranks on a Gloo
             group and a thread of their own while its steps train (NOTE [ Moves overlap training ] in
             ranks/moves_ahead.py); False moves them before the round's first step. Does not change the batches;
