@@ -132,20 +132,27 @@ def test_the_job_counts_its_wait_parts_apart_and_the_consumer_adds_only_the_shar
     assert (parts.read_seconds, parts.sync_seconds) == (0.0, 0.0)
 
 
-def test_an_interrupted_wait_for_the_job_leaves_it_pending():
-    ahead: PlanAhead[str] = PlanAhead(WaitParts(), LoaderMetrics(token_budget=100, world_size=1))
-    ahead.start(lambda: time.sleep(0.5) or "step")
-
+def _take_interrupted(ahead: PlanAhead[str], after_s: float, once_ended: bool) -> None:
+    """Interrupt `ahead.take()` (a Ctrl-C, by SIGALRM) after `after_s`; with `once_ended`, only once the job ended."""
     def interrupt(signum, frame):
+        assert not once_ended or ahead.wait(5.0)
         raise KeyboardInterrupt
 
     previous = signal.signal(signal.SIGALRM, interrupt)
     try:
-        signal.setitimer(signal.ITIMER_REAL, 0.1)
+        signal.setitimer(signal.ITIMER_REAL, after_s)
         with pytest.raises(KeyboardInterrupt):
             ahead.take()
     finally:
         signal.signal(signal.SIGALRM, previous)
+
+
+@pytest.mark.parametrize("once_ended", [False, True])
+def test_an_interrupted_wait_for_the_job_leaves_it_pending(once_ended):
+    """A Ctrl-C in the consumer's wait is the consumer's, not the job's, even when it lands as the job ends."""
+    ahead: PlanAhead[str] = PlanAhead(WaitParts(), LoaderMetrics(token_budget=100, world_size=1))
+    ahead.start(lambda: time.sleep(0.5 if not once_ended else 0.2) or "step")
+    _take_interrupted(ahead, 0.1 if not once_ended else 0.05, once_ended)
     assert ahead.pending  # still the job's: a close() waits for it, and the next take() gets its step
     assert ahead.take() == "step"
 

@@ -217,25 +217,3 @@ def test_a_round_run_ahead_that_failed_inside_its_plan_is_not_left():
         loader.leave_epoch()
     assert run.report is None  # not left: the peers would be inside the round
 
-
-def test_an_interrupt_that_lands_as_the_job_ends_keeps_its_step():
-    """An interrupt (Ctrl-C) raised once the job has ended is the consumer's, not the job's: the step stays."""
-    import signal
-
-    from odb_core.epoch.plan_ahead import WaitParts
-    from odb_core.steps.metrics import LoaderMetrics
-    ahead = PlanAhead(WaitParts(), LoaderMetrics(token_budget=100, world_size=1))
-    ahead.start(lambda: time.sleep(0.2) or "step")
-
-    def interrupt(signum, frame):
-        assert ahead.wait(5.0)  # the job has ended when the interrupt is raised
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGALRM, interrupt)
-    try:
-        signal.setitimer(signal.ITIMER_REAL, 0.05)
-        with pytest.raises(KeyboardInterrupt):
-            ahead.take()
-    finally:
-        signal.signal(signal.SIGALRM, previous)
-    assert ahead.pending and ahead.take() == "step"
