@@ -14,7 +14,9 @@ of `tokenize` and `vlm` (for the supply) are measured in this process before the
 `--odb-option key=value` (repeatable; ints, floats, true/false and none are parsed) goes to every ODBDataLoader;
 a `window` given that way replaces --windows. `--host-copy` makes each simulated step first read the batch's bytes
 into a staging buffer, as a real step's copy to the device does (docs/benchmarks.md, "Where the VLM rows' gap lies
-on two cores"). Writes a Markdown table to stdout and JSON to --out.
+on two cores"). `--timeline` also times every worker fetch and every step, and adds a second table: when the
+workers read, how busy they were in between, and where the device's gaps fall (benchmarks/lib/timeline.py).
+Writes Markdown tables to stdout and JSON to --out.
 """
 
 from __future__ import annotations
@@ -96,6 +98,25 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+TIMELINE_COLUMNS = ("workload", "W", "planning", "loader", "first fetch s", "last read s (latest)", "workers busy",
+                    "after last read s", "gaps between steps s (at round boundaries)", "wall s")
+
+
+def timeline_markdown(rows: list[dict]) -> str:
+    """The rows' timelines (means over ranks), for the runs that recorded one."""
+    lines = ["| " + " | ".join(TIMELINE_COLUMNS) + " |", "|" + "---|" * len(TIMELINE_COLUMNS)]
+    for r in rows:
+        t = r.get("timeline")
+        if t is None:
+            continue
+        workload = f"sleep {r['process_ms']:g} ms" if r["workload"] == "sleep" else r["workload"]
+        lines.append(f"| {workload} | {r['world_size']} | {r['planning'] or '-'} | {r['loader']} | "
+                     f"{t['first_fetch_s']:.2f} | {t['last_read_s']:.2f} ({t['latest_last_read_s']:.2f}) | "
+                     f"{t['workers_busy']:.3f} | {t['after_last_read_s']:.2f} | "
+                     f"{t['gaps_s']:.2f} ({t['boundary_gaps_s']:.2f}) | {r['wall_s']:.2f} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--samples", type=int, default=3000)
@@ -115,6 +136,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                         help="each step first copies the batch's bytes into a staging buffer (the host's part of the "
                              "copy to a device; benchmarks/lib/accelerator.py)")
     parser.add_argument("--timing-samples", type=int, default=200)
+    parser.add_argument("--timeline", action="store_true",
+                        help="time every worker fetch and every step: a second table (benchmarks/lib/timeline.py)")
     parser.add_argument("--out", default=str(RESULTS / "overlap.json"))
     args = parser.parse_args(argv)
     counts = args.workers or [max(4 // w, 1) for w in args.worlds]
@@ -130,10 +153,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     with tempfile.TemporaryDirectory() as folder:
         measured = measured_setups(args, Path(folder))
         for world in args.worlds:
+            timeline_dir = str(Path(folder, f"timeline-w{world}")) if args.timeline else None
             setups = [Setup(**m, workers=workers[world], windows=windows, plannings=tuple(args.plannings),
-                            odb_options=options, step=step) for m in measured]
+                            odb_options=options, step=step, timeline_dir=timeline_dir) for m in measured]
             rows += run_world(setups, world)
             print(markdown([r for r in rows if r["world_size"] == world]) + "\n", flush=True)
+            if args.timeline:
+                print(timeline_markdown([r for r in rows if r["world_size"] == world]) + "\n", flush=True)
     command = " ".join(["python -m benchmarks.overlap", *(sys.argv[1:] if argv is None else argv)])
     Path(args.out).write_text(json.dumps({"command": command, "rows": rows}, indent=1))
     return rows

@@ -6,6 +6,7 @@ out by hand."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -19,6 +20,7 @@ from benchmarks.lib.accelerator import _STAGING, Step, copy_to_staging
 from benchmarks.lib.odb_options import parse_options
 from benchmarks.lib.overlap_runs import Setup, run_world
 from benchmarks.lib.round_model import epoch_seconds, epoch_seconds_of, latency_bound, pool_bound, rounds_of
+from benchmarks.lib.timeline import fetch_spans, rank_timeline, world_timeline
 from odb_core import ODBConfig
 
 SAMPLES = 48
@@ -70,6 +72,38 @@ def test_every_loader_is_reported_and_odb_trains_each_sample_once(world, workers
             assert row["exchange"] > 0 or world == 1, row
             assert row["samples"] == SAMPLES and row["each_once"] is True, row
             assert 0 < row["bound"] <= 1.0, row  # what the round sizes allow (benchmarks/lib/round_model.py)
+
+
+def test_the_timeline_figures_of_a_run_worked_out_by_hand():
+    """Two workers: one fetches at 1-2 and 3-4 s, the other at 1.5-2.5 s; steps of rounds 0, 0, 1 end at 5, 6, 7.5
+    (each 0.5 s long), the rank's `iter()` at 0.5 s and its end at 8 s."""
+    spans = [[(1.0, 2.0), (3.0, 4.0)], [(1.5, 2.5)]]
+    steps = [(4.5, 5.0, 0), (5.2, 6.0, 0), (7.0, 7.5, 1)]
+    figures = rank_timeline(spans, steps, started=0.5, ended=8.0)
+    assert figures == pytest.approx({"first_fetch_s": 0.5, "last_read_s": 3.5, "workers_busy": 3.0 / 6.0,
+                                     "after_last_read_s": 4.0, "gaps_s": 0.2 + 1.0, "boundary_gaps_s": 1.0})
+    other = {**figures, "last_read_s": 5.5}
+    assert world_timeline([figures, other]) == pytest.approx({**figures, "last_read_s": 4.5,
+                                                              "latest_last_read_s": 5.5})
+
+
+@pytest.mark.timeout(60)
+def test_a_timed_run_reports_where_its_workers_and_steps_spent_the_epoch(tmp_path):
+    """With a timeline folder, each loader's row has the timeline of real fetches in forked workers: every sample
+    fetched once in a worker (one line each), the workers' reads inside the run, and the device's gaps inside its
+    wall time."""
+    setup = dataclasses.replace(tiny_setup(workers=2), plannings=("global",), timeline_dir=str(tmp_path))
+    rows = run_world([setup], 1)
+    assert [r["loader"] for r in rows] == ["plain", "odb window 16"]
+    for j, row in enumerate(rows):
+        spans = fetch_spans(tmp_path / f"0-{j}" / "rank0")
+        assert len(spans) == 2 and sum(len(s) for s in spans) == SAMPLES, spans  # a file per worker
+        t = row["timeline"]
+        assert 0 <= t["first_fetch_s"] < t["last_read_s"] <= row["wall_s"], t
+        assert 0 < t["workers_busy"] <= 1, t  # the wall time is timed with another clock: equal to a millisecond
+        assert t["after_last_read_s"] == pytest.approx(row["wall_s"] - t["last_read_s"], abs=1e-3), t
+        assert 0 <= t["boundary_gaps_s"] <= t["gaps_s"] < row["wall_s"], t
+        assert (t["boundary_gaps_s"] == 0) or row["loader"] != "plain"  # plain has no rounds
 
 
 def test_the_sleep_workload_is_timed_like_the_others():

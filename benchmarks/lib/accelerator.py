@@ -61,6 +61,8 @@ class RankRun:
     step_s: tuple[float, ...] = ()  # the simulated device seconds of each step, in order
     sync_s: float = 0.0  # seconds in the per-step all_reduce
     machine_cpu: float | None = None  # the machine's busy CPU fraction during the run (`machine_cpu_times`)
+    started_at: float = 0.0  # wall-clock time of `iter()` (`time.time()`)
+    step_at: tuple[tuple[float, float, int], ...] = ()  # with `timeline`: each step's wall-clock start, end, round
 
     @property
     def busy(self) -> float:
@@ -127,16 +129,21 @@ def busy_between(before: tuple[int, int] | None, after: tuple[int, int] | None) 
     return (after[0] - before[0]) / (after[1] - before[1])
 
 
-def drive(batches, step: Step, rank: int = 0) -> RankRun:
-    """Train on every batch of `batches` (an iterable of padded dicts) with the simulated device step."""
+def drive(batches, step: Step, rank: int = 0, timeline: bool = False) -> RankRun:
+    """Train on every batch of `batches` (an iterable of padded dicts) with the simulated device step; with
+    `timeline`, record each step's wall-clock start, end and round (benchmarks/lib/timeline.py)."""
     reset_peak()
     workers = WorkerPeaks().start()
+    started_at = time.time()
     start, cpu, machine = time.perf_counter(), time.process_time(), machine_cpu_times()
-    first, samples, steps, device, sync, indices, step_s = None, 0, 0, 0.0, 0.0, [], []
+    first, samples, steps, device, sync, indices, step_s, step_at = None, 0, 0, 0.0, 0.0, [], [], []
     for batch in batches:
         if first is None:
             first = time.perf_counter() - start
+        began = time.time()
         seconds, synced = step(batch)
+        if timeline:
+            step_at.append((began, time.time(), getattr(getattr(batch, "info", None), "round", -1)))
         step_s.append(seconds)
         device += seconds
         sync += synced
@@ -152,7 +159,8 @@ def drive(batches, step: Step, rank: int = 0) -> RankRun:
     moves = {} if metrics is None else {k: getattr(metrics, k) for k in MOVE_FIELDS}
     return RankRun(rank=rank, samples=samples, steps=steps, wall_s=wall, cpu_s=cpu, device_s=device,
                    first_batch_s=first or 0.0, rss_mb=peak_mb(), worker_rss_mb=worker_mb,
-                   indices=tuple(indices), moves=moves, step_s=tuple(step_s), sync_s=sync, machine_cpu=machine)
+                   indices=tuple(indices), moves=moves, step_s=tuple(step_s), sync_s=sync, machine_cpu=machine,
+                   started_at=started_at, step_at=tuple(step_at))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -27,6 +27,7 @@ from benchmarks.data import feeding
 from benchmarks.lib.accelerator import RankRun, Step, aggregate, drive
 from benchmarks.lib.localhost import free_port
 from benchmarks.lib.round_model import bound
+from benchmarks.lib.timeline import TimedFetches, fetch_spans, rank_timeline, world_timeline
 from odb_core import ODBConfig, ODBDataLoader, PadCollator
 
 WORKER_CONTEXT = "fork"  # what a torchrun rank's DataLoader gets on Linux
@@ -50,6 +51,7 @@ class Setup:
     plannings: tuple[str, ...]
     odb_options: dict = field(default_factory=dict)
     step: Step = field(default_factory=Step)
+    timeline_dir: str | None = None  # with a folder: the runs' timelines (benchmarks/lib/timeline.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,15 +83,24 @@ def build_loader(spec: LoaderSpec, dataset, setup: Setup, rank: int, world: int)
 def run_rank(setups: list[Setup], rank: int, world: int) -> list[list[dict]]:
     """Every loader of every setup on this rank: per setup, one `RankRun` (as a dict) per loader spec."""
     out = []
-    for setup in setups:
+    for k, setup in enumerate(setups):
         dataset = feeding.build(setup.workload, setup.samples, setup.process_ms, Path(setup.folder), setup.payload_kb)
         dataset[0]  # load the tokenizer / processor once, before the workers fork
         runs = []
-        for spec in loader_specs(setup, world):
-            loader = build_loader(spec, dataset, setup, rank, world)
+        for j, spec in enumerate(loader_specs(setup, world)):
+            timed = None if setup.timeline_dir is None else Path(setup.timeline_dir, f"{k}-{j}", f"rank{rank}")
+            if timed is not None:
+                timed.mkdir(parents=True)
+            read = dataset if timed is None else TimedFetches(dataset, str(timed))
+            loader = build_loader(spec, read, setup, rank, world)
             if world > 1:
                 dist.barrier()
-            runs.append(asdict(drive(loader, setup.step, rank)))
+            run = drive(loader, setup.step, rank, timeline=timed is not None)
+            figures = {**asdict(run), "step_at": ()}
+            if timed is not None:
+                figures["timeline"] = rank_timeline(fetch_spans(timed), list(run.step_at), run.started_at,
+                                                    run.started_at + run.wall_s)
+            runs.append(figures)
             if isinstance(loader, ODBDataLoader):
                 loader.close()
             del loader
@@ -128,6 +139,7 @@ def run_world(setups: list[Setup], world: int) -> list[dict]:
     for k, setup in enumerate(setups):
         plain_rate = None
         for j, spec in enumerate(loader_specs(setup, world)):
+            timelines = [r[k][j].pop("timeline") for r in ranks if "timeline" in r[k][j]]
             runs = [RankRun(**{**r[k][j], "indices": tuple(r[k][j]["indices"]), "step_s": tuple(r[k][j]["step_s"])})
                     for r in ranks]
             figures = aggregate(runs, setup.workers, setup.process_s, setup.nominal_process_s)
@@ -142,7 +154,8 @@ def run_world(setups: list[Setup], world: int) -> list[dict]:
                          "odb_options": setup.odb_options, **figures.row(),
                          "vs_plain": figures.samples_per_s / plain_rate,
                          "each_once": None if spec.planning is None else each_once(runs, setup.samples),
-                         "per_rank": [per_rank(r) for r in runs]})
+                         "per_rank": [per_rank(r) for r in runs],
+                         "timeline": world_timeline(timelines) if timelines else None})
     return rows
 
 
@@ -160,7 +173,7 @@ def round_bound(setup: Setup, spec: LoaderSpec, figures) -> float:
 
 def per_rank(run: RankRun) -> dict:
     """A rank's figures for the JSON (its indices and step seconds left out)."""
-    return {**{k: v for k, v in asdict(run).items() if k not in ("indices", "step_s")}, "busy": run.busy,
+    return {**{k: v for k, v in asdict(run).items() if k not in ("indices", "step_s", "step_at")}, "busy": run.busy,
             "samples_per_s": run.samples / run.wall_s}
 
 

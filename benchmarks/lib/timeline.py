@@ -1,0 +1,85 @@
+"""Where a run's time goes, from timestamps (`python -m benchmarks.overlap --timeline`): when each DataLoader worker
+fetched each sample, and when each simulated step started and ended.
+
+The figures of benchmarks/lib/accelerator.py are sums over a run; they cannot tell a worker that idles in the
+middle of an epoch from one that only starts late or ends early, nor the device's wait at a round's boundary from
+its wait inside a round. With `--timeline`, each rank's dataset is wrapped in `TimedFetches`, whose workers append
+`start end` (wall-clock seconds) of every `__getitem__` to a file of their own, and `drive` records each step's
+start, end and round (`StepInfo.round`; -1 for a plain loader). Per rank (`rank_timeline`), seconds from `iter()`:
+  * first fetch / last read: when the rank's workers began their first fetch and ended their last;
+  * workers busy: the fetches' seconds over the workers' seconds from first fetch to last read (1.0: no worker
+    idled in between; what is left is the per-sample cost of the DataLoader's worker loop and any pause);
+  * after last read: the rank's wall time after its workers' last fetch (the rounds it trains once nothing is left
+    to read, and their exchanges);
+  * gaps: the seconds between one step's end and the next step's start (the loader's `next()`), and the part of
+    them at a round's boundary (the step before and the step after belong to different rounds).
+Over ranks (`world_timeline`): the mean of each, and the latest last read.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+
+@dataclass
+class TimedFetches(torch.utils.data.Dataset):
+    """`dataset`, with each `__getitem__`'s wall-clock start and end appended to `folder/fetch-<pid>.txt` by the
+    process that runs it (a DataLoader worker, or the rank itself without workers)."""
+
+    dataset: torch.utils.data.Dataset
+    folder: str
+    _fd: int | None = None
+    _pid: int | None = None
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int):
+        start = time.time()
+        sample = self.dataset[index]
+        end = time.time()
+        if self._pid != os.getpid():  # forked: a file of this process's own
+            self._pid = os.getpid()
+            self._fd = os.open(Path(self.folder, f"fetch-{self._pid}.txt"), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+        os.write(self._fd, f"{start:.6f} {end:.6f}\n".encode())  # one line, one write: nothing buffered is lost
+        return sample
+
+    def __getstate__(self) -> dict:  # a spawned worker opens its own file
+        return {"dataset": self.dataset, "folder": self.folder, "_fd": None, "_pid": None}
+
+
+def fetch_spans(folder: str | Path) -> list[list[tuple[float, float]]]:
+    """Per process that fetched (one file each), its fetches' (start, end), in order."""
+    spans = []
+    for path in sorted(Path(folder).glob("fetch-*.txt")):
+        rows = [tuple(map(float, line.split())) for line in path.read_text().splitlines() if line]
+        spans.append(sorted(rows))
+    return spans
+
+
+def rank_timeline(spans: list[list[tuple[float, float]]], steps: list[tuple[float, float, int]], started: float,
+                  ended: float) -> dict:
+    """One rank's timeline figures (see the module docstring); `steps`: (start, end, round) per step, in order;
+    `started` / `ended`: the wall-clock times of `iter()` and of the last step's end."""
+    fetched = [s for s in spans if s]
+    first = min(s[0][0] for s in fetched)
+    last = max(s[-1][1] for s in fetched)
+    busy = sum(end - start for s in fetched for start, end in s)
+    gaps = [(steps[k + 1][0] - steps[k][1], steps[k + 1][2] != steps[k][2]) for k in range(len(steps) - 1)]
+    return {"first_fetch_s": first - started, "last_read_s": last - started,
+            "workers_busy": busy / (len(fetched) * (last - first)) if last > first else 1.0,
+            "after_last_read_s": ended - last, "gaps_s": sum(g for g, _ in gaps),
+            "boundary_gaps_s": sum(g for g, boundary in gaps if boundary)}
+
+
+def world_timeline(ranks: list[dict]) -> dict:
+    """The ranks' timeline figures: the mean of each, and the latest last read."""
+    out = {key: statistics.fmean(r[key] for r in ranks) for key in ranks[0]}
+    out["latest_last_read_s"] = max(r["last_read_s"] for r in ranks)
+    return out
