@@ -99,11 +99,12 @@ def markdown(rows: list[dict]) -> str:
 
 
 TIMELINE_COLUMNS = ("workload", "W", "planning", "loader", "first fetch s", "last read s (latest)", "workers busy",
-                    "after last read s", "gaps between steps s (at round boundaries)", "wall s")
+                    "after last read s", "gaps between steps s (at round boundaries)", "wall s (slowest rank)")
 
 
 def timeline_markdown(rows: list[dict]) -> str:
-    """The rows' timelines (means over ranks), for the runs that recorded one."""
+    """The rows' timelines (means over ranks; the wall time is the slowest rank's), for the runs that recorded
+    one."""
     lines = ["| " + " | ".join(TIMELINE_COLUMNS) + " |", "|" + "---|" * len(TIMELINE_COLUMNS)]
     for r in rows:
         t = r.get("timeline")
@@ -152,8 +153,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     rows = []
     with tempfile.TemporaryDirectory() as folder:
         measured = measured_setups(args, Path(folder))
-        for world in args.worlds:
-            timeline_dir = str(Path(folder, f"timeline-w{world}")) if args.timeline else None
+        for n, world in enumerate(args.worlds):
+            timeline_dir = str(Path(folder, f"timeline-{n}-w{world}")) if args.timeline else None
             setups = [Setup(**m, workers=workers[world], windows=windows, plannings=tuple(args.plannings),
                             odb_options=options, step=step, timeline_dir=timeline_dir) for m in measured]
             rows += run_world(setups, world)

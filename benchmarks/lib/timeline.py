@@ -5,12 +5,14 @@ The figures of benchmarks/lib/accelerator.py are sums over a run; they cannot te
 middle of an epoch from one that only starts late or ends early, nor the device's wait at a round's boundary from
 its wait inside a round. With `--timeline`, each rank's dataset is wrapped in `TimedFetches`, whose workers append
 `start end` (wall-clock seconds) of every `__getitem__` to a file of their own, and `drive` records each step's
-start, end and round (`StepInfo.round`; -1 for a plain loader). Per rank (`rank_timeline`), seconds from `iter()`:
+start, end and round (`StepInfo.round`; -1 for a plain loader). Per rank (`rank_timeline`), seconds from `iter()`,
+the rank's workers taken together:
   * first fetch / last read: when the rank's workers began their first fetch and ended their last;
-  * workers busy: the fetches' seconds over the workers' seconds from first fetch to last read (1.0: no worker
-    idled in between; what is left is the per-sample cost of the DataLoader's worker loop and any pause);
-  * after last read: the rank's wall time after its workers' last fetch (the rounds it trains once nothing is left
-    to read, and their exchanges);
+  * workers busy: the fetches' seconds over the workers' seconds from the rank's first fetch to its last read
+    (1.0: no worker idled in between, nor started late or ended early; what is left is each worker's own work
+    between fetches, any pause, and a worker's late start or early end);
+  * after last read: the rank's wall time after its workers' last fetch, to the end of its run (the rounds it
+    trains once nothing is left to read, their exchanges, and the epoch's end);
   * gaps: the seconds between one step's end and the next step's start (the loader's `next()`), and the part of
     them at a round's boundary (the step before and the step after belong to different rounds).
 Over ranks (`world_timeline`): the mean of each, and the latest last read.
@@ -27,7 +29,7 @@ from pathlib import Path
 import torch
 
 
-@dataclass
+@dataclass(eq=False)
 class TimedFetches(torch.utils.data.Dataset):
     """`dataset`, with each `__getitem__`'s wall-clock start and end appended to `folder/fetch-<pid>.txt` by the
     process that runs it (a DataLoader worker, or the rank itself without workers)."""
@@ -66,8 +68,10 @@ def fetch_spans(folder: str | Path) -> list[list[tuple[float, float]]]:
 def rank_timeline(spans: list[list[tuple[float, float]]], steps: list[tuple[float, float, int]], started: float,
                   ended: float) -> dict:
     """One rank's timeline figures (see the module docstring); `steps`: (start, end, round) per step, in order;
-    `started` / `ended`: the wall-clock times of `iter()` and of the last step's end."""
+    `started` / `ended`: the wall-clock times of `iter()` and of the run's end (`drive`'s `started_at + wall_s`)."""
     fetched = [s for s in spans if s]
+    if not fetched:
+        raise ValueError("no fetch was timed: the rank read nothing through its TimedFetches")
     first = min(s[0][0] for s in fetched)
     last = max(s[-1][1] for s in fetched)
     busy = sum(end - start for s in fetched for start, end in s)
