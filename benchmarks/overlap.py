@@ -99,7 +99,15 @@ def markdown(rows: list[dict]) -> str:
 
 
 TIMELINE_COLUMNS = ("workload", "W", "planning", "loader", "first fetch s", "last read s (latest)", "workers busy",
-                    "after last read s", "gaps between steps s (at round boundaries)", "wall s (slowest rank)")
+                    "worker CPU ms per sample (share of a core)", "after last read s",
+                    "gaps between steps s (at round boundaries)", "wall s (slowest rank)")
+
+
+def worker_cpu(timeline: dict) -> str:
+    """The workers' CPU ms per sample and their share of a core, as "2.41 (0.93)"; "-" for a timeline without."""
+    if "worker_cpu_ms_per_sample" not in timeline:
+        return "-"
+    return f"{timeline['worker_cpu_ms_per_sample']:.2f} ({timeline['worker_cpu_share']:.2f})"
 
 
 def timeline_markdown(rows: list[dict]) -> str:
@@ -113,7 +121,7 @@ def timeline_markdown(rows: list[dict]) -> str:
         workload = f"sleep {r['process_ms']:g} ms" if r["workload"] == "sleep" else r["workload"]
         lines.append(f"| {workload} | {r['world_size']} | {r['planning'] or '-'} | {r['loader']} | "
                      f"{t['first_fetch_s']:.2f} | {t['last_read_s']:.2f} ({t['latest_last_read_s']:.2f}) | "
-                     f"{t['workers_busy']:.3f} | {t['after_last_read_s']:.2f} | "
+                     f"{t['workers_busy']:.3f} | {worker_cpu(t)} | {t['after_last_read_s']:.2f} | "
                      f"{t['gaps_s']:.2f} ({t['boundary_gaps_s']:.2f}) | {r['wall_s']:.2f} |")
     return "\n".join(lines)
 

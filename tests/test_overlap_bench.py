@@ -75,12 +75,15 @@ def test_every_loader_is_reported_and_odb_trains_each_sample_once(world, workers
 
 
 def test_the_timeline_figures_of_a_run_worked_out_by_hand():
-    """Two workers: one fetches at 1-2 and 3-4 s, the other at 1.5-2.5 s; steps of rounds 0, 0, 1 run 4.5-5,
-    5.2-6 and 7-7.5 s; the rank's `iter()` at 0.5 s and its run's end at 8 s."""
-    spans = [[(1.0, 2.0), (3.0, 4.0)], [(1.5, 2.5)]]
+    """Two workers: one fetches at 1-2 and 3-4 s (its CPU clock 0 -> 0.5 and 1.0 -> 1.5 s), the other at 1.5-2.5 s
+    (10.0 -> 10.8 s); steps of rounds 0, 0, 1 run 4.5-5, 5.2-6 and 7-7.5 s; the rank's `iter()` at 0.5 s and its
+    run's end at 8 s."""
+    spans = [[(1.0, 2.0, 0.0, 0.5), (3.0, 4.0, 1.0, 1.5)], [(1.5, 2.5, 10.0, 10.8)]]
     steps = [(4.5, 5.0, 0), (5.2, 6.0, 0), (7.0, 7.5, 1)]
     figures = rank_timeline(spans, steps, started=0.5, ended=8.0)
     assert figures == pytest.approx({"first_fetch_s": 0.5, "last_read_s": 3.5, "workers_busy": 3.0 / 6.0,
+                                     "worker_cpu_ms_per_sample": 1e3 * (1.5 + 0.8) / 3,
+                                     "worker_cpu_share": (1.5 / 3.0 + 0.8 / 1.0) / 2,
                                      "after_last_read_s": 4.0, "gaps_s": 0.2 + 1.0, "boundary_gaps_s": 1.0})
     other = {**figures, "last_read_s": 5.5}
     assert world_timeline([figures, other]) == pytest.approx({**figures, "last_read_s": 4.5,
@@ -100,7 +103,7 @@ def test_a_timed_run_reports_where_its_workers_and_steps_spent_the_epoch(tmp_pat
         assert len(spans) == 2 and sum(len(s) for s in spans) == SAMPLES, spans  # a file per worker
         t = row["timeline"]
         assert 0 <= t["first_fetch_s"] < t["last_read_s"] <= row["wall_s"], t
-        assert 0 < t["workers_busy"] <= 1, t
+        assert 0 < t["workers_busy"] <= 1 and t["worker_cpu_ms_per_sample"] > 0 and t["worker_cpu_share"] > 0, t
         # the wall time is timed with another clock (perf_counter): equal to a millisecond
         assert t["after_last_read_s"] == pytest.approx(row["wall_s"] - t["last_read_s"], abs=1e-3), t
         assert 0 <= t["boundary_gaps_s"] <= t["gaps_s"] < row["wall_s"], t
