@@ -83,12 +83,16 @@ def wait_parts(row: dict) -> str:
     return f"{row['data_wait']:.2f} ({row['reading']:.2f} / {optional(row.get('exchange'))})"
 
 
+def workload_label(row: dict) -> str:
+    """A row's workload as the tables name it: "sleep 2 ms", "sleep 2 ms + 1024 KiB", "vlm"."""
+    label = f"sleep {row['process_ms']:g} ms" if row["workload"] == "sleep" else row["workload"]
+    return label + (f" + {row['payload_kb']} KiB" if row.get("payload_kb") else "")
+
+
 def markdown(rows: list[dict]) -> str:
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     for r in rows:
-        workload = f"sleep {r['process_ms']:g} ms" if r["workload"] == "sleep" else r["workload"]
-        workload += f" + {r['payload_kb']} KiB" if r.get("payload_kb") else ""
-        lines.append(f"| {workload} | {r['world_size']} | {r['planning'] or '-'} | {r['loader']} | "
+        lines.append(f"| {workload_label(r)} | {r['world_size']} | {r['planning'] or '-'} | {r['loader']} | "
                      f"{r['samples_per_s']:.0f} | {r['vs_plain']:.2f} | {r['busy']:.2f} | "
                      f"{wait_parts(r)} | {r['sync']:.2f} | {optional(r.get('machine_cpu'))} | "
                      f"{r['efficiency']:.2f} | {optional(r.get('nominal_efficiency'))} | "
@@ -118,8 +122,7 @@ def timeline_markdown(rows: list[dict]) -> str:
         t = r.get("timeline")
         if t is None:
             continue
-        workload = f"sleep {r['process_ms']:g} ms" if r["workload"] == "sleep" else r["workload"]
-        lines.append(f"| {workload} | {r['world_size']} | {r['planning'] or '-'} | {r['loader']} | "
+        lines.append(f"| {workload_label(r)} | {r['world_size']} | {r['planning'] or '-'} | {r['loader']} | "
                      f"{t['first_fetch_s']:.2f} | {t['last_read_s']:.2f} ({t['latest_last_read_s']:.2f}) | "
                      f"{t['workers_busy']:.3f} | {worker_cpu(t)} | {t['after_last_read_s']:.2f} | "
                      f"{t['gaps_s']:.2f} ({t['boundary_gaps_s']:.2f}) | {r['wall_s']:.2f} |")

@@ -140,7 +140,7 @@ def drive(batches, step: Step, rank: int = 0, timeline: bool = False) -> RankRun
     for batch in batches:
         if first is None:
             first = time.perf_counter() - start
-        began = time.time()
+        began = time.time() if timeline else 0.0
         seconds, synced = step(batch)
         if timeline:
             step_at.append((began, time.time(), getattr(getattr(batch, "info", None), "round", -1)))

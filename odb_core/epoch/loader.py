@@ -27,7 +27,7 @@ from odb_core.data.sample import LengthFn
 from odb_core.data.sendable import open_files_needed
 from odb_core.epoch.estimate import ExactPlan, estimate_steps, plan_epochs_exactly
 from odb_core.epoch.pipeline import EpochReport, EpochRun, RunContext
-from odb_core.epoch.plan_ahead import CLOSE_WAIT_S, RoundAheadError
+from odb_core.epoch.plan_ahead import RoundAheadError
 from odb_core.epoch.prefetch import BackgroundIterator, unwinding
 from odb_core.epoch.stream import LoaderCall, SampleStream, StreamOptions, worker_seed
 from odb_core.ranks.node_groups import node_layout, node_transports
@@ -261,8 +261,7 @@ class ODBDataLoader:
     def _quiet_epoch(self) -> None:
         """A collective of the loader's own waits for a round the current epoch runs ahead (NOTE [ Planning the
         next round ahead ]): two threads' collectives on one transport could pair up differently on each rank."""
-        wait_s = self.config.sync_timeout_s + CLOSE_WAIT_S  # as long as leaving the epoch waits for it
-        if self._current is not None and not self._current.run.round_ahead.wait(wait_s):
+        if self._current is not None and not self._current.run.quiet():
             raise RuntimeError("ODB: the round run ahead did not end; no other exchange can start (a peer is stuck)")
 
     def __len__(self) -> int:

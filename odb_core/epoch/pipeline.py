@@ -192,7 +192,7 @@ class EpochRun(Iterator[ODBBatch]):
         that goes on after an error every rank met (a rollback to a saved state) needs its ranks in step.
         A round run ahead ends first (NOTE [ Planning the next round ahead ]); one that failed inside its
         collectives leaves the peers there, so the epoch is not left: `RoundAheadError` from its error."""
-        ended, error = self.round_ahead.settle(self.engine.config.sync_timeout_s + CLOSE_WAIT_S)
+        ended, error = self.round_ahead.settle(self._ahead_wait_s())
         if not ended:
             raise TimeoutError("the round run ahead did not end; the epoch is not left")
         if error is not None and self.exchanging:
@@ -206,6 +206,13 @@ class EpochRun(Iterator[ODBBatch]):
         if not self.engine.finished:
             self.rounds.leave()
             self.report = self._report(abandoned=True)
+
+    def quiet(self) -> bool:
+        """Wait for a round run ahead as long as `leave()` does; whether it ended (or none ran)."""
+        return self.round_ahead.wait(self._ahead_wait_s())
+
+    def _ahead_wait_s(self) -> float:
+        return self.engine.config.sync_timeout_s + CLOSE_WAIT_S
 
     def _round_start(self) -> RoundStart:
         return RoundStart(round=self.engine.round, steps_done=self.engine.steps_done, consumed=self.reader.consumed,
