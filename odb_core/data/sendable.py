@@ -121,7 +121,7 @@ def raise_open_files(needed: int) -> str | None:
 
 
 def pack_sample(sample: Any, limit_bytes: int | None = PACK_LIMIT_BYTES, own: bool = False) -> Any:
-    """Sender side: replace numpy-compatible tensors (up to `limit_bytes` each; None: any size) at the top level
+    """Sender side: replace numpy-compatible dense tensors (up to `limit_bytes` each; None: any size) at the top level
     of a mapping by `PackedTensor`: a view of the tensor's memory, or with `own` a copy, which no later move of
     that storage into shared memory can leave pointing at freed memory (a worker's hand-over, NOTE [ Sharing beside
     processing ])."""
@@ -129,8 +129,8 @@ def pack_sample(sample: Any, limit_bytes: int | None = PACK_LIMIT_BYTES, own: bo
         return sample
     packed = dict(sample) if type(sample) is dict else copy.copy(sample)  # an OrderedDict stays one
     for key, value in sample.items():
-        if (isinstance(value, torch.Tensor) and value.dtype in PACKABLE and not value.requires_grad
-                and (limit_bytes is None or value.numel() * value.element_size() <= limit_bytes)):
+        if (isinstance(value, torch.Tensor) and value.dtype in PACKABLE and not (value.requires_grad or value.is_nested)
+                and value.layout is torch.strided and (limit_bytes is None or value.nbytes <= limit_bytes)):
             packed[key] = PackedTensor(value.numpy().copy() if own else value.numpy())
     return packed
 

@@ -24,6 +24,7 @@ from torch.utils.data import Dataset, IterableDataset, Sampler, get_worker_info
 from odb_core.data.feeder import WorkerChunk
 from odb_core.data.sample import ID_DTYPE, ID_FIELDS, ID_KEYS, compact_ids
 from odb_core.data.sendable import lane_may_move, pack_sample, sendable, share_lane, share_large, unshared_storages
+from odb_core.data.worker_files import send_files
 
 
 class DatasetFetchError(RuntimeError):
@@ -333,9 +334,10 @@ def worker_parts(dataset: Any, num_workers: int) -> int:
 
 
 def keep_chunk(chunk: list[tuple[int, Any]]) -> list[tuple[int, Any]]:
-    """The workers' collate function: the tagged chunk untouched (module level, so picklable), as a `WorkerChunk`
-    in a worker process (NOTE [ A chunk the feeder cannot send ] in feeder.py)."""
-    return chunk if get_worker_info() is None else WorkerChunk(chunk)
+    """The workers' collate function: the tagged chunk untouched (module level, so picklable); in a worker process
+    a `WorkerChunk` (NOTE [ A chunk the feeder cannot send ] in feeder.py) whose shared files travel as
+    descriptors (NOTE [ A worker's files travel as descriptors ] in worker_files.py)."""
+    return chunk if get_worker_info() is None else WorkerChunk(send_files(chunk))
 
 
 def map_style_size(dataset: Any) -> int | None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
 from odb_core.data.feeder import guard_feeder
+from odb_core.data.worker_files import attach
 
 POLL_S = 0.5
 PR_SET_PDEATHSIG = 1
@@ -72,6 +74,7 @@ class Lifeline:
     user_init: Callable[[int], None] | None = None
     reports: Connection | None = None
     generation: int = 0
+    files: tuple[socket.socket, ...] = ()  # the workers' ends of the rank's `FileInbox`, by worker id
 
     def __call__(self, worker_id: int) -> None:
         guard_feeder()  # NOTE [ A chunk the feeder cannot send ] in data/feeder.py
@@ -89,5 +92,7 @@ class Lifeline:
                 self.reports.close()  # this process's copy only
             except OSError:
                 pass  # the rank closed its stream: nobody will read this worker's results either
+        if self.files:  # NOTE [ A worker's files travel as descriptors ] in data/worker_files.py
+            attach(self.files[worker_id], worker_id)
         if self.user_init is not None:
             self.user_init(worker_id)

@@ -19,6 +19,7 @@ this project's machines have no accelerator to run it on.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import random
@@ -30,6 +31,7 @@ from typing import Any
 from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
 from odb_core.data.sendable import payload_bytes, raise_open_files, unpack_sample
+from odb_core.data.worker_files import FileInbox
 from odb_core.data.sources import (ChunkSampler, DatasetFetchError, Handover, IndexedDataset, IndexedIterable,
                                    IndexListSampler, ShardedSampler, integer_columns, keep_chunk, map_style_size,
                                    worker_parts)
@@ -107,8 +109,11 @@ class ReadChunk(list):
     __slots__ = ("sizes", "nbytes")
 
 
-def read_chunk(chunk: Chunk, packed: bool = True) -> ReadChunk:
-    """`chunk` as a `ReadChunk` (`packed`: its samples come from worker processes, small tensors as arrays)."""
+def read_chunk(chunk: Chunk, packed: bool = True, files: FileInbox | None = None) -> ReadChunk:
+    """`chunk` as a `ReadChunk` (`packed`: its samples come from worker processes, small tensors as arrays; `files`:
+    their shared files as descriptors, NOTE [ A worker's files travel as descriptors ] in data/worker_files.py)."""
+    if files is not None:
+        chunk = files.opened(chunk)
     out = ReadChunk((index, unpack_sample(sample)) for index, sample in chunk) if packed else ReadChunk(chunk)
     out.sizes = [payload_bytes(sample) for _, sample in out]
     out.nbytes = sum(out.sizes)
@@ -211,7 +216,8 @@ class SampleStream:
             self._workers, self._watch.failed = self._build_workers(), False
         chunks = self._watch.start(self._workers)
         direct = not self._reader_thread and rescued_by_sigchld(self._workers)
-        return WatchedChunks(chunks, self._watch, direct=direct, prepare=read_chunk)
+        return WatchedChunks(chunks, self._watch, direct=direct, prepare=functools.partial(read_chunk,
+                                                                                           files=self._watch.inbox))
 
     def _build_sampler(self, sampler: Sampler[int] | None) -> Sampler[int] | None:
         if self.size is None:

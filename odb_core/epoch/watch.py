@@ -48,6 +48,7 @@ from typing import Any, NoReturn
 
 from torch.utils.data import DataLoader
 
+from odb_core.data.worker_files import FileInbox
 from odb_core.epoch.lifeline import Lifeline, WorkerStarted, rank_alive
 from odb_core.epoch.prefetch import Exhausted, Failed, Produced
 from odb_core.epoch.reader_thread import POLL_S, READER_THREAD, ReaderThread
@@ -111,6 +112,7 @@ class WorkerWatch:
         self._watch_fd(self._inbox.fileno())
         self.cheap = self._poller is not None  # `quick_dead` sees every known worker (each has a sentinel)
         self.failed = False  # a worker died: the stream needs a new DataLoader
+        self.inbox: FileInbox | None = None  # the current `iter()`'s workers' files (data/worker_files.py)
 
     def start(self, loader: DataLoader) -> Iterator[Any]:
         """`iter(loader)`, with the workers it starts watched (the running ones, for persistent workers)."""
@@ -122,7 +124,11 @@ class WorkerWatch:
                 self._unwatch_fd(worker.sentinel)
         self._workers, self._generation = [], self._generation + 1
         self.cheap = self._poller is not None
-        loader.worker_init_fn = Lifeline(self._rank_pid, self._user_init, self._outbox, self._generation)
+        if self.inbox is not None:  # the last `iter()`'s workers are gone, and what they sent with them
+            self.inbox.close()
+        self.inbox = FileInbox(loader.num_workers)  # NOTE [ A worker's files travel as descriptors ]
+        loader.worker_init_fn = Lifeline(self._rank_pid, self._user_init, self._outbox, self._generation,
+                                         self.inbox.ends)
         before = {p.pid for p in multiprocessing.active_children()}
         chunks = iter(loader)
         self._candidates = {p.pid: p for p in multiprocessing.active_children() if p.pid not in before}
@@ -203,7 +209,7 @@ class WatchedChunks(Iterator[Any]):
     def __init__(self, chunks: Iterator[Any], watch: WorkerWatch, *, direct: bool,
                  prepare: Callable[[Any], Any] | None = None) -> None:
         self._chunks: Iterator[Any] | None = chunks
-        self._prepare = prepare  # applied to each chunk in the reader thread
+        self._prepare = prepare  # applied to each chunk, in the reader thread when there is one
         self._watch = watch
         self._direct_thread = threading.main_thread().ident if direct else None
         self._hop: ReaderThread | None = None
@@ -224,7 +230,8 @@ class WatchedChunks(Iterator[Any]):
         try:
             dead = self._watch.quick_dead()
             if dead is None:
-                return next(self._chunks)  # type: ignore[arg-type]
+                chunk = next(self._chunks)  # type: ignore[arg-type]
+                return chunk if self._prepare is None else self._prepare(chunk)
         except StopIteration:
             self._ended = True
             raise

@@ -58,12 +58,11 @@ from typing import Any, NamedTuple
 import torch
 
 from odb_core.data.sendable import OTHER_FILES, open_files_needed, raise_open_files
+from odb_core.data.worker_files import shared_fd, tensor_in
 from odb_core.ranks.sync import PeerError, Transport
 
 LOGGER = logging.getLogger("odb")
 
-_DTYPES = {str(d): d for d in (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
-                               torch.int16, torch.int8, torch.uint8, torch.bool)}
 
 
 class SharedHandle(NamedTuple):
@@ -92,21 +91,6 @@ def host_key() -> int:
     return int.from_bytes(digest, "little", signed=True) or 1
 
 
-def _shared_fd(tensor: torch.Tensor) -> int | None:
-    """The descriptor of the shared-memory file under `tensor`'s storage, or None (not a shared file, shared by
-    name, empty, or a tensor whose bits a frame would carry differently: a lazily negated or conjugated view).
-    `_get_shared_fd` only reads: unlike `_share_fd_cpu_`, it never moves a storage."""
-    storage = tensor.untyped_storage()
-    if (not storage.is_shared() or not storage.nbytes() or tensor.device.type != "cpu" or tensor.requires_grad
-            or tensor.is_neg() or tensor.is_conj() or str(tensor.dtype) not in _DTYPES):
-        return None  # `is_shared` first: 0.1 µs, where `_get_shared_fd` refusing a text sample's tensor costs 8 µs
-    try:
-        fd = storage._get_shared_fd()
-    except RuntimeError:
-        return None
-    return fd if fd >= 0 else None
-
-
 def to_handles(sample: Any, keep: list[torch.UntypedStorage]) -> tuple[Any, int]:
     """`sample` with each top-level tensor of a shared file replaced by its `SharedHandle` (a copy of the mapping;
     the caller's sample is left as it was), and the bytes those tensors hold; their storages are appended to
@@ -117,7 +101,7 @@ def to_handles(sample: Any, keep: list[torch.UntypedStorage]) -> tuple[Any, int]
     for key, value in sample.items():
         if not isinstance(value, torch.Tensor):
             continue
-        fd = _shared_fd(value)
+        fd = shared_fd(value)
         if fd is None:
             continue
         if out is None:
@@ -162,7 +146,7 @@ def _open(handle: SharedHandle) -> torch.Tensor:
         storage = torch.UntypedStorage._new_shared_fd_cpu(fd, handle.nbytes)
     finally:
         os.close(fd)  # the storage keeps a descriptor of its own
-    return torch.empty(0, dtype=_DTYPES[handle.dtype]).set_(storage, handle.offset, handle.shape, handle.stride)
+    return tensor_in(storage, handle.dtype, handle.offset, handle.shape, handle.stride)
 
 
 def open_files_with_handles(max_buffer_bytes: int | None, window: int) -> int:

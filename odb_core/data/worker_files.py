@@ -1,0 +1,226 @@
+"""A worker's shared-memory files reach its rank as descriptors in one message per chunk.
+
+NOTE [ A worker's files travel as descriptors ]
+A sample's tensors over the pipe's limit leave a DataLoader worker in shared-memory files of their own (NOTE [ The
+pipe or shared memory ] in sendable.py). Under torch's default sharing strategy (`file_descriptor`) the queue's
+feeder registers each file's descriptor with the worker's `resource_sharer`, and the rank, unpickling the chunk,
+fetches each one over a connection of its own: a socket connected, both sides authenticated (an HMAC challenge
+each way), one descriptor passed, the connection closed. Timed here with 2 MB tensors, one at a time: 0.6-0.7 ms
+of the rank's CPU and ~0.3 ms more of the worker's per tensor, against 0.11 ms for opening the file directly; a
+plain DataLoader pays it once per batch, ODB once per sample, and on a host whose cores the workers share, it
+comes out of their reading (docs/design.md, issue 27, item 9).
+
+So each worker of an `iter()` gets one end of a Unix datagram socket pair (`FileInbox`, made by the rank's
+`WorkerWatch.start` and handed over by `Lifeline`), and the workers' collate function (`keep_chunk`) sends the
+descriptors of the chunk's top-level shared tensors in one message (`send_files`: `SCM_RIGHTS`, at most
+`MAX_FILES`), numbered per worker; each tensor in the chunk becomes a `FileSlot` (message, worker, place in the
+message, and how the tensor lies in its file), and two tensors of one storage share a slot, as torch's cache of
+received storages makes them share one storage. The message is in the rank's socket before the chunk is even put
+on the worker's queue, so the rank, reading the chunk (`read_chunk`, in the reader thread), finds it there without
+waiting (`FileInbox.opened`): it maps each file (the storage keeps a descriptor of its own) and closes the
+message's descriptors. A message older than the one asked for belongs to a chunk the DataLoader dropped (persistent
+workers reset at an epoch's early end): its descriptors are closed. One missing, or newer than asked for, cannot
+happen while the worker sends before it puts; it is an error naming the worker, not a wait.
+What still goes torch's way: a chunk whose message cannot be sent (the rank's end closed, its queue full, the
+descriptors beyond `MAX_FILES`: never a wait, the tensors just stay in the chunk), tensors not at a sample's top
+level, tensors of a dtype outside `DTYPES`, and storages shared by name (`file_system`). The batches are the same:
+the rank's tensor is the worker's file, with its dtype, shape, strides and offset (tests/test_worker_files.py).
+Cost: two descriptors per worker on the rank for the socket pairs; the files of chunks the DataLoader dropped stay
+open in the rank's socket until that worker's next chunk is read or the epoch's workers are replaced.
+"""
+
+from __future__ import annotations
+
+import array
+import copy
+import os
+import socket
+import struct
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+
+MAX_FILES = 250  # descriptors in one message: the kernel passes at most 253 (SCM_MAX_FD)
+_NUMBER = struct.Struct("<q")
+
+DTYPES = {str(d): d for d in (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+                              torch.int16, torch.int8, torch.uint8, torch.bool)}
+
+
+def shared_fd(tensor: torch.Tensor) -> int | None:
+    """The descriptor of the shared-memory file under `tensor`'s storage, or None (not a shared file, shared by
+    name, empty, or a tensor whose bits another process would read differently: a lazily negated or conjugated
+    view). `_get_shared_fd` only reads: unlike `_share_fd_cpu_`, it never moves a storage."""
+    if tensor.layout is not torch.strided or tensor.is_nested or str(tensor.dtype) not in DTYPES:
+        return None  # sparse and nested tensors have no storage of their own
+    storage = tensor.untyped_storage()
+    if (not storage.is_shared() or not storage.nbytes() or tensor.device.type != "cpu" or tensor.requires_grad
+            or tensor.is_neg() or tensor.is_conj()):
+        return None  # `is_shared` before `_get_shared_fd`, which costs 8 µs to refuse a text sample's tensor
+    try:
+        fd = storage._get_shared_fd()
+    except RuntimeError:
+        return None
+    return fd if fd >= 0 else None
+
+
+def tensor_in(storage: torch.UntypedStorage, dtype: str, offset: int, shape: tuple[int, ...],
+              stride: tuple[int, ...]) -> torch.Tensor:
+    """A tensor of `dtype` laid over `storage` as the sender's was."""
+    return torch.empty(0, dtype=DTYPES[dtype]).set_(storage, offset, shape, stride)
+
+
+class FileSlot(NamedTuple):
+    """A worker's tensor left in its shared-memory file, whose descriptor travels in the worker's message
+    `message`, at `slot`."""
+
+    message: int
+    worker: int
+    slot: int
+    nbytes: int  # the storage's
+    dtype: str
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+
+
+@dataclass(slots=True)
+class _Sender:
+    end: socket.socket
+    worker: int
+    number: int = 0  # the next message's
+
+
+_SENDER: _Sender | None = None  # this worker process's, once `attach`ed
+
+
+def attach(end: socket.socket, worker: int) -> None:
+    """In a worker process (`Lifeline`): send this worker's chunks' files on `end`."""
+    global _SENDER
+    _SENDER = _Sender(end, worker)
+
+
+def send_files(pairs: list[tuple[int, Any]]) -> list[tuple[int, Any]]:
+    """In a worker: the tagged samples of a chunk with each top-level shared tensor a `FileSlot`, once their
+    descriptors are sent; `pairs` itself where there is nothing to send, or the message could not be sent."""
+    sender = _SENDER
+    if sender is None:
+        return pairs
+    fds: list[int] = []
+    slots: dict[int, int] = {}  # a storage's address: its slot
+    out: list[tuple[int, Any]] = []
+    for index, sample in pairs:
+        if isinstance(sample, dict):
+            sample = _slotted(sample, sender, fds, slots)
+        out.append((index, sample))
+    if not fds:
+        return pairs
+    try:
+        sender.end.sendmsg([_NUMBER.pack(sender.number)], [_rights(fds)], socket.MSG_DONTWAIT)
+    except OSError:
+        return pairs  # torch's way for this chunk: the files go with its pickle
+    sender.number += 1
+    return out
+
+
+def _slotted(sample: dict, sender: _Sender, fds: list[int], slots: dict[int, int]) -> dict:
+    """`sample` (a copy, if any tensor is replaced) with its top-level shared tensors as `FileSlot`s."""
+    out = None
+    for key, value in sample.items():
+        if type(value) is not torch.Tensor or (fd := shared_fd(value)) is None:
+            continue
+        storage = value.untyped_storage()
+        slot = slots.get(storage.data_ptr())
+        if slot is None:
+            if len(fds) == MAX_FILES:
+                continue
+            slot = slots[storage.data_ptr()] = len(fds)
+            fds.append(fd)
+        if out is None:
+            out = dict(sample) if type(sample) is dict else copy.copy(sample)
+        out[key] = FileSlot(sender.number, sender.worker, slot, storage.nbytes(), str(value.dtype),
+                            tuple(value.shape), tuple(value.stride()), value.storage_offset())
+    return sample if out is None else out
+
+
+def _rights(fds: list[int]) -> tuple[int, int, array.array]:
+    """The ancillary data that passes `fds` (`socket.send_fds`, which Python 3.11 gives no flags, would block)."""
+    return socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds)
+
+
+def _received(ancillary: list[tuple[int, int, bytes]]) -> list[int]:
+    """The descriptors a `recvmsg` received (`socket.recv_fds`, which Python 3.11 gives no flags, would block)."""
+    fds = array.array("i")
+    for level, kind, data in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
+    return list(fds)
+
+
+class FileInbox:
+    """The rank's ends of one `iter()`'s worker socket pairs (NOTE above); `ends` are the workers'."""
+
+    def __init__(self, workers: int) -> None:
+        pairs = [socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM) for _ in range(workers)]
+        self._mine = [mine for mine, _ in pairs]
+        self.ends = tuple(theirs for _, theirs in pairs)
+        self.files = 0  # files opened: what the tests look at
+
+    def opened(self, chunk: list[tuple[int, Any]]) -> list[tuple[int, Any]]:
+        """`chunk`'s samples with every `FileSlot` the tensor it stands for, mapped from its file."""
+        storages: dict[tuple[int, int], torch.UntypedStorage] = {}
+        fds: list[int] = []
+        try:
+            out = [(index, self._open_sample(sample, storages, fds)) for index, sample in chunk]
+        finally:
+            for fd in fds:
+                os.close(fd)
+        return out
+
+    def _open_sample(self, sample: Any, storages: dict, fds: list[int]) -> Any:
+        if not isinstance(sample, dict):
+            return sample
+        out = None
+        for key, value in sample.items():
+            if type(value) is not FileSlot:
+                continue
+            if out is None:
+                out = dict(sample) if type(sample) is dict else copy.copy(sample)
+            storage = storages.get((value.worker, value.slot))
+            if storage is None:
+                if not fds:
+                    fds.extend(self._receive(value.worker, value.message))
+                storage = storages[(value.worker, value.slot)] = torch.UntypedStorage._new_shared_fd_cpu(
+                    fds[value.slot], value.nbytes)
+                self.files += 1
+            out[key] = tensor_in(storage, value.dtype, value.offset, value.shape, value.stride)
+        return sample if out is None else out
+
+    def _receive(self, worker: int, message: int) -> list[int]:
+        """The descriptors of `worker`'s message `message`, closing those of older ones (dropped chunks)."""
+        end = self._mine[worker]
+        while True:
+            try:
+                data, ancillary, flags, _ = end.recvmsg(_NUMBER.size, socket.CMSG_LEN(4 * (MAX_FILES + 3)),
+                                                         socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                raise RuntimeError(f"DataLoader worker {worker}'s chunk names its shared-memory files' message "
+                                   f"{message}, which is not in the rank's socket (NOTE [ A worker's files travel "
+                                   "as descriptors ] in odb_core/data/worker_files.py); please report it") from None
+            fds = _received(ancillary)
+            number = _NUMBER.unpack(data)[0] if len(data) == _NUMBER.size else -1
+            if number == message and not flags & socket.MSG_CTRUNC:
+                return fds
+            for fd in fds:
+                os.close(fd)
+            if number >= message or number < 0:
+                raise RuntimeError(f"DataLoader worker {worker} sent shared-memory files in message {number} "
+                                   f"{'cut short ' if flags & socket.MSG_CTRUNC else ''}where the rank expected "
+                                   f"message {message} (NOTE [ A worker's files travel as descriptors ] in "
+                                   "odb_core/data/worker_files.py); please report it")
+
+    def close(self) -> None:
+        """Close both ends of every pair: a message still queued closes its descriptors with them."""
+        for end in (*self._mine, *self.ends):
+            end.close()

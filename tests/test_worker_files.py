@@ -1,0 +1,170 @@
+"""A worker's shared-memory files reach its rank as descriptors, one message per chunk (NOTE [ A worker's files
+travel as descriptors ] in odb_core/data/worker_files.py; issue 27, item 9's first part).
+
+Through a real loader and its worker processes (fork, spawn, forkserver; persistent workers read over two epochs
+with an early break): every sample's tensors come out with the dataset's values, dtype, shape and strides, and
+the rank opened each top-level file from a message. On the sockets themselves, in one process: tensors of one
+storage share a slot and come back as one storage, a dropped chunk's message is skipped and its files closed,
+a message that cannot be sent leaves the chunk to torch's own way, a chunk holds at most `MAX_FILES` slots, and a
+missing message is an error naming the worker, not a wait.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from torch.utils.data import Dataset
+
+from odb_core import ODBDataLoader
+from odb_core.data import worker_files
+from odb_core.data.worker_files import MAX_FILES, FileInbox, FileSlot, attach, send_files
+
+# a socket call that blocks is a failure of its own here: a minute, not the suite's ten
+pytestmark = [pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="no /proc here"), pytest.mark.timeout(60),
+              pytest.mark.filterwarnings("ignore:Sparse invariant checks")]  # torch rebuilding the sparse tensor
+
+PIXELS = 300_000  # float32: 1.2 MB, over the pipe's limit
+
+
+class Images(Dataset):
+    """Samples with three tensors over the pipe's limit (a transposed image, a bfloat16 map, an int64 mask), one in
+    a list, a Parameter, a sparse tensor, and small ids."""
+
+    def __len__(self) -> int:
+        return 48
+
+    def __getitem__(self, index: int) -> dict:
+        n = 3 + index % 5
+        return {"input_ids": torch.arange(n) + index, "labels": torch.arange(n),
+                "pixel_values": image(index).t(), "depth": torch.full((300_000,), index, dtype=torch.bfloat16),
+                "mask": torch.arange(80_000) * index, "frames": [image(index + 1)],
+                "weight": torch.nn.Parameter(torch.ones(200_000) * index), "sparse": torch.eye(3).to_sparse() * index}
+
+
+def image(index: int) -> torch.Tensor:
+    return (torch.arange(PIXELS, dtype=torch.float32) + index).view(600, 500)
+
+
+class KeepSamples:
+    """A collator that hands the samples on as they are, beside the ids the loader's step needs."""
+
+    def __call__(self, samples: list[dict]) -> dict:
+        return {"input_ids": torch.zeros(len(samples), 1, dtype=torch.long), "samples": samples}
+
+
+def check(sample: dict) -> int:
+    index = int(sample["input_ids"][0])  # the ids start at the index
+    assert torch.equal(sample["pixel_values"], image(index).t())
+    assert sample["pixel_values"].stride() == (1, 500)  # the transposed layout kept
+    assert sample["depth"].dtype == torch.bfloat16 and torch.equal(sample["depth"], torch.full((300_000,), index,
+                                                                                               dtype=torch.bfloat16))
+    assert torch.equal(sample["mask"], torch.arange(80_000) * index)
+    assert torch.equal(sample["frames"][0], image(index + 1))
+    assert type(sample["weight"]) is torch.nn.Parameter and torch.equal(sample["weight"].detach(),
+                                                                         torch.ones(200_000) * index)
+    assert torch.equal(sample["sparse"].to_dense(), torch.eye(3) * index)
+    return index
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn", "forkserver"])
+def test_a_workers_tensors_reach_the_rank_from_descriptors_with_their_values_and_layout(context):
+    loader = ODBDataLoader(Images(), token_budget=24, num_workers=2, multiprocessing_context=context,
+                           collate_fn=KeepSamples())
+    seen = [check(sample) for batch in loader for sample in batch["samples"]]
+    assert sorted(seen) == list(range(48))
+    # pixel_values, depth and mask of every sample: the list's image, the Parameter and the sparse tensor go
+    # torch's way
+    assert loader._stream._watch.inbox.files == 3 * 48
+    loader.close()
+
+
+def test_persistent_workers_left_early_still_hand_over_every_sample_right():
+    loader = ODBDataLoader(Images(), token_budget=24, num_workers=2, persistent_workers=True, prefetch_factor=4,
+                           fetch_chunk=2, window=8, collate_fn=KeepSamples())
+    for batch in loader:  # leaves with chunks read ahead and dropped by the DataLoader
+        check(batch["samples"][0])
+        break
+    seen = [check(sample) for batch in loader for sample in batch["samples"]]
+    assert sorted(seen) == list(range(48))
+    loader.close()
+
+
+@pytest.fixture
+def inbox(monkeypatch):
+    """A worker's sender and the rank's inbox in this one process: the sockets are real, only the two ends live
+    in the same process."""
+    box = FileInbox(1)
+    monkeypatch.setattr(worker_files, "_SENDER", None)
+    attach(box.ends[0], 0)
+    yield box
+    box.close()
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_tensors_of_one_storage_share_a_slot_and_come_back_as_one_storage(inbox):
+    base = torch.arange(100, dtype=torch.float64).share_memory_()
+    chunk = [(7, {"a": base[:50], "b": base[50:].view(5, 10), "c": torch.ones(3).share_memory_(), "n": 3}),
+             (8, "not a mapping")]
+    sent = send_files(chunk)
+    assert chunk[0][1]["a"] is not None and type(chunk[0][1]["a"]) is torch.Tensor  # the worker's own is kept
+    slots = sent[0][1]
+    assert slots["a"].slot == slots["b"].slot == 0 and slots["c"].slot == 1 and slots["n"] == 3
+    assert sent[1] == (8, "not a mapping")
+    got = dict(inbox.opened(sent))
+    assert torch.equal(got[7]["a"], base[:50]) and torch.equal(got[7]["b"], base[50:].view(5, 10))
+    assert got[7]["a"].untyped_storage().data_ptr() == got[7]["b"].untyped_storage().data_ptr()
+    assert inbox.files == 2
+
+
+def test_a_dropped_chunks_message_is_skipped_and_its_files_closed(inbox):
+    before = open_fds()
+    dropped = send_files([(0, {"x": torch.ones(10).share_memory_()})])
+    kept = send_files([(1, {"x": torch.full((10,), 2.0).share_memory_()})])
+    assert dropped[0][1]["x"].message == 0 and kept[0][1]["x"].message == 1
+    got = inbox.opened(kept)
+    assert torch.equal(got[0][1]["x"], torch.full((10,), 2.0))
+    del got
+    assert open_fds() == before  # the dropped message's descriptor and the kept one's were closed
+
+
+def test_a_message_that_cannot_be_sent_leaves_the_chunk_to_torch(inbox):
+    inbox._mine[0].close()  # the rank's end is gone: the send fails at once, it does not wait
+    chunk = [(0, {"x": torch.ones(10).share_memory_()})]
+    assert send_files(chunk) is chunk
+    assert worker_files._SENDER.number == 0  # no message was sent, so the next one keeps its number
+
+
+def test_a_chunk_carries_at_most_max_files_slots(inbox):
+    chunk = [(k, {"x": torch.full((4,), float(k)).share_memory_()}) for k in range(MAX_FILES + 5)]
+    sent = send_files(chunk)
+    assert all(type(s["x"]) is FileSlot for _, s in sent[:MAX_FILES])
+    assert all(s["x"] is chunk[k][1]["x"] for k, (_, s) in enumerate(sent) if k >= MAX_FILES)
+    got = inbox.opened(sent)
+    assert all(torch.equal(s["x"], torch.full((4,), float(k))) for k, s in got)
+
+
+def test_a_missing_message_is_an_error_naming_the_worker_not_a_wait(inbox):
+    slot = FileSlot(3, 0, 0, 40, "torch.float32", (10,), (1,), 0)
+    with pytest.raises(RuntimeError, match="worker 0's chunk names its shared-memory files' message 3"):
+        inbox.opened([(0, {"x": slot})])
+    first = send_files([(0, {"x": torch.ones(10).share_memory_()})])
+    send_files([(1, {"x": torch.ones(10).share_memory_()})])
+    inbox.opened(first)  # message 0
+    with pytest.raises(RuntimeError, match="sent shared-memory files in message 1 where the rank expected message 0"):
+        inbox.opened(first)  # message 0 again: the socket holds message 1
+
+
+def test_a_full_socket_leaves_the_chunk_to_torch_instead_of_waiting(inbox):
+    """The rank reads a worker's messages only as it reads its chunks: a worker whose messages pile up (chunks the
+    DataLoader dropped) must go on, not block in the send."""
+    chunks = ([(0, {"x": torch.ones(2).share_memory_()})] for _ in range(100_000))
+    fallback = next((chunk for chunk in chunks if send_files(chunk) is chunk), None)
+    assert fallback is not None and type(fallback[0][1]["x"]) is torch.Tensor
+    sent = worker_files._SENDER.number
+    assert 0 < sent < 100_000
+    assert inbox._receive(0, sent - 1)  # the queue's last message is still read: nothing was half sent
