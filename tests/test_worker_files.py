@@ -12,10 +12,13 @@ missing message is an error naming the worker, not a wait.
 from __future__ import annotations
 
 import os
+import resource
+import socket
+from collections import UserDict
 
 import pytest
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, IterableDataset
 
 from odb_core import ODBDataLoader
 from odb_core.data import worker_files
@@ -68,16 +71,36 @@ def check(sample: dict) -> int:
     return index
 
 
-@pytest.mark.parametrize("context", ["fork", "spawn", "forkserver"])
-def test_a_workers_tensors_reach_the_rank_from_descriptors_with_their_values_and_layout(context):
-    loader = ODBDataLoader(Images(), token_budget=24, num_workers=2, multiprocessing_context=context,
-                           collate_fn=KeepSamples())
-    seen = [check(sample) for batch in loader for sample in batch["samples"]]
-    assert sorted(seen) == list(range(48))
-    # pixel_values, depth and mask of every sample: the list's image, the Parameter and the sparse tensor go
-    # torch's way
-    assert loader._stream._watch.inbox.files == 3 * 48
+class FeatureImages(Images):
+    """`Images` as an HF processor returns them, a `UserDict` (`BatchFeature`): nothing is packed for the pipe, so
+    the small ids are shared files too."""
+
+    def __getitem__(self, index: int) -> UserDict:
+        return UserDict(super().__getitem__(index))
+
+
+class StreamedImages(IterableDataset):
+    """`Images` as a stream: each worker reads all of it and keeps its own chunks."""
+
+    def __iter__(self):
+        return (Images()[index] for index in range(48))
+
+
+@pytest.mark.parametrize(("context", "options", "dataset"), [
+    ("fork", {}, Images), ("spawn", {}, Images), ("forkserver", {}, Images),
+    ("fork", {"reader_thread": False}, Images),  # read on the main thread
+    ("fork", {}, StreamedImages), ("fork", {}, FeatureImages)])
+def test_a_workers_tensors_reach_the_rank_from_descriptors_with_their_values_and_layout(context, options, dataset):
+    loader = ODBDataLoader(dataset(), token_budget=24, num_workers=2, multiprocessing_context=context,
+                           collate_fn=KeepSamples(), idle_sample=Images()[0], **options)
+    samples = [sample for batch in loader for sample in batch["samples"]]
+    assert sorted(check(sample) for sample in samples) == list(range(48))
+    assert all(type(sample) is (UserDict if dataset is FeatureImages else dict) for sample in samples)
+    # pixel_values, depth and mask of every sample (and a UserDict's ids and labels, shared too): the list's image,
+    # the Parameter and the sparse tensor go torch's way
+    assert loader._stream._watch.inbox.files == (5 if dataset is FeatureImages else 3) * 48
     loader.close()
+    assert loader._stream._watch.inbox is None  # the socket pairs are closed with the loader
 
 
 def test_persistent_workers_left_early_still_hand_over_every_sample_right():
@@ -88,6 +111,7 @@ def test_persistent_workers_left_early_still_hand_over_every_sample_right():
         break
     seen = [check(sample) for batch in loader for sample in batch["samples"]]
     assert sorted(seen) == list(range(48))
+    assert loader._stream._watch.inbox.skipped > 0  # the dropped chunks' messages were met, and skipped
     loader.close()
 
 
@@ -132,11 +156,31 @@ def test_a_dropped_chunks_message_is_skipped_and_its_files_closed(inbox):
     assert open_fds() == before  # the dropped message's descriptor and the kept one's were closed
 
 
-def test_a_message_that_cannot_be_sent_leaves_the_chunk_to_torch(inbox):
-    inbox._mine[0].close()  # the rank's end is gone: the send fails at once, it does not wait
-    chunk = [(0, {"x": torch.ones(10).share_memory_()})]
-    assert send_files(chunk) is chunk
-    assert worker_files._SENDER.number == 0  # no message was sent, so the next one keeps its number
+def test_a_closed_inbox_leaves_later_chunks_to_torch_though_a_forked_worker_holds_its_end(inbox):
+    own_end = socket.socket(fileno=os.dup(inbox.ends[0].fileno()))  # the worker's own copy of its end
+    copy_of_rank_end = os.dup(inbox._mine[0].fileno())  # what a worker forked from the rank also holds
+    attach(own_end, 0)
+    try:
+        inbox.close()  # the send fails at once, it does not wait
+        chunk = [(0, {"x": torch.ones(10).share_memory_()})]
+        assert send_files(chunk) is chunk
+        assert worker_files._SENDER.number == 0  # no message was sent, so the next one keeps its number
+    finally:
+        own_end.close()
+        os.close(copy_of_rank_end)
+
+
+def test_a_rank_out_of_open_files_gets_an_error_naming_the_limit(inbox):
+    send_files([(0, {f"x{k}": torch.ones(4).share_memory_() for k in range(6)})])
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    taken = {int(f) for f in os.listdir("/proc/self/fd")}
+    free = [fd for fd in range(len(taken) + 3) if fd not in taken]
+    resource.setrlimit(resource.RLIMIT_NOFILE, (free[1] + 1, hard))  # room for 2 descriptors of the 6
+    try:
+        with pytest.raises(OSError, match="too many files open. Raise `ulimit -n`"):
+            inbox._receive(0, 0, [])
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
 def test_a_chunk_carries_at_most_max_files_slots(inbox):
@@ -159,7 +203,7 @@ def test_a_missing_message_is_an_error_naming_the_worker_not_a_wait(inbox):
         inbox.opened(first)  # message 0 again: the socket holds message 1
 
 
-def test_a_full_socket_leaves_the_chunk_to_torch_instead_of_waiting(inbox):
+def test_a_full_send_buffer_leaves_the_chunk_to_torch_instead_of_waiting(inbox):
     """The rank reads a worker's messages only as it reads its chunks: a worker whose messages pile up (chunks the
     DataLoader dropped) must go on, not block in the send."""
     chunks = ([(0, {"x": torch.ones(2).share_memory_()})] for _ in range(100_000))
@@ -167,4 +211,18 @@ def test_a_full_socket_leaves_the_chunk_to_torch_instead_of_waiting(inbox):
     assert fallback is not None and type(fallback[0][1]["x"]) is torch.Tensor
     sent = worker_files._SENDER.number
     assert 0 < sent < 100_000
-    assert inbox._receive(0, sent - 1)  # the queue's last message is still read: nothing was half sent
+    fds: list[int] = []
+    inbox._receive(0, sent - 1, fds)  # the last message sent is read: nothing was half sent
+    assert len(fds) == 1 and inbox.skipped == sent - 1
+    os.close(fds[0])
+
+
+@pytest.mark.parametrize("way", ["torch", "descriptors"])
+def test_the_benchmark_times_both_ways_with_every_tensor_arriving_right(way):
+    """`python -m benchmarks.worker_files` compares the two ways: each must deliver every tensor with its values
+    (the run asserts it) and report positive per-tensor figures."""
+    from benchmarks.worker_files import run
+
+    figures = run(way, tensors=40, numel=1 << 16, per_chunk=8, hold=2)
+    assert set(figures) == {"rank_cpu_ms", "worker_cpu_ms", "wall_ms"}
+    assert all(value > 0 for value in figures.values())

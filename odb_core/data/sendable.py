@@ -35,9 +35,9 @@ NON_LEAF = "a tensor computed with autograd (it requires grad and is not a leaf)
 # pickle, the kernel through the pipe, the rank out of the pickle; each copy costs both sides CPU in proportion to
 # the bytes, and the rank's copies land in its heap, where a round's samples fragment it) or in a shared-memory
 # file of its own (the worker copies it once; then a fixed cost per tensor on both sides: a file, a mapping, a
-# descriptor sent over a socket). Measured on this project's 2-core machine (2 forked workers, nothing else
-# running; samples/s pipe / shared memory): 256 KiB 1,640 / 1,130, 384 KiB 1,150 / 970, 512 KiB 840 / 860,
-# 1 MiB 470 / 640. So tensors of up to 512 KiB take the pipe and larger ones shared memory. Samples buffered for a
+# descriptor, one message per chunk: NOTE [ A worker's files travel as descriptors ]). Measured here before that
+# note (2 forked workers; samples/s pipe / shared memory): 256 KiB 1,640 / 1,130, 384 KiB 1,150 / 970, 512 KiB 840 /
+# 860, 1 MiB 470 / 640. So tensors of up to 512 KiB take the pipe, larger ones shared memory. Samples buffered for a
 # round then hold their larger tensors in /dev/shm until collated (up to `max_buffer_bytes` a rank): a container
 # needs a /dev/shm that large per rank (docs/guides/multimodal.md). And under torch's default sharing strategy
 # (`file_descriptor`) the rank keeps each such tensor's file open while the tensor lives: a round's samples and the

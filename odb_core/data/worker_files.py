@@ -5,10 +5,11 @@ A sample's tensors over the pipe's limit leave a DataLoader worker in shared-mem
 pipe or shared memory ] in sendable.py). Under torch's default sharing strategy (`file_descriptor`) the queue's
 feeder registers each file's descriptor with the worker's `resource_sharer`, and the rank, unpickling the chunk,
 fetches each one over a connection of its own: a socket connected, both sides authenticated (an HMAC challenge
-each way), one descriptor passed, the connection closed. Timed here with 2 MB tensors, one at a time: 0.6-0.7 ms
-of the rank's CPU and ~0.3 ms more of the worker's per tensor, against 0.11 ms for opening the file directly; a
-plain DataLoader pays it once per batch, ODB once per sample, and on a host whose cores the workers share, it
-comes out of their reading (docs/design.md, issue 27, item 9).
+each way), one descriptor passed, the connection closed. A plain DataLoader pays that once per batch, ODB once per
+sample, and on a host whose cores the workers share, it comes out of their reading (docs/design.md, issue 27,
+item 9). `python -m benchmarks.worker_files` (2 MiB tensors): the rank's CPU per tensor 0.59-0.71 ms -> 0.40-0.49
+ms with what follows, the worker's 2.17-2.64 -> 2.00-2.23 ms. A file per tensor, and its mapping and page freeing
+on the rank, remain (design.md item 9: a region a worker reuses, designed, not built).
 
 So each worker of an `iter()` gets one end of a Unix datagram socket pair (`FileInbox`, made by the rank's
 `WorkerWatch.start` and handed over by `Lifeline`), and the workers' collate function (`keep_chunk`) sends the
@@ -20,26 +21,40 @@ on the worker's queue, so the rank, reading the chunk (`read_chunk`, in the read
 waiting (`FileInbox.opened`): it maps each file (the storage keeps a descriptor of its own) and closes the
 message's descriptors. A message older than the one asked for belongs to a chunk the DataLoader dropped (persistent
 workers reset at an epoch's early end): its descriptors are closed. One missing, or newer than asked for, cannot
-happen while the worker sends before it puts; it is an error naming the worker, not a wait.
-What still goes torch's way: a chunk whose message cannot be sent (the rank's end closed, its queue full, the
-descriptors beyond `MAX_FILES`: never a wait, the tensors just stay in the chunk), tensors not at a sample's top
-level, tensors of a dtype outside `DTYPES`, and storages shared by name (`file_system`). The batches are the same:
-the rank's tensor is the worker's file, with its dtype, shape, strides and offset (tests/test_worker_files.py).
-Cost: two descriptors per worker on the rank for the socket pairs; the files of chunks the DataLoader dropped stay
-open in the rank's socket until that worker's next chunk is read or the epoch's workers are replaced.
+happen while the worker sends before it puts and one reader at a time takes the messages (a lock: a reader thread
+left behind at an epoch's end may still read beside the next epoch's); it is an error naming the worker, not a
+wait. A rank out of open files gets its descriptors cut short: an error naming `ulimit -n`.
+What still goes torch's way: tensors not at the top level of a `dict` or `UserDict` sample (HF's `BatchFeature`),
+tensor subclasses (a `Parameter`), tensors that require grad, lazily negated or conjugated views, tensors of a dtype
+outside `DTYPES`, storages shared by name (`file_system`), the files of a chunk beyond `MAX_FILES`, and a chunk
+whose message cannot be sent at once (never a wait: its tensors just stay in the chunk): the rank's end was shut
+(its iterator was left: `FileInbox.close` shuts it for reading, since forked workers hold copies of it), the
+worker's send buffer is full (a few hundred messages of dropped chunks unread), or the kernel's limit on
+descriptors in flight (per user, the sender's `ulimit -n`, over every rank of the host) is reached; the worker then
+logs a warning once. The batches are the same: the rank's tensor is the worker's file, with its dtype, shape,
+strides and offset (tests/test_worker_files.py). Cost: two descriptors per worker on the rank (and up to two per
+worker in each forked worker) for the socket pairs; the files of chunks the DataLoader dropped stay open in the
+rank's socket until that worker's next chunk with files is read or the pairs are closed (a new `iter()` of
+non-persistent workers, or the loader's `close()`); a storage that several chunks share is mapped once per chunk
+(torch's cache of received storages mapped it once).
 """
 
 from __future__ import annotations
 
 import array
 import copy
+import errno
 import os
 import socket
 import struct
+import threading
+from collections import UserDict
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
+
+from odb_core.settings.console import LOGGER
 
 MAX_FILES = 250  # descriptors in one message: the kernel passes at most 253 (SCM_MAX_FD)
 _NUMBER = struct.Struct("<q")
@@ -90,6 +105,7 @@ class _Sender:
     end: socket.socket
     worker: int
     number: int = 0  # the next message's
+    warned: bool = False
 
 
 _SENDER: _Sender | None = None  # this worker process's, once `attach`ed
@@ -111,20 +127,25 @@ def send_files(pairs: list[tuple[int, Any]]) -> list[tuple[int, Any]]:
     slots: dict[int, int] = {}  # a storage's address: its slot
     out: list[tuple[int, Any]] = []
     for index, sample in pairs:
-        if isinstance(sample, dict):
+        if isinstance(sample, dict | UserDict):  # HF's `BatchFeature` is a `UserDict`
             sample = _slotted(sample, sender, fds, slots)
         out.append((index, sample))
     if not fds:
         return pairs
     try:
         sender.end.sendmsg([_NUMBER.pack(sender.number)], [_rights(fds)], socket.MSG_DONTWAIT)
-    except OSError:
-        return pairs  # torch's way for this chunk: the files go with its pickle
+    except OSError as exc:  # torch's way for this chunk: the files go with its pickle
+        if exc.errno not in (errno.EPIPE, errno.ECONNREFUSED) and not sender.warned:  # not a rank that left
+            sender.warned = True
+            LOGGER.warning("ODB: DataLoader worker %d sends a chunk's shared-memory files the slower way, one "
+                           "connection per file (%s); later chunks may too (NOTE [ A worker's files travel as "
+                           "descriptors ] in odb_core/data/worker_files.py)", sender.worker, exc)
+        return pairs
     sender.number += 1
     return out
 
 
-def _slotted(sample: dict, sender: _Sender, fds: list[int], slots: dict[int, int]) -> dict:
+def _slotted(sample: dict | UserDict, sender: _Sender, fds: list[int], slots: dict[int, int]) -> dict | UserDict:
     """`sample` (a copy, if any tensor is replaced) with its top-level shared tensors as `FileSlot`s."""
     out = None
     for key, value in sample.items():
@@ -165,7 +186,9 @@ class FileInbox:
         pairs = [socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM) for _ in range(workers)]
         self._mine = [mine for mine, _ in pairs]
         self.ends = tuple(theirs for _, theirs in pairs)
-        self.files = 0  # files opened: what the tests look at
+        self._lock = threading.Lock()  # a reader thread left behind may still read beside the next epoch's
+        self.files = 0  # files opened, and messages of dropped chunks skipped: what the tests look at
+        self.skipped = 0
 
     def opened(self, chunk: list[tuple[int, Any]]) -> list[tuple[int, Any]]:
         """`chunk`'s samples with every `FileSlot` the tensor it stands for, mapped from its file."""
@@ -179,7 +202,7 @@ class FileInbox:
         return out
 
     def _open_sample(self, sample: Any, storages: dict, fds: list[int]) -> Any:
-        if not isinstance(sample, dict):
+        if not isinstance(sample, dict | UserDict):
             return sample
         out = None
         for key, value in sample.items():
@@ -190,37 +213,58 @@ class FileInbox:
             storage = storages.get((value.worker, value.slot))
             if storage is None:
                 if not fds:
-                    fds.extend(self._receive(value.worker, value.message))
+                    self._receive(value.worker, value.message, fds)
                 storage = storages[(value.worker, value.slot)] = torch.UntypedStorage._new_shared_fd_cpu(
                     fds[value.slot], value.nbytes)
                 self.files += 1
             out[key] = tensor_in(storage, value.dtype, value.offset, value.shape, value.stride)
         return sample if out is None else out
 
-    def _receive(self, worker: int, message: int) -> list[int]:
-        """The descriptors of `worker`'s message `message`, closing those of older ones (dropped chunks)."""
-        end = self._mine[worker]
-        while True:
-            try:
-                data, ancillary, flags, _ = end.recvmsg(_NUMBER.size, socket.CMSG_LEN(4 * (MAX_FILES + 3)),
-                                                         socket.MSG_DONTWAIT)
-            except BlockingIOError:
-                raise RuntimeError(f"DataLoader worker {worker}'s chunk names its shared-memory files' message "
-                                   f"{message}, which is not in the rank's socket (NOTE [ A worker's files travel "
-                                   "as descriptors ] in odb_core/data/worker_files.py); please report it") from None
-            fds = _received(ancillary)
-            number = _NUMBER.unpack(data)[0] if len(data) == _NUMBER.size else -1
-            if number == message and not flags & socket.MSG_CTRUNC:
-                return fds
-            for fd in fds:
-                os.close(fd)
-            if number >= message or number < 0:
-                raise RuntimeError(f"DataLoader worker {worker} sent shared-memory files in message {number} "
-                                   f"{'cut short ' if flags & socket.MSG_CTRUNC else ''}where the rank expected "
-                                   f"message {message} (NOTE [ A worker's files travel as descriptors ] in "
-                                   "odb_core/data/worker_files.py); please report it")
+    def _receive(self, worker: int, message: int, fds: list[int]) -> None:
+        """The descriptors of `worker`'s message `message` into `fds` (the caller closes them), closing those of
+        older ones (dropped chunks)."""
+        with self._lock:
+            while True:
+                number, truncated = self._next_message(worker, message, fds)
+                if number == message and not truncated:
+                    return
+                for fd in fds:
+                    os.close(fd)
+                fds.clear()
+                if truncated:
+                    raise OSError(errno.EMFILE, f"the rank could not take the descriptors of DataLoader worker "
+                                  f"{worker}'s shared-memory files (message {number}): it has too many files open. "
+                                  "Raise `ulimit -n`, or lower max_buffer_bytes or window")
+                if number > message or number < 0:
+                    raise RuntimeError(f"DataLoader worker {worker} sent shared-memory files in message {number} "
+                                       f"where the rank expected message {message} (NOTE [ A worker's files "
+                                       "travel as descriptors ] in odb_core/data/worker_files.py); please report it")
+                self.skipped += 1
+
+    def _next_message(self, worker: int, message: int, fds: list[int]) -> tuple[int, bool]:
+        """(number, cut short) of the next message in `worker`'s socket, its descriptors added to `fds`."""
+        try:
+            data, ancillary, flags, _ = self._mine[worker].recvmsg(_NUMBER.size, socket.CMSG_LEN(4 * (MAX_FILES + 3)),
+                                                                    socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            raise RuntimeError(f"DataLoader worker {worker}'s chunk names its shared-memory files' message {message}, "
+                               "which is not in the rank's socket (NOTE [ A worker's files travel as descriptors ] "
+                               "in odb_core/data/worker_files.py); please report it") from None
+        fds.extend(_received(ancillary))
+        return (_NUMBER.unpack(data)[0] if len(data) == _NUMBER.size else -1), bool(flags & socket.MSG_CTRUNC)
 
     def close(self) -> None:
-        """Close both ends of every pair: a message still queued closes its descriptors with them."""
+        """Close every pair. A worker forked from this rank holds copies of the rank's ends, so each is shut for
+        reading first (a worker's later send then fails, and its chunk goes torch's way) and drained (the files of
+        messages still queued are let go now, not when every such worker has exited)."""
+        for end in self._mine:
+            try:
+                end.shutdown(socket.SHUT_RD)
+                while True:
+                    _, ancillary, _, _ = end.recvmsg(1, socket.CMSG_LEN(4 * (MAX_FILES + 3)), socket.MSG_DONTWAIT)
+                    for fd in _received(ancillary):
+                        os.close(fd)
+            except OSError:  # drained (BlockingIOError), or already closed
+                pass
         for end in (*self._mine, *self.ends):
             end.close()

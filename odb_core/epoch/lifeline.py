@@ -68,7 +68,8 @@ class WorkerStarted:
 class Lifeline:
     """The `worker_init_fn` of ODB's workers (picklable for spawn/forkserver); see NOTE [ Workers die with their
     rank ]. `user_init` is the user's own `worker_init_fn`, called afterwards; `reports`, the write end of the
-    rank's `WorkerWatch` pipe, receives a `WorkerStarted` tagged `generation`."""
+    rank's `WorkerWatch` pipe, receives a `WorkerStarted` tagged `generation`; `files[worker_id]` is the worker's
+    end of the socket its chunks' shared files go by (NOTE [ A worker's files travel as descriptors ])."""
 
     rank_pid: int
     user_init: Callable[[int], None] | None = None

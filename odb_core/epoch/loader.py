@@ -295,6 +295,7 @@ class ODBDataLoader:
                     part.close()
             if self._owns_transport:
                 self.transport.close()
+            self._stream.close_files()  # NOTE [ A worker's files travel as descriptors ]
 
     def __del__(self) -> None:
         self._stop_epoch(leave=False)  # no collective from a finalizer

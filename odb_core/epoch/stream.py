@@ -219,6 +219,11 @@ class SampleStream:
         return WatchedChunks(chunks, self._watch, direct=direct, prepare=functools.partial(read_chunk,
                                                                                            files=self._watch.inbox))
 
+    def close_files(self) -> None:
+        """Close the workers' socket pairs for shared files (the loader's `close()`; workers later go torch's way)."""
+        if self._watch is not None:
+            self._watch.close_files()
+
     def _build_sampler(self, sampler: Sampler[int] | None) -> Sampler[int] | None:
         if self.size is None:
             if sampler is not None:

@@ -38,6 +38,7 @@ import multiprocessing
 import queue
 import select
 import signal
+import socket
 import sys
 import threading
 import time
@@ -124,16 +125,22 @@ class WorkerWatch:
                 self._unwatch_fd(worker.sentinel)
         self._workers, self._generation = [], self._generation + 1
         self.cheap = self._poller is not None
-        if self.inbox is not None:  # the last `iter()`'s workers are gone, and what they sent with them
-            self.inbox.close()
-        self.inbox = FileInbox(loader.num_workers)  # NOTE [ A worker's files travel as descriptors ]
+        self.close_files()  # the last `iter()`'s workers go: what they still send goes torch's way
+        if hasattr(socket, "AF_UNIX"):  # NOTE [ A worker's files travel as descriptors ]
+            self.inbox = FileInbox(loader.num_workers)
         loader.worker_init_fn = Lifeline(self._rank_pid, self._user_init, self._outbox, self._generation,
-                                         self.inbox.ends)
+                                         self.inbox.ends if self.inbox is not None else ())
         before = {p.pid for p in multiprocessing.active_children()}
         chunks = iter(loader)
         self._candidates = {p.pid: p for p in multiprocessing.active_children() if p.pid not in before}
         self._started = loader
         return chunks
+
+    def close_files(self) -> None:
+        """Close the current workers' socket pairs (data/worker_files.py), if any."""
+        if self.inbox is not None:
+            self.inbox.close()
+            self.inbox = None
 
     def quick_dead(self) -> _Worker | None:
         """`dead()`, looked at only when one `poll(0)` of the report pipe and the sentinels shows a change."""
