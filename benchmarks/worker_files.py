@@ -35,6 +35,7 @@ from odb_core.data.sendable import move_to_shared
 from odb_core.data.worker_files import FileInbox, attach, send_files
 
 WAYS = ("torch", "descriptors")
+TIMEOUT_S = 60.0  # a worker that died: an error, not a wait
 
 
 def worker(out, done, way: str, end, tensors: int, numel: int, per_chunk: int) -> None:
@@ -59,18 +60,23 @@ def run(way: str, tensors: int, numel: int, per_chunk: int, hold: int) -> dict[s
     process = context.Process(target=worker, args=(out, done, way, inbox.ends[0], tensors, numel, per_chunk))
     wall, cpu, received, right = time.perf_counter(), time.process_time(), 0, 0
     process.start()
-    held: collections.deque = collections.deque(maxlen=hold)  # a buffer's samples wait for their round
-    while received < tensors:
-        chunk = inbox.opened(out.get())
-        received += len(chunk)
-        right += sum(int(sample["pixel_values"][0].item() == index) for index, sample in chunk)
-        held.append(chunk)
-    held.clear()
-    rank_cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
-    done.set()
-    worker_cpu = out.get()[1]
-    process.join()
-    inbox.close()
+    try:
+        held: collections.deque = collections.deque(maxlen=hold)  # a buffer's samples wait for their round
+        while received < tensors:
+            chunk = inbox.opened(out.get(timeout=TIMEOUT_S))
+            received += len(chunk)
+            right += sum(int(sample["pixel_values"][0].item() == index) for index, sample in chunk)
+            held.append(chunk)
+        held.clear()
+        rank_cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+        done.set()
+        worker_cpu = out.get(timeout=TIMEOUT_S)[1]
+    finally:
+        done.set()
+        process.join(timeout=TIMEOUT_S)
+        if process.is_alive():
+            process.kill()
+        inbox.close()
     assert right == tensors, f"{right} of {tensors} tensors arrived with their values"
     return {"rank_cpu_ms": 1e3 * rank_cpu / tensors, "worker_cpu_ms": 1e3 * worker_cpu / tensors,
             "wall_ms": 1e3 * wall / tensors}

@@ -161,10 +161,13 @@ def test_a_closed_inbox_leaves_later_chunks_to_torch_though_a_forked_worker_hold
     copy_of_rank_end = os.dup(inbox._mine[0].fileno())  # what a worker forked from the rank also holds
     attach(own_end, 0)
     try:
+        send_files([(0, {"x": torch.ones(10).share_memory_()})])  # queued: the close lets its file go
         inbox.close()  # the send fails at once, it does not wait
+        with socket.socket(fileno=os.dup(copy_of_rank_end)) as probe, pytest.raises(BlockingIOError):
+            probe.recvmsg(8, 64, socket.MSG_DONTWAIT)  # the queued message was drained
         chunk = [(0, {"x": torch.ones(10).share_memory_()})]
         assert send_files(chunk) is chunk
-        assert worker_files._SENDER.number == 0  # no message was sent, so the next one keeps its number
+        assert worker_files._SENDER.number == 1  # no message was sent, so the next one keeps its number
     finally:
         own_end.close()
         os.close(copy_of_rank_end)
@@ -175,7 +178,7 @@ def test_a_rank_out_of_open_files_gets_an_error_naming_the_limit(inbox):
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     taken = {int(f) for f in os.listdir("/proc/self/fd")}
     free = [fd for fd in range(len(taken) + 3) if fd not in taken]
-    resource.setrlimit(resource.RLIMIT_NOFILE, (free[1] + 1, hard))  # room for 2 descriptors of the 6
+    resource.setrlimit(resource.RLIMIT_NOFILE, (free[1] + 1, hard))  # room for 3 of the 6 (listdir's was freed)
     try:
         with pytest.raises(OSError, match="too many files open. Raise `ulimit -n`"):
             inbox._receive(0, 0, [])
@@ -190,6 +193,18 @@ def test_a_chunk_carries_at_most_max_files_slots(inbox):
     assert all(s["x"] is chunk[k][1]["x"] for k, (_, s) in enumerate(sent) if k >= MAX_FILES)
     got = inbox.opened(sent)
     assert all(torch.equal(s["x"], torch.full((4,), float(k))) for k, s in got)
+
+
+def test_a_reader_left_behind_never_takes_a_message_the_current_reader_needs(inbox):
+    """A reader thread left at an epoch's end may ask for a message the next epoch's reader already passed: it
+    must fail alone, leaving the newer message queued."""
+    old = send_files([(0, {"x": torch.ones(10).share_memory_()})])
+    current = send_files([(1, {"x": torch.full((10,), 2.0).share_memory_()})])
+    newer = send_files([(2, {"x": torch.full((10,), 3.0).share_memory_()})])
+    assert torch.equal(inbox.opened(current)[0][1]["x"], torch.full((10,), 2.0))  # message 0 skipped on the way
+    with pytest.raises(RuntimeError, match="sent shared-memory files in message 2 where the rank expected message 0"):
+        inbox.opened(old)  # the reader left behind
+    assert torch.equal(inbox.opened(newer)[0][1]["x"], torch.full((10,), 3.0))
 
 
 def test_a_missing_message_is_an_error_naming_the_worker_not_a_wait(inbox):

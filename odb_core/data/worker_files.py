@@ -18,25 +18,27 @@ descriptors of the chunk's top-level shared tensors in one message (`send_files`
 message, and how the tensor lies in its file), and two tensors of one storage share a slot, as torch's cache of
 received storages makes them share one storage. The message is in the rank's socket before the chunk is even put
 on the worker's queue, so the rank, reading the chunk (`read_chunk`, in the reader thread), finds it there without
-waiting (`FileInbox.opened`): it maps each file (the storage keeps a descriptor of its own) and closes the
-message's descriptors. A message older than the one asked for belongs to a chunk the DataLoader dropped (persistent
-workers reset at an epoch's early end): its descriptors are closed. One missing, or newer than asked for, cannot
-happen while the worker sends before it puts and one reader at a time takes the messages (a lock: a reader thread
-left behind at an epoch's end may still read beside the next epoch's); it is an error naming the worker, not a
-wait. A rank out of open files gets its descriptors cut short: an error naming `ulimit -n`.
+waiting (`FileInbox.opened`): it maps each file (the storage keeps a descriptor of its own) and closes the message's
+descriptors. A message older than the one asked for belongs to a chunk the DataLoader dropped (persistent workers
+reset at an epoch's early end): its descriptors are closed. One missing, or newer than asked for, cannot happen
+while the worker sends before it puts; it is an error naming the worker, not a wait. A reader thread left behind at
+an epoch's end may still read beside the next epoch's: one at a time (a lock), and a reader that meets a message
+newer than its own leaves it queued (it looks first, `MSG_PEEK`), so the one left behind fails alone. A rank out of
+open files gets its descriptors cut short: an error naming `ulimit -n`.
 What still goes torch's way: tensors not at the top level of a `dict` or `UserDict` sample (HF's `BatchFeature`),
 tensor subclasses (a `Parameter`), tensors that require grad, lazily negated or conjugated views, tensors of a dtype
 outside `DTYPES`, storages shared by name (`file_system`), the files of a chunk beyond `MAX_FILES`, and a chunk
 whose message cannot be sent at once (never a wait: its tensors just stay in the chunk): the rank's end was shut
 (its iterator was left: `FileInbox.close` shuts it for reading, since forked workers hold copies of it), the
-worker's send buffer is full (a few hundred messages of dropped chunks unread), or the kernel's limit on
-descriptors in flight (per user, the sender's `ulimit -n`, over every rank of the host) is reached; the worker then
-logs a warning once. The batches are the same: the rank's tensor is the worker's file, with its dtype, shape,
-strides and offset (tests/test_worker_files.py). Cost: two descriptors per worker on the rank (and up to two per
-worker in each forked worker) for the socket pairs; the files of chunks the DataLoader dropped stay open in the
-rank's socket until that worker's next chunk with files is read or the pairs are closed (a new `iter()` of
-non-persistent workers, or the loader's `close()`); a storage that several chunks share is mapped once per chunk
-(torch's cache of received storages mapped it once).
+worker's send buffer is full (a few hundred messages of dropped chunks unread: then until the pairs are closed,
+since the rank reads a worker's socket only for chunks that name a message), or the kernel's limit on descriptors in
+flight (per user, the sender's `ulimit -n`, over every rank of the host) is reached; the worker then logs a warning
+once (once per worker process: with workers that are not persistent, once per epoch). The batches are the same: the
+rank's tensor is the worker's file, with its dtype, shape, strides and offset (tests/test_worker_files.py). Cost:
+two descriptors per worker on the rank (and up to two per worker in each forked worker) for the socket pairs; the
+files of chunks the DataLoader dropped stay open in the rank's socket until that worker's next chunk with files is
+read or the pairs are closed (a new `iter()` of non-persistent workers, or the loader's `close()`); a storage that
+several chunks share is mapped once per chunk (torch's cache of received storages mapped it once).
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ import torch
 from odb_core.settings.console import LOGGER
 
 MAX_FILES = 250  # descriptors in one message: the kernel passes at most 253 (SCM_MAX_FD)
+_LEFT = (errno.EPIPE, errno.ECONNREFUSED, errno.ENOTCONN, errno.ECONNRESET)  # the rank's end shut or closed
 _NUMBER = struct.Struct("<q")
 
 DTYPES = {str(d): d for d in (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
@@ -135,7 +138,7 @@ def send_files(pairs: list[tuple[int, Any]]) -> list[tuple[int, Any]]:
     try:
         sender.end.sendmsg([_NUMBER.pack(sender.number)], [_rights(fds)], socket.MSG_DONTWAIT)
     except OSError as exc:  # torch's way for this chunk: the files go with its pickle
-        if exc.errno not in (errno.EPIPE, errno.ECONNREFUSED) and not sender.warned:  # not a rank that left
+        if exc.errno not in _LEFT and not sender.warned:
             sender.warned = True
             LOGGER.warning("ODB: DataLoader worker %d sends a chunk's shared-memory files the slower way, one "
                            "connection per file (%s); later chunks may too (NOTE [ A worker's files travel as "
@@ -242,29 +245,39 @@ class FileInbox:
                 self.skipped += 1
 
     def _next_message(self, worker: int, message: int, fds: list[int]) -> tuple[int, bool]:
-        """(number, cut short) of the next message in `worker`'s socket, its descriptors added to `fds`."""
+        """(number, cut short) of the next message in `worker`'s socket, its descriptors added to `fds`; a message
+        newer than `message` is only looked at, and left for the reader that asks for it."""
+        end = self._mine[worker]
         try:
-            data, ancillary, flags, _ = self._mine[worker].recvmsg(_NUMBER.size, socket.CMSG_LEN(4 * (MAX_FILES + 3)),
-                                                                    socket.MSG_DONTWAIT)
+            data = end.recv(_NUMBER.size, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+            number = _NUMBER.unpack(data)[0] if len(data) == _NUMBER.size else -1
+            if number > message:
+                return number, False
+            _, ancillary, flags, _ = end.recvmsg(_NUMBER.size, socket.CMSG_LEN(4 * (MAX_FILES + 3)),
+                                                 socket.MSG_DONTWAIT)
         except BlockingIOError:
             raise RuntimeError(f"DataLoader worker {worker}'s chunk names its shared-memory files' message {message}, "
                                "which is not in the rank's socket (NOTE [ A worker's files travel as descriptors ] "
                                "in odb_core/data/worker_files.py); please report it") from None
         fds.extend(_received(ancillary))
-        return (_NUMBER.unpack(data)[0] if len(data) == _NUMBER.size else -1), bool(flags & socket.MSG_CTRUNC)
+        return number, bool(flags & socket.MSG_CTRUNC)
 
     def close(self) -> None:
         """Close every pair. A worker forked from this rank holds copies of the rank's ends, so each is shut for
         reading first (a worker's later send then fails, and its chunk goes torch's way) and drained (the files of
         messages still queued are let go now, not when every such worker has exited)."""
-        for end in self._mine:
-            try:
-                end.shutdown(socket.SHUT_RD)
-                while True:
-                    _, ancillary, _, _ = end.recvmsg(1, socket.CMSG_LEN(4 * (MAX_FILES + 3)), socket.MSG_DONTWAIT)
-                    for fd in _received(ancillary):
-                        os.close(fd)
-            except OSError:  # drained (BlockingIOError), or already closed
-                pass
-        for end in (*self._mine, *self.ends):
-            end.close()
+        with self._lock:  # not beside a reader's `recvmsg`, whose socket's number a new pair may take
+            for end in self._mine:
+                try:
+                    end.shutdown(socket.SHUT_RD)
+                    while True:
+                        data, ancillary, _, _ = end.recvmsg(1, socket.CMSG_LEN(4 * (MAX_FILES + 3)),
+                                                            socket.MSG_DONTWAIT)
+                        for fd in _received(ancillary):
+                            os.close(fd)
+                        if not data and not ancillary:  # a shut socket that reads as ended (not Linux)
+                            break
+                except OSError:  # drained (BlockingIOError), or already closed
+                    pass
+            for end in (*self._mine, *self.ends):
+                end.close()

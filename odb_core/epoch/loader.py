@@ -290,12 +290,12 @@ class ODBDataLoader:
         try:
             self._stop_epoch(leave=not unwinding())  # NOTE [ A failed epoch is not left ] in pipeline.py
         finally:
+            self._stream.close_files()  # never blocks (NOTE [ A worker's files travel as descriptors ])
             for part in (self._lane, self._nodes):  # the lane first: its thread may still end a move on its group
                 if part is not None:
                     part.close()
             if self._owns_transport:
                 self.transport.close()
-            self._stream.close_files()  # NOTE [ A worker's files travel as descriptors ]
 
     def __del__(self) -> None:
         self._stop_epoch(leave=False)  # no collective from a finalizer
