@@ -241,3 +241,22 @@ def test_the_benchmark_times_both_ways_with_every_tensor_arriving_right(way):
     figures = run(way, tensors=40, numel=1 << 16, per_chunk=8, hold=2)
     assert set(figures) == {"rank_cpu_ms", "worker_cpu_ms", "wall_ms"}
     assert all(value > 0 for value in figures.values())
+
+
+def test_a_worker_warns_once_when_its_files_go_the_slower_way_and_not_when_its_rank_left(inbox, odb_log):
+    slower = "sends a chunk's shared-memory files the slower way"
+    while send_files(chunk := [(0, {"x": torch.ones(2).share_memory_()})]) is not chunk:
+        pass  # until the send buffer is full
+    for _ in range(3):
+        send_files([(0, {"x": torch.ones(2).share_memory_()})])
+    assert [r.getMessage() for r in odb_log.caplog.records if slower in r.getMessage()] == [
+        f"ODB: DataLoader worker 0 {slower}, one connection per file ([Errno 11] Resource temporarily unavailable); "
+        "later chunks may too (NOTE [ A worker's files travel as descriptors ] in odb_core/data/worker_files.py)"]
+    odb_log.caplog.clear()
+    with socket.socket(fileno=os.dup(inbox.ends[0].fileno())) as own_end:  # the worker's own copy of its end
+        attach(own_end, 0)
+        inbox.close()  # the rank left: its end is gone
+        for _ in range(2):  # refused, then not connected
+            chunk = [(0, {"x": torch.ones(2).share_memory_()})]
+            assert send_files(chunk) is chunk
+    assert not [r for r in odb_log.caplog.records if slower in r.getMessage()]
