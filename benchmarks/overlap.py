@@ -40,7 +40,7 @@ from benchmarks.lib.overlap_runs import Setup, run_world
 DEFAULT_WINDOWS = (4096, 512)
 COLUMNS = ("workload", "W", "planning", "loader", "samples/s", "vs plain", "busy", "data wait (reading / exchange)",
            "sync", "machine CPU", "efficiency", "nominal", "bound", "first batch s", "training CPU s",
-           "peak RSS MB rank / worker", "supply", "demand")
+           "peak RSS MB rank / worker", "supply", "demand", "advice (per rank)")
 
 
 def measured_setups(args: argparse.Namespace, folder: Path) -> list[dict]:
@@ -98,8 +98,14 @@ def markdown(rows: list[dict]) -> str:
                      f"{r['efficiency']:.2f} | {optional(r.get('nominal_efficiency'))} | "
                      f"{optional(r['bound'])} | "
                      f"{r['first_batch_s']:.2f} | {r['cpu_s']:.1f} | {r['rss_mb']:.0f} / {r['worker_rss_mb']:.0f} | "
-                     f"{r['supply']:.0f} | {r['demand']:.0f} |")
+                     f"{r['supply']:.0f} | {r['demand']:.0f} | {advice_cases(r)} |")
     return "\n".join(lines)
+
+
+def advice_cases(row: dict) -> str:
+    """The cases ODB's waits pointed to on each rank (NOTE [ Which lever ]), "-" for none; "-" for plain."""
+    per_rank = row.get("advice") or []
+    return " / ".join(", ".join(sorted(advice)) or "-" for advice in per_rank) or "-"
 
 
 TIMELINE_COLUMNS = ("workload", "W", "planning", "loader", "first fetch s", "last read s (latest)", "workers busy",

@@ -227,6 +227,7 @@ def _epochs(loader: Any, case: Case, rank: int) -> list[dict[str, Any]]:
         if case.step_s_by_rank is not None:  # wall times: only where a test asks (records are compared whole)
             epochs[-1]["waits"] = {name: getattr(loader.metrics, name)  # cumulative over the epochs so far
                                    for name in ("wait_seconds", "read_seconds", "sync_seconds")}
+            epochs[-1]["advice"] = dict(report.advice) if report else {}  # NOTE [ Which lever ]
     return epochs
 
 

@@ -284,7 +284,8 @@ def test_breaking_out_of_an_epoch_then_starting_the_next_stays_aligned_at_any_sk
 def test_a_rank_waiting_for_a_slower_peer_spends_its_wait_in_the_exchange(tmp_path):
     """NOTE [ Waiting for data ]: rank 1 trains 50 ms per step, rank 0 at once; rank 0's loader waits for rank 1 at
     every round's exchange, and `sync_seconds` (logged as `odb/data_wait_exchange_fraction`) is that wait, not
-    `read_seconds`: its stream is read in-process and never waits."""
+    `read_seconds`: its stream is read in-process and never waits. Its epoch's advice names the slowest rank, and
+    rank 1's says nothing (NOTE [ Which lever ])."""
     case = Case(world_size=2, lengths=mixed_lengths(300), window=24, prefetch_steps=0, step_s_by_rank=[0.0, 0.05])
     records = _run(case, "env", tmp_path)
     fast, slow = (epoch["waits"] for epoch in _epoch(records, 0))
@@ -293,6 +294,9 @@ def test_a_rank_waiting_for_a_slower_peer_spends_its_wait_in_the_exchange(tmp_pa
     assert 0.8 * fast["wait_seconds"] < fast["sync_seconds"] <= fast["wait_seconds"], fast
     assert fast["read_seconds"] < 0.1 * fast["wait_seconds"], fast
     assert slow["sync_seconds"] < 0.5 * fast["sync_seconds"], (slow, fast)  # its collectives' own cost
+    fast_advice, slow_advice = (epoch["advice"] for epoch in _epoch(records, 0))  # NOTE [ Which lever ]
+    assert list(fast_advice) == ["ranks"] and "slowest rank" in fast_advice["ranks"], fast_advice
+    assert slow_advice == {}, slow_advice  # it never waited: it is the slow one
 
 
 # --- cross-rank sync under every worker start method ------------------------------------------------------------

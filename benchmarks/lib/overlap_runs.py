@@ -97,6 +97,8 @@ def run_rank(setups: list[Setup], rank: int, world: int) -> list[list[dict]]:
                 dist.barrier()
             run = drive(loader, setup.step, rank, timeline=timed is not None)
             figures = {**asdict(run), "step_at": ()}
+            report = getattr(loader, "last_report", None)  # ODB's: what its waits point to (NOTE [ Which lever ])
+            figures["advice"] = dict(report.advice) if report is not None else {}
             if timed is not None:
                 figures["timeline"] = rank_timeline(fetch_spans(timed), list(run.step_at), run.started_at,
                                                     run.started_at + run.wall_s)
@@ -140,6 +142,7 @@ def run_world(setups: list[Setup], world: int) -> list[dict]:
         plain_rate = None
         for j, spec in enumerate(loader_specs(setup, world)):
             timelines = [r[k][j].pop("timeline") for r in ranks if "timeline" in r[k][j]]
+            advice = [r[k][j].pop("advice") for r in ranks]
             runs = [RankRun(**{**r[k][j], "indices": tuple(r[k][j]["indices"]), "step_s": tuple(r[k][j]["step_s"])})
                     for r in ranks]
             figures = aggregate(runs, setup.workers, setup.process_s, setup.nominal_process_s)
@@ -154,7 +157,7 @@ def run_world(setups: list[Setup], world: int) -> list[dict]:
                          "odb_options": setup.odb_options, **figures.row(),
                          "vs_plain": figures.samples_per_s / plain_rate,
                          "each_once": None if spec.planning is None else each_once(runs, setup.samples),
-                         "per_rank": [per_rank(r) for r in runs],
+                         "per_rank": [per_rank(r) for r in runs], "advice": advice,
                          "timeline": world_timeline(timelines) if timelines else None})
     return rows
 

@@ -1,14 +1,12 @@
 """`ODBDataLoader`: online dynamic batching around a plain DataLoader.
 
 Guarantees (see docs/guarantees.md): every rank yields the same number of steps per epoch (IDLE included); with
-`join=True` every index of the epoch's sampler output appears in exactly one non-IDLE step on exactly one rank;
-every group's cost is <= token_budget except a lone oversize sample; batches depend only on (seed, epoch, data,
-world size, config). Cost per round: one all_gather of `STATE_FIELDS` (10) ints per rank and one all_reduce of
-`STEP_SUM_FIELDS` (6) ints per step, over a dedicated Gloo group.
-
-`len()` is the step count of the last completed epoch on this loader (an honest estimate for the next one,
-which differs only by the shuffle) or `estimate_steps()`' result; before either exists it raises TypeError, which
-is how Python and the HF Trainer recognise a loader without a length.
+`join=True` every index of the epoch's sampler output appears in exactly one non-IDLE step on exactly one rank; every
+group's cost is <= token_budget except a lone oversize sample; batches depend only on (seed, epoch, data, world size,
+config). Cost per round: one all_gather of `STATE_FIELDS` (10) ints per rank and one all_reduce of `STEP_SUM_FIELDS`
+(6) ints per step, over a dedicated Gloo group. `len()` is the step count of the last completed epoch on this loader
+(an honest estimate for the next one, which differs only by the shuffle) or `estimate_steps()`' result; before either
+exists it raises TypeError, which is how Python and the HF Trainer recognise a loader without a length.
 """
 
 from __future__ import annotations
@@ -30,6 +28,7 @@ from odb_core.epoch.pipeline import EpochReport, EpochRun, RunContext
 from odb_core.epoch.plan_ahead import RoundAheadError
 from odb_core.epoch.prefetch import BackgroundIterator, unwinding
 from odb_core.epoch.stream import LoaderCall, SampleStream, StreamOptions, worker_seed
+from odb_core.epoch.wait_advice import Advisor, EpochWaits, Levers, rounds_config
 from odb_core.ranks.node_groups import node_layout, node_transports
 from odb_core.ranks.rounds import RoundsFactory, move_lane, move_mode
 from odb_core.ranks.sync import Transport, default_transport
@@ -131,6 +130,7 @@ class ODBDataLoader:
         self._current: _EpochIterator | None = None
         self.last_report: EpochReport | None = None
         self._length: int | None = None
+        self._advisor = Advisor(Levers(rounds_config(config, self.layout), config.window, num_workers == 0))
 
     # -- iteration ----------------------------------------------------------------------------------------
     @property
@@ -173,11 +173,10 @@ class ODBDataLoader:
         self._current = _EpochIterator(self, run, log, epoch=start.epoch, plan=start.plan, start_metrics=start_metrics)
         return self._current
 
-    def _finish(self, report: EpochReport) -> None:
-        if report.unread_chunks_remaining:  # non-join: name the never-read indices (map-style)
-            report = dataclasses.replace(report, not_emitted=report.not_emitted
-                                         + self._stream.unread(report.stream_position))
-        self.last_report = report
+    def _finish(self, report: EpochReport, waits: EpochWaits) -> None:
+        unread = self._stream.unread(report.stream_position) if report.unread_chunks_remaining else ()  # non-join
+        self.last_report = dataclasses.replace(report, not_emitted=report.not_emitted + unread,
+                                               advice=self._advisor.advise(waits, report.epoch, report.abandoned))
         self._length = report.steps
 
     def _agreed_settings(self) -> dict[str, object]:
@@ -308,7 +307,7 @@ class _EpochIterator(Iterator[ODBBatch]):
     def __init__(self, loader: ODBDataLoader, run: EpochRun, log: RoundLog, *, epoch: int,
                  plan: RemainderSource | None, start_metrics: dict[str, float | int]) -> None:
         self.loader, self.run, self.log, self.epoch, self.plan = loader, run, log, epoch, plan
-        self.start_metrics = start_metrics
+        self.start_metrics, self.waits = start_metrics, loader._advisor.epoch_waits(loader.metrics, run.reader.reads)
         depth = loader.config.prefetch_steps
         self.source: Iterator[ODBBatch] = BackgroundIterator(run, depth) if depth > 0 else run
         self.finished = False
@@ -321,7 +320,7 @@ class _EpochIterator(Iterator[ODBBatch]):
         except StopIteration:
             self.finished = True
             if self.run.report is not None:
-                self.loader._finish(self.run.report)
+                self.loader._finish(self.run.report, self.waits)
             raise
         except BaseException as exc:
             self.failed = True
@@ -329,6 +328,7 @@ class _EpochIterator(Iterator[ODBBatch]):
         finally:  # the last next() too: a round it ran is in read_seconds and sync_seconds, parts of this wait
             self.loader.metrics.wait_seconds += time.perf_counter() - asked  # NOTE [ Waiting for data ]
         assert batch.info is not None
+        self.waits.took(batch.info.local_samples, asked, time.perf_counter())  # NOTE [ Which lever ]
         self.log.consume(batch.info)
         return batch
 

@@ -60,6 +60,7 @@ class EpochReport:
     unread_chunks_remaining: bool
     stream_position: int = 0  # samples read from this rank's stream (admitted + pending), resume offset included
     abandoned: bool = False  # a consumer left the epoch early (NOTE [ Leaving an epoch ])
+    advice: Mapping[str, str] = field(default_factory=dict)  # by case: NOTE [ Which lever ] in wait_advice.py
 
 
 @dataclass(slots=True)

@@ -18,6 +18,7 @@ from odb_core.data.sample import LengthFn, count_patches, inspect_sample
 from odb_core.data.sendable import payload_bytes
 from odb_core.epoch.plan_ahead import WaitParts
 from odb_core.epoch.stream import Chunk, ReadChunk, read_chunk
+from odb_core.epoch.wait_advice import ReadClock
 from odb_core.planning.planner import BufferEngine
 from odb_core.planning.round_sizes import fill_more
 from odb_core.resume.state import RoundStart
@@ -127,6 +128,7 @@ class SampleReader:
         self.take = self.payloads.take  # a buffered payload by dataset index (bound once: per-sample hot path)
         self.stream_ended = False
         self.consumed = 0
+        self.reads = ReadClock()  # NOTE [ Which lever ] in wait_advice.py
         self.dummy_index: int | None = None
         self.dummy: Mapping[str, Any] | None = None
         self.dummy_patches = 0
@@ -224,6 +226,7 @@ class SampleReader:
                 else:
                     self._extend(chunk)
             ready = getattr(self.chunks, "ready", None)  # WatchedChunks (workers); not a resumed stream's chain
+            self.reads.paced = self.reads.paced or ready is None  # NOTE [ Which lever ] in wait_advice.py
             while (ready is not None and len(pending) < cap and not self.stream_ended
                    and (cap_bytes is None or self.pending_bytes < cap_bytes)):
                 try:
@@ -234,6 +237,8 @@ class SampleReader:
                 if chunk is None:
                     break
                 self._extend(chunk)
+            if len(pending) >= cap > 0 or (cap_bytes is not None and self.pending_bytes >= cap_bytes > 0):
+                self.reads.hold()  # the reading is a window (or a fill's bytes) ahead: the consumer paces it now
         except BaseException as exc:
             self._fail(exc)
             raise
@@ -252,6 +257,7 @@ class SampleReader:
         """Queue a chunk's samples, unpacked, with their payload bytes; a reader thread already did both."""
         if type(chunk) is not ReadChunk:
             chunk = read_chunk(chunk, self.packed)
+        self.reads.took(len(chunk))
         self.pending.extend(chunk)
         self.pending_sizes.extend(chunk.sizes)
         self.pending_bytes += chunk.nbytes
