@@ -226,7 +226,7 @@ class SampleReader:
                 else:
                     self._extend(chunk)
             ready = getattr(self.chunks, "ready", None)  # WatchedChunks (workers); not a resumed stream's chain
-            self.reads.paced = self.reads.paced or ready is None  # NOTE [ Which lever ] in wait_advice.py
+            held = False
             while (ready is not None and len(pending) < cap and not self.stream_ended
                    and (cap_bytes is None or self.pending_bytes < cap_bytes)):
                 try:
@@ -237,8 +237,10 @@ class SampleReader:
                 if chunk is None:
                     break
                 self._extend(chunk)
-            if len(pending) >= cap > 0 or (cap_bytes is not None and self.pending_bytes >= cap_bytes > 0):
-                self.reads.hold()  # the reading is a window (or a fill's bytes) ahead: the consumer paces it now
+                held = True
+            full = len(pending) >= cap or (cap_bytes is not None and self.pending_bytes >= cap_bytes)
+            self.reads.pulled(getattr(self.chunks, "looks_ahead", False),  # NOTE [ Which lever ] in wait_advice.py
+                              ahead=held and full or (cap > 0 and cap_bytes == 0 and ready is not None))
         except BaseException as exc:
             self._fail(exc)
             raise

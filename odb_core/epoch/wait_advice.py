@@ -4,7 +4,7 @@ NOTE [ Which lever ]
 `odb/data_wait_fraction` says that the accelerator waited for its batches (NOTE [ Waiting for data ] in
 steps/metrics.py); what to change depends on why (docs/design.md, issue 27 items 2 and 7). At the end of an epoch
 run to its end that waited at least `WORTH_SAYING` of its wall time, the loader names one case, from two rates it
-measures on the rank:
+measures on the rank (a run that stops inside its epochs, `max_steps` or a stream without end, gets none):
   * **The workers read faster than the device trains, but less than `round_growth` (g) times as fast** (`ramp`):
     it waited for the rounds that grow at the epoch's start. Round k + 1, g times round k, is read while round k
     trains, so the device waits at each unless the workers are g times as fast (NOTE [ Round sizes ]).
@@ -12,29 +12,35 @@ measures on the rank:
     already or there is no ramp (`min_window` None); then nothing is.
   * **Slower than the device** (`workers`, by more than `EVEN`): every round waits for its last samples. More
     `num_workers` or cheaper processing is the lever; where the workers cannot keep up, a loader that sorts still
-    loses about one pool of device time per epoch (the pool bound), which a smaller `window` shortens, for looser
-    packing. With `num_workers=0` the case says to use workers.
+    loses about one pool of device time per epoch (the pool bound), which a smaller `window` (under a pooled plan
+    whose `pool_window` shrinks each rank's window, `pool_window`) shortens, for looser packing. With
+    `num_workers=0` the case says to use workers.
   * **About as fast** (`even`, within `EVEN`): the device stays about one round behind the reading and trains the
     largest round after the last read ("A bound no rule of round sizes escapes"). A gentler ramp makes the rounds at
-    the epoch's start and end smaller (at S/D 0.92 it gained in every cell of `benchmarks.round_rules`; named only
-    while g > 1.25), more workers make the reading faster, a smaller `window` caps the largest round.
+    the epoch's start and end smaller (at S/D 0.92 it gained in every cell of `benchmarks.round_rules` at W = 1 and
+    4, and moved W = 64's pooled rounds by at most 0.01; named only while g > 1.25), more workers make the reading
+    faster, a smaller window caps the largest round. At W > 1 the device's rate includes the gradient collectives'
+    waits for slower ranks, so a rank whose workers are faster than its peers' can read as `even`.
   * **The waits were mostly in the rounds' exchanges** (`ranks`; only W > 1 has them): they wait for the slowest
-    rank, and an inline move (`overlap_moves=False`) carries samples there too.
+    rank (whose own log shows whether it waited for data; one that trains slower waits for nothing), and an inline
+    move (`overlap_moves=False`) carries samples there too.
   * Otherwise (the reading under half the waits: the loader's own planning, collating, samples still on the move
     lane), or where a rate cannot be measured, nothing is said; the logged parts show the wait.
 The rates, at no cost to the plans (G7: only this message depends on timing). The device's: the samples this rank
-trained over the consumer's seconds outside `next()`, its steps and its own work (at W > 1 the gradient collectives,
-which wait for slower ranks; an evaluation or a checkpoint inside the epoch counts too, and lowers it). The
+trained over the consumer's seconds outside `next()` (IDLE steps left out), its steps and its own work (at W > 1
+the gradient collectives; an evaluation or a checkpoint inside the epoch counts too, and lowers it). The
 workers': the samples this rank's stream delivered from its first chunk to its last (`ReadClock`, a clock read per
-chunk), or to the first time the read-ahead stopped at its cap (a window of pending samples, or the next fill's
-bytes): from there the consumer paced the reading, and its rate would be the consumer's. Where the workers are
-slower, the cap is never reached and reading never pauses. Without a reader thread (`reader_thread=False`, a
-resumed stream) the consumer pulls only what its next fill needs, so no rate is taken. The DataLoader's own
-prefetch can still hold fast workers back between two steps that take many samples each; the rate then reads low.
-The epoch's first step is left out (its wait is the first round's reading and the workers' start, which no lever
-removes), and the read and exchange seconds are counted from it on, scaled down to the wait where a producer thread
-(`prefetch_steps > 0`) spent them while the consumer trained. The loader keeps the advice in `EpochReport.advice`
-(case: text), none for an epoch that another rank left early, and logs each case once per loader, at WARNING.
+chunk), or to the first step whose read-ahead took chunks a reader thread held until it reached its cap (a window
+of pending samples, or the next fill's bytes; or found no byte room at all): from there the consumer paced the
+reading, and the rate would be the consumer's. Without a reader thread reading ahead (`looks_ahead`:
+`reader_thread=False` where the workers are read on the main thread, a resumed stream), the consumer pulls only
+what its next fill needs, so no rate is taken; nor over fewer than `MIN_SAMPLES` samples. The reader thread's queue
+and the DataLoader's prefetch can still hold fast workers back between two steps that take many samples each; the
+rate then reads low. The epoch's first step is left out (its wait is the first round's reading and the workers'
+start, which no lever removes), and the read and exchange seconds are those of the steps' `next()` calls from the
+second to the last one that handed over a step, scaled down to the wait where a producer thread (`prefetch_steps >
+0`) spent them while the consumer trained. The loader keeps the advice in `EpochReport.advice` (case: text), none
+for an epoch that another rank left early, and logs each case once per loader, at WARNING.
 """
 
 from __future__ import annotations
@@ -51,6 +57,7 @@ from odb_core.steps.metrics import LoaderMetrics
 WORTH_SAYING = 0.10  # an epoch whose waits are under this share of its wall time gets no advice
 GENTLE_GROWTH = 1.25  # the ramp the `ramp` and `even` cases suggest
 EVEN = 0.1  # workers within this share of the device's rate read about as fast as it trains (`even`)
+MIN_SAMPLES = 64  # a workers' rate over fewer samples is not taken (a few chunks arrive together at the start)
 _WHERE = "(NOTE [ Which lever ] in odb_core/epoch/wait_advice.py)"
 
 
@@ -65,9 +72,9 @@ def rounds_config(config: ODBConfig, layout: NodeLayout) -> ODBConfig:
 @dataclass(slots=True)
 class ReadClock:
     """How fast a rank's stream delivered its chunks (`SampleReader._extend`) while nothing held its reading back:
-    from the first chunk to the last, or to the read-ahead's first stop at its cap (`hold`), after which the consumer
-    paced it. `paced`: no reader thread, so the consumer pulled only what its next fill needs, and the rate is its
-    own (NOTE [ Which lever ])."""
+    from the first chunk to the last, or to the first read-ahead whose held chunks reached its cap (`held`), after
+    which the consumer paced it. `paced`: no reader thread read ahead, so the consumer pulled only what its next fill
+    needed, and the rate would be its own (NOTE [ Which lever ])."""
 
     first_s: float | None = None
     last_s: float = 0.0
@@ -84,39 +91,50 @@ class ReadClock:
             self.first_s, self.first_samples = self.last_s, samples
         self.samples += samples
 
-    def hold(self) -> None:
-        self.held = True
+    def pulled(self, looks_ahead: bool, ahead: bool) -> None:
+        """After a step's read-ahead (`SampleReader.read_ahead`): `looks_ahead`, a reader thread reads ahead of the
+        consumer (else the consumer paces every read); `ahead`, the reading is ahead of what the consumer may take."""
+        self.paced = self.paced or not looks_ahead
+        self.held = self.held or ahead
 
     def rate(self) -> float | None:
-        """Samples per second while the reading was free; None where the consumer paced it, or before two chunks."""
-        if self.paced or self.first_s is None or self.last_s <= self.first_s:
+        """Samples per second while the reading was free; None where the consumer paced it, or over fewer than
+        `MIN_SAMPLES` samples."""
+        counted = self.samples - self.first_samples
+        if self.paced or self.first_s is None or self.last_s <= self.first_s or counted < MIN_SAMPLES:
             return None
-        return (self.samples - self.first_samples) / (self.last_s - self.first_s)
+        return counted / (self.last_s - self.first_s)
 
 
 @dataclass(slots=True)
 class EpochWaits:
     """One epoch's waits as the consumer saw them, its stream's `ReadClock`, and the loader's metrics, whose read
-    and exchange seconds it counts from the first step on (NOTE [ Which lever ])."""
+    and exchange seconds it counts over the `next()` calls from the second step to the last (NOTE [ Which lever ])."""
 
     reads: ReadClock
     metrics: LoaderMetrics
     last_s: float = 0.0  # when the previous `next()` returned
     read_s: float = 0.0  # the metrics' `read_seconds` and `sync_seconds` when the first step was handed over
     sync_s: float = 0.0
+    read_end_s: float = 0.0  # ... and when the last one was: the parts of the steps' waits, nothing after
+    sync_end_s: float = 0.0
     wall_s: float = 0.0  # the steps' intervals after the first: training and waiting
     wait_s: float = 0.0  # inside `next()`
+    idle_s: float = 0.0  # of the intervals, the consumer's time outside `next()` on IDLE steps (no sample)
     samples: int = 0  # trained on this rank
     started: bool = False  # the first step was taken (it is left out)
 
     def took(self, samples: int, asked_s: float, now_s: float) -> None:
-        """A step of `samples` samples handed over at `now_s`, asked for at `asked_s`."""
+        """A step of `samples` samples (0: IDLE) handed over at `now_s`, asked for at `asked_s`."""
+        metrics = self.metrics
         if self.started:
             self.wall_s += now_s - self.last_s
             self.wait_s += now_s - asked_s
+            self.idle_s += 0.0 if samples else asked_s - self.last_s
             self.samples += samples
         else:
-            self.read_s, self.sync_s = self.metrics.read_seconds, self.metrics.sync_seconds
+            self.read_s, self.sync_s = metrics.read_seconds, metrics.sync_seconds
+        self.read_end_s, self.sync_end_s = metrics.read_seconds, metrics.sync_seconds
         self.started, self.last_s = True, now_s
 
     def share(self) -> float:
@@ -125,15 +143,14 @@ class EpochWaits:
     def parts(self) -> tuple[float, float]:
         """(reading, exchange) seconds since the first step, scaled down to the wait where they exceed it (a
         producer thread, `prefetch_steps > 0`, spends them partly while the consumer trains)."""
-        reading = self.metrics.read_seconds - self.read_s
-        exchange = self.metrics.sync_seconds - self.sync_s
+        reading, exchange = self.read_end_s - self.read_s, self.sync_end_s - self.sync_s
         both = reading + exchange
         scale = self.wait_s / both if both > self.wait_s else 1.0
         return reading * scale, exchange * scale
 
     def device_rate(self) -> float | None:
-        """Samples per second the consumer trained outside `next()`."""
-        busy = self.wall_s - self.wait_s
+        """Samples per second the consumer trained outside `next()`, IDLE steps left out."""
+        busy = self.wall_s - self.wait_s - self.idle_s
         return self.samples / busy if busy > 0 and self.samples else None
 
 
@@ -147,9 +164,11 @@ class Levers:
     in_process: bool = False
 
     def window_text(self) -> str:
+        """The window lever: under a pooled plan whose `pool_window` shrinks each rank's, that cap is the lever."""
         pooled = self.rounds.window
-        return f"window (now {self.window}" + (f", {pooled} a rank under pool_window)" if pooled != self.window
-                                               else ")")
+        if pooled == self.window:
+            return f"window (now {self.window})"
+        return f"pool_window (now {self.rounds.pool_window}: a rank's rounds of at most {pooled})"
 
     def steep(self) -> bool:
         """Whether the rounds grow, and faster than the gentle ramp the advice names."""

@@ -255,6 +255,11 @@ class WatchedChunks(Iterator[Any]):
             raise exc
         raise self._died(dead) from exc
 
+    @property
+    def looks_ahead(self) -> bool:
+        """Whether a reader thread reads ahead of the consumer (NOTE [ Which lever ] in wait_advice.py)."""
+        return self._hop is not None
+
     def ready(self) -> Any | None:
         """The next chunk if the reader thread already holds it, else None, without waiting (None too for a
         direct read, which cannot look without blocking); raises StopIteration at the end, as `next()` would."""
