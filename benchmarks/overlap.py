@@ -103,7 +103,8 @@ def markdown(rows: list[dict]) -> str:
 
 
 def advice_cases(row: dict) -> str:
-    """The cases ODB's waits pointed to on each rank (NOTE [ Which lever ]), "-" for none; "-" for plain."""
+    """The cases ODB's waits pointed to on each rank (NOTE [ Which lever ]), " / " between ranks, "-" for a rank that
+    named none (plain names none: "-" on each rank)."""
     per_rank = row.get("advice") or []
     return " / ".join(", ".join(sorted(advice)) or "-" for advice in per_rank) or "-"
 

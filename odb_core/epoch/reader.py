@@ -240,7 +240,7 @@ class SampleReader:
                 held = True
             full = len(pending) >= cap or (cap_bytes is not None and self.pending_bytes >= cap_bytes)
             self.reads.pulled(getattr(self.chunks, "looks_ahead", False),  # NOTE [ Which lever ] in wait_advice.py
-                              ahead=held and full or (cap > 0 and cap_bytes == 0 and ready is not None))
+                              ahead=(held and full) or (cap > 0 and cap_bytes == 0 and ready is not None))
         except BaseException as exc:
             self._fail(exc)
             raise
