@@ -98,6 +98,14 @@ def test_workers_slower_than_the_device_are_named_with_the_window_lever():
     assert list(advice) == ["workers"]
     assert "25%" in advice["workers"] and "read 80 samples/s, it trained 100" in advice["workers"]
     assert "num_workers" in advice["workers"] and "window (now 4096)" in advice["workers"]
+    assert "or round_growth=1.25 makes the rounds at the epoch's start and end smaller" in advice["workers"]  # 0.8
+    at_the_edge = advise(_waits(10.0, 2.5, 750, read_rate=65.0, reading=2.5), LEVERS, 3)["workers"]  # 0.65 of 100/s
+    assert "round_growth=1.25" in at_the_edge
+    slower = advise(_waits(10.0, 2.5, 750, read_rate=64.0, reading=2.5), LEVERS, 3)["workers"]  # under GENTLE_FROM
+    assert "round_growth" not in slower and "window (now 4096)" in slower
+    for flat in (ODBConfig(token_budget=16384, round_growth=1.25), ODBConfig(token_budget=16384, min_window=None)):
+        text = advise(_waits(10.0, 2.5, 750, read_rate=80.0, reading=2.5), Levers(flat, window=4096), 3)["workers"]
+        assert "round_growth" not in text and "num_workers" in text  # already gentle, or no ramp
     pooled = Levers(rounds_config(ODBConfig(token_budget=16384), NodeLayout(world=8, per_node=8)), window=4096)
     text = advise(_waits(wall=10.0, wait=2.5, samples=750, read_rate=80.0, reading=2.5), pooled, 3)["workers"]
     assert "pool_window (now 8192: a rank's rounds of at most 1024)" in text

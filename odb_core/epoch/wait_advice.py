@@ -13,8 +13,13 @@ measures on the rank (a run that stops inside its epochs, `max_steps` or a strea
   * **Slower than the device** (`workers`, by more than `EVEN`): every round waits for its last samples. More
     `num_workers` or cheaper processing is the lever; where the workers cannot keep up, a loader that sorts still
     loses about one pool of device time per epoch (the pool bound), which a smaller `window` (under a pooled plan
-    whose `pool_window` shrinks each rank's window, `pool_window`) shortens, for looser packing. With
-    `num_workers=0` the case says to use workers.
+    whose `pool_window` shrinks each rank's window, `pool_window`) shortens, for looser packing. Where they read at
+    least `GENTLE_FROM` of the device's rate and the rounds grow faster than the gentle ramp, `round_growth=1.25` is
+    offered as the alternative: its smaller rounds at the epoch's start and end gained 0.02-0.16 of pipeline
+    efficiency on issue 27's rows whose ranks measured workers / device at 0.67-0.89, and moved those whose ranks
+    all measured 0.30-0.60 by -0.04 to 0 (docs/benchmarks.md, "A gentler ramp" and "Which lever"); a conservative
+    cutoff (a row that gained had two ranks at 0.30 and 0.52), and an alternative, not a pair (one run with both did
+    worse than either). With `num_workers=0` the case says to use workers.
   * **About as fast** (`even`, within `EVEN`): the device stays about one round behind the reading and trains the
     largest round after the last read ("A bound no rule of round sizes escapes"). A gentler ramp makes the rounds at
     the epoch's start and end smaller (at S/D 0.92 it gained in every cell of `benchmarks.round_rules` at W = 1 and
@@ -55,8 +60,9 @@ from odb_core.settings.console import LOGGER
 from odb_core.steps.metrics import LoaderMetrics
 
 WORTH_SAYING = 0.10  # an epoch whose waits are under this share of its wall time gets no advice
-GENTLE_GROWTH = 1.25  # the ramp the `ramp` and `even` cases suggest
+GENTLE_GROWTH = 1.25  # the ramp the `ramp`, `even` and `workers` cases suggest
 EVEN = 0.1  # workers within this share of the device's rate read about as fast as it trains (`even`)
+GENTLE_FROM = 0.65  # slower workers at least this share of the device's rate: `workers` names the gentle ramp too
 MIN_SAMPLES = 64  # a workers' rate over fewer samples is not taken (a few chunks arrive together at the start)
 _WHERE = "(NOTE [ Which lever ] in odb_core/epoch/wait_advice.py)"
 
@@ -200,10 +206,12 @@ def advise(waits: EpochWaits, levers: Levers, epoch: int) -> dict[str, str]:
         return {}
     rates = f"(this rank's workers read {workers:,.0f} samples/s, it trained {device:,.0f})"
     if workers < (1 - EVEN) * device:
+        gentler = (f", or round_growth={GENTLE_GROWTH:g} makes the rounds at the epoch's start and end smaller"
+                   if levers.steep() and workers >= GENTLE_FROM * device else "")
         return {"workers": f"{said}, {reading:.1f} s of it for the workers' samples {rates}: they read slower than "
                            "it trains. More num_workers or cheaper processing in the dataset feeds it; where they "
                            f"cannot keep up, a smaller {levers.window_text()} shortens the wait that each epoch's end "
-                           f"costs, for looser packing {_WHERE}"}
+                           f"costs{gentler}, for looser packing {_WHERE}"}
     if workers <= (1 + EVEN) * device:
         gentler = f"round_growth={GENTLE_GROWTH:g} makes them smaller, " if levers.steep() else ""
         return {"even": f"{said}, {reading:.1f} s of it for the workers' samples, which they read about as fast as it "
