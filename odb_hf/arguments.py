@@ -36,8 +36,9 @@ EPOCH_LENGTH_DEFAULTS = {"estimate_sample_size": 512, "length_slack": 0.25, "exa
 
 
 def build_loader(args: TrainingArguments, dataset: Any, collate_fn: Any, settings: ODBSettings) -> ODBDataLoader:
-    """The training loader: the settings' `ODBConfig` with the Trainer's accumulation (and seed, unless the user set
-    one), the Trainer's sampling strategy, workers and collator, then the callback's own loader arguments."""
+    """The training loader: the settings' `ODBConfig` with the Trainer's accumulation (and seed and collective
+    timeout, `ddp_timeout`, unless the user set them), the Trainer's sampling strategy, workers and collator, then the
+    callback's own loader arguments."""
     if settings.config.step_target is not None:
         unit = settings.config.step_target[0]
         if args.gradient_accumulation_steps != 1:
@@ -48,7 +49,8 @@ def build_loader(args: TrainingArguments, dataset: Any, collate_fn: Any, setting
             raise ODBSetupError(f"include_num_input_tokens_seen is not supported with {unit}_per_step (the Trainer "
                                 "sees one item per optimizer step); ODB logs odb/tokens_per_second instead")
     config = settings.derive(accumulation_steps=args.gradient_accumulation_steps,
-                             seed=args.data_seed if args.data_seed is not None else args.seed)
+                             seed=args.data_seed if args.data_seed is not None else args.seed,
+                             sync_timeout_s=float(args.ddp_timeout))  # a rank 0 saving a checkpoint, the others wait
     workers: dict[str, Any] = {"pin_memory": args.dataloader_pin_memory}
     if args.dataloader_num_workers > 0:
         workers["persistent_workers"] = args.dataloader_persistent_workers

@@ -100,8 +100,8 @@ class ODBCallback(TrainerCallback):
 
     def attach(self, trainer: Trainer) -> Trainer:
         """Make `trainer` use ODB (done automatically when passed in `Trainer(callbacks=[...])`)."""
-        self._trainer = weakref.ref(trainer)
-        self._odb = attach_odb(trainer, self._settings)
+        odb = attach_odb(trainer, self._settings)  # its refusals leave the callback free for a fixed Trainer
+        self._trainer, self._odb = weakref.ref(trainer), odb
         if self._odb is not None and self not in trainer.callback_handler.callbacks:
             trainer.add_callback(self)
         return trainer
@@ -115,15 +115,23 @@ class ODBCallback(TrainerCallback):
 
     # -- events --------------------------------------------------------------------------------------------
     def on_init_end(self, args, state, control, **kwargs):
-        if self._trainer is None:
-            trainer = initialising_trainer(self)
-            if trainer is None:
-                raise ODBSetupError("ODBCallback could not find the Trainer being built; call "
-                                    "ODBCallback(...).attach(trainer) after constructing it")
-            self.attach(trainer)
+        trainer = initialising_trainer(self)
+        if self._trainer is not None:  # its run, plan and position are another Trainer's (still alive or not)
+            if trainer is not None and trainer is not self.trainer:
+                raise ODBSetupError("this ODBCallback already served another Trainer, whose run it keeps; pass a "
+                                    "new ODBCallback(...) to each Trainer")
+            return
+        if trainer is None:
+            raise ODBSetupError("ODBCallback could not find the Trainer being built; call "
+                                "ODBCallback(...).attach(trainer) after constructing it")
+        self.attach(trainer)
 
     @_when_on
     def on_train_begin(self, args, state, control, **kwargs):
+        trainer = initialising_trainer(self)  # the Trainer whose train() dispatches this (found as in on_init_end)
+        if self._trainer is not None and trainer is not None and trainer is not self.trainer:
+            raise ODBSetupError("this ODBCallback already served another Trainer, whose run it keeps; pass a "
+                                "new ODBCallback(...) to each Trainer")
         odb = self._live()
         run = odb.run
         check_training_start(self.trainer)
@@ -146,12 +154,13 @@ class ODBCallback(TrainerCallback):
 
     @_when_on
     def on_epoch_end(self, args, state, control, **kwargs):
-        view = self._live().run.view
+        odb = self._live()
+        view = odb.run.view
         if view.plan.length is None:  # step-based: whole once the epoch ran out (NOTE [ Epoch progress ])
             if view.finished and view.loader.epoch > (state.epoch or 0):
                 state.epoch = float(view.loader.epoch)
             return
-        requested_stop = control.should_training_stop and state.global_step < state.max_steps
+        requested_stop = control.should_training_stop and (state.global_step < state.max_steps or odb.restarted)
         cut = args.num_train_epochs % 1 and view.loader.epoch >= view.plan.stop_epoch  # the last of 1.5 epochs
         if control.should_epoch_stop or requested_stop or cut:
             return  # a stop asked for by a callback, or a fractional last epoch: the epoch is left on purpose

@@ -53,6 +53,12 @@ class RunState:
         self._run: ODBRun | None = None
 
     @property
+    def restarted(self) -> bool:
+        """This `train()` resumed without the data position (the user's `ignore_data_skip`): its first epoch starts
+        over, so the run reaches `max_steps` inside an epoch."""
+        return self._position.restarted
+
+    @property
     def run(self) -> ODBRun | None:
         """The live run: the latest `get_train_dataloader()`'s loader, view and meter; None before the first."""
         return self._run

@@ -8,7 +8,8 @@ ODB only changes where num_items_in_batch comes from: `StepInfo.window_tokens`, 
 all ranks and all G micro-batches, computed by the loader. So no per-step all-reduce runs (transformers#35387:
 ranks with different step counts hang in it) and nothing is normalised twice. A model whose forward takes no
 loss kwargs gets the same sum / N x W from `odb_core.steps.loss` here (times G, which `training_step` divides out).
-IDLE micro-batches have no supervised token: they add exactly zero, and every rank still runs forward/backward.
+IDLE micro-batches have no supervised token: they add exactly zero to the token loss (not a term the model adds
+without labels, e.g. an MoE router's balance loss), and every rank still runs forward/backward.
 Under DeepSpeed the same holds: `engine.backward(loss, scale_wrt_gas=False)` and its "mean" reduction over W.
 Exact or loud (NOTE [ Exact or loud ] in odb_core/steps/loss.py): during the first optimizer step the loss that
 `compute_loss` returns must be divided by num_items_in_batch (`normalized_share`; skipped under DeepSpeed, whose

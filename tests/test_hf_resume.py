@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import random
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -40,6 +41,7 @@ class Case:
     dropout: float = 0.0
     odb: dict = field(default_factory=dict)
     max_steps: int = -1
+    epochs: int = 2
 
 
 CASES = {
@@ -62,7 +64,8 @@ class Run:
 def train(folder: Path, case: Case, samples: list[dict], resume: Path | None = None) -> Run:
     """One Trainer run of `case` (saving after every optimizer step unless it resumes from `resume`)."""
     yielded: list[tuple[int, ...]] = []
-    args = TrainingArguments(output_dir=str(folder), learning_rate=1e-2, num_train_epochs=2, max_steps=case.max_steps,
+    args = TrainingArguments(output_dir=str(folder), learning_rate=1e-2, num_train_epochs=case.epochs,
+                             max_steps=case.max_steps,
                              gradient_accumulation_steps=case.accumulation, report_to=[], use_cpu=True,
                              save_strategy="no" if resume else "steps", save_steps=1, logging_steps=1, seed=0,
                              disable_tqdm=True, lr_scheduler_type="linear")
@@ -152,6 +155,26 @@ def test_resume_from_every_checkpoint_continues_with_the_uninterrupted_losses(ru
         if not epoch_based and step == full.global_step:
             continue  # resumed at global_step == max_steps, transformers runs one more step, with or without ODB
         assert_resumes_exactly(runs.resumed(name, step), full, step, epoch_based)
+
+
+@pytest.mark.slow
+def test_a_checkpoint_after_a_longer_epoch_resumes_every_epoch_left(chat_data, tmp_path):
+    """The resumed Trainer counts the epochs done as global_step // (len() / G). `len()` was the longest epoch from
+    the restored one on, so after a longer earlier epoch the count came out one too high and the resumed run
+    skipped the last epoch without a word (global_step and epoch short, the LR schedule never finished). On 36
+    samples at G = 2 the epochs take 5, 6, 5 and 5 optimizer steps; the checkpoints inside the third one are where
+    the count can go wrong (at step 15, 15 // 5 = 3 epochs done, where two were)."""
+    case, samples = Case(accumulation=2, epochs=4), chat_data.train[:36]
+    full = train(tmp_path / "full", case, samples)
+    saved = checkpoints(tmp_path / "full")
+    per_epoch = Counter(state["epoch"] for state in saved.values())
+    assert [per_epoch[e] for e in range(4)] == [5, 6, 5, 5]  # the premise: a longer epoch before the last ones
+    inside = [k for k, state in saved.items() if state["epoch"] == 2 and position(state, k, full.global_step)
+              == "inside an epoch"]
+    assert inside == [12, 13, 14, 15]
+    for step in inside:
+        resumed = train(tmp_path / f"resumed-{step}", case, samples, resume=tmp_path / "full" / f"checkpoint-{step}")
+        assert_resumes_exactly(resumed, full, step)
 
 
 def global_rng_states() -> tuple:

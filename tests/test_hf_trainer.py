@@ -91,6 +91,33 @@ def test_odb_trainer_class_and_callback_give_the_same_run(chat_data, tmp_path):
     assert runs[0] == runs[1]
 
 
+def test_a_callback_passed_to_a_second_trainer_is_refused(chat_data, tmp_path):
+    """Reused (a notebook cell run again, a sweep's loop), the callback kept the first Trainer's run: the second
+    trained without ODB, with its max_steps set from the first one's plan, and stopped early."""
+    odb = ODBCallback(token_budget=512)
+    with pytest.raises(ODBSetupError, match="auto_find_batch_size"):  # refused: the callback stays free for a fixed one
+        make_trainer(tmp_path / "refused", chat_data.train[:16], callbacks=[odb], auto_find_batch_size=True)
+    make_trainer(tmp_path / "first", chat_data.train[:16], callbacks=[odb]).train()
+    refused = r"already served another Trainer.*new ODBCallback\(\.\.\.\) to each"
+    with pytest.raises(ODBSetupError, match=refused):
+        make_trainer(tmp_path / "second", chat_data.train[:16], callbacks=[odb])
+    added = make_trainer(tmp_path / "added", chat_data.train[:16])
+    added.add_callback(odb)
+    with pytest.raises(ODBSetupError, match=refused):
+        added.train()
+
+
+def test_the_rounds_wait_for_a_peer_as_long_as_the_trainers_own_collectives_unless_set(chat_data, tmp_path):
+    """In DDP rank 0 writes each checkpoint while the others go on to the next batch: ODB's exchanges wait the
+    Trainer's `ddp_timeout`, not ODB's own 300 s default, which failed a run whose save took longer."""
+    derived = make_trainer(tmp_path / "a", chat_data.train[:16], callbacks=[ODBCallback(token_budget=512)],
+                           ddp_timeout=1234)
+    assert derived.get_train_dataloader().loader.config.sync_timeout_s == 1234.0
+    chosen = make_trainer(tmp_path / "b", chat_data.train[:16], ddp_timeout=1234,
+                          callbacks=[ODBCallback(token_budget=512, sync_timeout_s=60)])
+    assert chosen.get_train_dataloader().loader.config.sync_timeout_s == 60.0
+
+
 def test_callback_added_after_construction_must_be_attached(chat_data, tmp_path):
     trainer = make_trainer(tmp_path, chat_data.train[:16])
     trainer.add_callback(ODBCallback(token_budget=512))
@@ -397,6 +424,37 @@ def test_a_callback_outside_a_trainer_says_how_to_attach_it(tmp_path):
     with pytest.raises(ODBSetupError, match=r"ODBCallback could not find the Trainer being built; call "
                                             r"ODBCallback\(\.\.\.\)\.attach\(trainer\)"):
         ODBCallback(token_budget=512).on_init_end(make_args(tmp_path), TrainerState(), TrainerControl())
+
+
+def test_a_resume_that_ignores_the_data_skip_restarts_the_epoch_and_a_reused_arguments_object_still_restores(
+        chat_data, tmp_path):
+    """The user's `ignore_data_skip=True`: the checkpoint's epoch starts over and the run ends at the Trainer's
+    `max_steps` inside it (before, the callback took that stop for the epoch's end and raised that the epoch was
+    longer than planned). And ODB's own setting of `ignore_data_skip` on the arguments is marked as ODB's: a second
+    Trainer built from the same `TrainingArguments` (a retry loop) restores the position too (before, it took the
+    flag for the user's, restarted the epoch and raised at its end)."""
+    full_infos = []
+    full = make_trainer(tmp_path / "full", chat_data.train[:40],
+                        [ODBCallback(token_budget=400, window=16, observer=full_infos.append)], num_train_epochs=2,
+                        save_strategy="steps", save_steps=4)
+    full.train()
+    checkpoint = str(tmp_path / "full" / "checkpoint-4")
+    at = 4  # G = 1: checkpoint-4 was saved after the 4th micro-batch
+    restarted_infos = []
+    restarted = make_trainer(tmp_path / "restarted", chat_data.train[:40], num_train_epochs=2, ignore_data_skip=True,
+                             callbacks=[ODBCallback(token_budget=400, window=16, observer=restarted_infos.append)])
+    restarted.train(resume_from_checkpoint=checkpoint)
+    assert restarted.state.global_step == full.state.global_step
+    assert restarted_infos[0].indices == full_infos[0].indices  # epoch 0 from its beginning
+    args = make_args(tmp_path / "again", num_train_epochs=2)
+    for attempt in range(2):
+        infos = []
+        again = Trainer(model=hf_support.tiny_llama(), args=args, train_dataset=hf_support.ListDataset(
+            chat_data.train[:40]), data_collator=COLLATE,
+            callbacks=[ODBCallback(token_budget=400, window=16, observer=infos.append)])
+        again.train(resume_from_checkpoint=checkpoint)
+        assert [i.indices for i in infos] == [i.indices for i in full_infos[at:]], attempt
+        assert again.state.global_step == full.state.global_step
 
 
 def test_resuming_from_a_checkpoint_without_odb_state_names_the_missing_file_and_the_fix(chat_data, tmp_path):

@@ -244,6 +244,7 @@ def test_g4_non_join_emits_no_index_twice_and_reports_the_rest(case):
         idle_steps = [k for k, slot in enumerate(rank_steps) if slot is None]
         if config.accumulation_steps == 1:
             assert idle_steps == []
+            assert plan.splits == 0, "non-join split a group without an accumulation boundary to round up to"
         assert all(k in last_round for k in idle_steps)
         assert len(idle_steps) <= config.accumulation_steps - 1
 

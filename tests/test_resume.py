@@ -9,6 +9,7 @@ import pytest
 
 from conftest import CountingDataset, LengthDataset, lognormal_lengths
 from odb_core import ODBDataLoader
+from odb_core.data.sources import DatasetFetchError
 from odb_core.resume.fields import digest_of
 
 
@@ -96,3 +97,77 @@ def test_estimate_steps_is_exact_when_the_sample_covers_the_epoch():
     loader = _make(dataset, accumulation_steps=2)
     estimate = loader.estimate_steps(sample_size=10_000)
     assert len(loader) == estimate == sum(1 for _ in loader)
+
+
+@pytest.mark.parametrize("num_workers,prefetch_steps,taken", [(0, 0, 5), (2, 0, 5), (0, 2, 5), (0, 2, 0)])
+def test_a_loader_closed_inside_an_epoch_keeps_where_its_consumer_stood(num_workers, prefetch_steps, taken):
+    """`close()` before an epoch's end (a preemption handler, a `finally:`), then `state_dict()`: the state is the
+    one before the close, where the consumer stood (a producer thread's rounds ahead, its metrics included, are
+    not in it), and resumes the rest of that epoch. Before, it pointed at the next epoch, whose steps the resumed
+    run took instead, and the closed epoch's rest was never trained. Moving the loader on forgets it."""
+    dataset = LengthDataset(lognormal_lengths(300, 1.0, 128, seed=3, hi=1024))
+    reference = [_record(b) for b in _make(dataset)]
+    loader = _make(dataset, num_workers=num_workers, prefetch_steps=prefetch_steps)
+    it = iter(loader)
+    got = [_record(next(it)) for _ in range(taken)]
+    saved = json.loads(json.dumps(loader.state_dict()))
+    if prefetch_steps:
+        time.sleep(0.3)  # the producer runs ahead of the consumer
+    loader.close()
+    assert json.loads(json.dumps(loader.state_dict())) == saved
+    resumed = _make(dataset)
+    resumed.load_state_dict(saved)
+    assert got + [_record(b) for b in resumed] == reference
+    loader.set_epoch(3)
+    assert (loader.state_dict()["epoch"], loader.state_dict()["position"]) == (3, None)
+
+
+def test_a_loader_closed_while_an_error_propagates_keeps_its_position_too():
+    dataset = LengthDataset(lognormal_lengths(300, 1.0, 128, seed=3, hi=1024))
+    reference = [_record(b) for b in _make(dataset)]
+    loader = _make(dataset)
+    it = iter(loader)
+    got = [_record(next(it)) for _ in range(3)]
+    with pytest.raises(ZeroDivisionError):
+        try:
+            1 / 0  # the training step fails
+        finally:
+            loader.close()
+    resumed = _make(dataset)
+    resumed.load_state_dict(json.loads(json.dumps(loader.state_dict())))
+    assert got + [_record(b) for b in resumed] == reference
+
+
+class _FailsOnce(LengthDataset):
+    """`dataset[index]` raises once for `failing` (a transient read error), then reads as before."""
+
+    failing: int | None = None
+
+    def __getitem__(self, index):
+        if index == self.failing:
+            self.failing = None
+            raise OSError(f"transient read error on record {index}")
+        return super().__getitem__(index)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_resume_whose_re_read_fails_names_the_sample_and_keeps_the_position(num_workers):
+    """`iter()` on a loaded state re-reads the saved round's samples by index; a read that fails (a transient I/O
+    error) is a `DatasetFetchError` naming the sample, and the loaded position stays the one to run: before, the
+    dataset's bare error came out and the cursor had moved on, so a retry or a save skipped the rest of the epoch."""
+    dataset = _FailsOnce(lognormal_lengths(300, 1.0, 128, seed=3, hi=1024))
+    reference = [_record(b) for b in _make(dataset)]
+    loader = _make(dataset)
+    it = iter(loader)
+    got = [_record(next(it))]
+    while not loader.state_dict()["position"]["start"]["buffer"]:  # a round that carries samples into the next
+        got.append(_record(next(it)))
+    state = json.loads(json.dumps(loader.state_dict()))
+    loader.close()
+    resumed = _make(dataset, num_workers=num_workers)
+    resumed.load_state_dict(state)
+    dataset.failing = bad = state["position"]["start"]["buffer"][0]
+    with pytest.raises(DatasetFetchError, match=f"sample {bad}: re-read by index to resume its round, .*OSError"):
+        iter(resumed)
+    assert json.loads(json.dumps(resumed.state_dict())) == state  # the loaded position is still the one to run
+    assert got + [_record(b) for b in resumed] == reference  # the retry resumes it exactly

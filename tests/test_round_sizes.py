@@ -287,6 +287,11 @@ def test_a_sample_weighs_the_same_read_through_the_workers_or_re_read_by_index()
     assert isinstance(compacted["input_ids"], np.ndarray)
     assert payload_bytes(raw) == payload_bytes(compacted) == payload_bytes(pack_sample(compacted))
     assert payload_bytes(raw) == 2 * 2000 * 8 + 300 * 1176 * 4
+    for ids in (list(np.arange(50)), list(np.arange(50, dtype=np.int32)), [True, False] * 25,
+                [np.bool_(True)] * 50, [np.float32(0.5)] * 50):  # numpy numbers and bools: 0 bytes each before
+        sample = {"input_ids": list(range(50)), "attention_mask": ids}
+        for mark in (False, True):  # ODB's PadCollator takes arrays; any other collator gets lists back
+            assert payload_bytes(sample) == payload_bytes(compact_ids(sample, mark=mark)) == 2 * 50 * 8, (ids, mark)
 
 
 class ListIdsWithPixels(torch.utils.data.Dataset):
@@ -301,24 +306,34 @@ class ListIdsWithPixels(torch.utils.data.Dataset):
         return {"input_ids": list(range(n)), "pixel_values": np.ones((1 + index % 4, 256), dtype=np.float32)}
 
 
+class NumpyIdsWithPixels(ListIdsWithPixels):
+    """The same samples with their ids a list of numpy integers (`list(array)`), which the loader compacts as it
+    reads; a resume re-reads the list, which `payload_bytes` must weigh as the array (before, 0 bytes a token)."""
+
+    def __getitem__(self, index: int) -> dict:
+        sample = super().__getitem__(index)
+        return {**sample, "input_ids": list(np.asarray(sample["input_ids"], dtype=np.int64))}
+
+
+@pytest.mark.parametrize("dataset", [ListIdsWithPixels, NumpyIdsWithPixels])
 @pytest.mark.parametrize("planning", ["local", "global"])
-def test_a_resume_under_a_binding_byte_bound_yields_the_uninterrupted_batches(planning):
+def test_a_resume_under_a_binding_byte_bound_yields_the_uninterrupted_batches(planning, dataset):
     """The byte bound stops fills (rounds of ~20 samples where `window` allows 256); a resume re-reads the buffered
     samples by index, as lists, and must stop its replayed fill where the saved run's stopped."""
     options = dict(token_budget=2048, window=256, min_window=None, max_buffer_bytes=20 * 5000,
                    shuffle=True, seed=3, planning=planning)
 
     def rank_main(rank, transport):
-        full = [b.info for b in ODBDataLoader(ListIdsWithPixels(), transport=transport, **options)]
+        full = [b.info for b in ODBDataLoader(dataset(), transport=transport, **options)]
         rounds = len({info.round for info in full})
         for stop in (3, len(full) // 2, len(full) - 2):
-            loader = ODBDataLoader(ListIdsWithPixels(), transport=transport, **options)
+            loader = ODBDataLoader(dataset(), transport=transport, **options)
             it = iter(loader)
             for _ in range(stop):
                 next(it)
             state = json.loads(json.dumps(loader.state_dict()))
             loader.close()
-            again = ODBDataLoader(ListIdsWithPixels(), transport=transport, **options)
+            again = ODBDataLoader(dataset(), transport=transport, **options)
             again.load_state_dict(state)
             assert [b.info for b in again] == full[stop:], (rank, stop)
         return rounds

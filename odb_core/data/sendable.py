@@ -322,11 +322,11 @@ def sendable(sample: Any) -> Any:
 
 
 def payload_bytes(sample: Any) -> int:
-    """The bytes of a sample's payloads: the tensors and arrays (packed or not) among a mapping's values, and the
-    elements of a list or tuple value, a Python number counting 8 bytes. What `max_buffer_bytes` counts (NOTE [
-    Round sizes ]); ids and labels of text weigh a few kB, a VLM sample's `pixel_values` megabytes. A list of ids
-    weighs what the int64 array it may become weighs (`compact_ids`, NOTE [ Arrow ids read as arrays ]), so a
-    sample measures the same read through the workers or re-read by index on resume. Strings count nothing."""
+    """The bytes of a sample's payloads: tensors and arrays (packed or not) among a mapping's values, and the elements
+    of a list or tuple value, a number or bool (Python's or numpy's) counting 8 bytes: what `max_buffer_bytes` counts
+    (NOTE [ Round sizes ]). A list of ids weighs what the int64 array it may become weighs (`compact_ids`, NOTE [
+    Arrow ids read as arrays ]), so a sample measures the same read through the workers or re-read by index on
+    resume. Text's ids weigh a few kB, a VLM sample's `pixel_values` megabytes; strings count nothing."""
     if not isinstance(sample, Mapping):
         return 0
     total = 0
@@ -345,6 +345,6 @@ def _array_bytes(value: Any) -> int:
         return value.array.nbytes
     if isinstance(value, np.ndarray):
         return value.nbytes
-    if isinstance(value, int | float) and not isinstance(value, bool):
-        return 8
+    if isinstance(value, int | float | np.number | np.bool_):  # bools too: a list of them may become int64
+        return 8  # a list of numpy integers is compacted into int64 like one of ints (resume re-reads the list)
     return 0

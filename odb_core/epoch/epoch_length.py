@@ -18,7 +18,11 @@ micro-batches of one optimizer step), so lengths count optimizer steps.
 Every rank derives U from the same cross-rank estimate, and every rank's ODB epoch has the same number of steps,
 a multiple of G (G2), so all ranks run the same optimizer steps and never split a GA window.
 The Trainer's epoch number is mapped to ODB's own epoch counter, which a resumed loader restores, so the
-Trainer's `epochs_trained = global_step // (U / G)` (an underestimate under a bound) cannot replay an epoch.
+Trainer's `epochs_trained = global_step // (U / G)` (an underestimate under a bound) cannot replay an epoch. It
+must not overestimate either, or the resumed Trainer runs fewer epochs than are left and ends early, silently: so
+an exact `len()` is the longest of every planned epoch, the ones before the resume point included (it was the
+longest from the restored epoch on; after a longer earlier epoch a resume skipped whole epochs). With
+`global_step` inside epoch k, global_step < (k + 1) x the longest, so the count is at most k.
 
 NOTE [ Resuming at an epoch's end ]
 A checkpoint taken at the last optimizer step of ODB epoch e (`save_steps` landing there, or the last one before
@@ -82,8 +86,8 @@ def plan_epoch_length(loader: ODBDataLoader, *, max_steps: int, num_train_epochs
         except TypeError as exc:
             logger.info(f"ODB: the step count is estimated ({exc})")
         else:
-            ahead = slice(loader.epoch, None)
-            unit = (plan.optimizer_steps if windows else plan.micro_batches)[ahead]
+            unit = plan.optimizer_steps if windows else plan.micro_batches  # every epoch's, the ones done too:
+            ahead = slice(loader.epoch, None)  # NOTE [ Epochs under the HF Trainer ] (a resumed count of epochs)
             return EpochLength(length=max(max(unit), 1), estimate=max(plan.micro_batches[ahead]), exact=True,
                                planned_steps=_planned(plan.optimizer_steps, num_train_epochs), stop_epoch=stop_epoch)
     try:

@@ -37,7 +37,7 @@ from odb_core.resume.resume import restore
 from odb_core.resume.round_log import RoundLog
 from odb_core.resume.source_state import RemainderSource, ShardedSource, source_to_dict
 from odb_core.resume.state import LoaderIdentity, LoaderState
-from odb_core.settings.config import ODBConfig, fingerprint
+from odb_core.settings.config import ODBConfig, fingerprint, given_config
 from odb_core.settings.settings import PASSED_ON, SettingsSource, split_keys
 from odb_core.steps.metrics import LoaderMetrics
 from odb_core.steps.step_info import ODBBatch, StepInfo
@@ -49,17 +49,6 @@ WORKER_OPTIONS = frozenset({"persistent_workers", "multiprocessing_context", "pi
                             "worker_init_fn", "generator"})
 OPTIONS = SettingsSource(where="ODBDataLoader", noun="argument", key_error=TypeError,
                          keys=dict.fromkeys(sorted(WORKER_OPTIONS), PASSED_ON))  # its **options: fields, workers
-
-
-def _config(token_budget: int | None, config: ODBConfig | None, fields_given: dict[str, Any]) -> ODBConfig:
-    """The one `ODBConfig`: passed whole as `config=`, or built from `token_budget=` and other field names."""
-    if config is None:
-        if token_budget is None:
-            raise TypeError("ODBDataLoader needs token_budget=... (tokens per micro-batch per rank) or config=")
-        return ODBConfig(token_budget=token_budget, **fields_given)
-    if token_budget is not None or fields_given:
-        raise TypeError("pass either config=ODBConfig(...) or individual config fields, not both")
-    return config
 
 
 class ODBDataLoader:
@@ -91,7 +80,7 @@ class ODBDataLoader:
                  idle_sample: Mapping[str, Any] | None = None, shard_iterable: bool = True,
                  observer: Callable[[StepInfo], None] | None = None, **options: Any) -> None:
         split = split_keys(options, OPTIONS)  # config fields, and worker options passed on
-        self.config = config = _config(token_budget, config, split.fields)
+        self.config = config = given_config(token_budget, config, split.fields)
         worker_options = split.extras
         self._worker_seeds = None if "generator" in worker_options else torch.Generator()
         if self._worker_seeds is not None:
@@ -165,10 +154,13 @@ class ODBDataLoader:
         if self._worker_seeds is not None:  # NOTE [ ODB draws nothing from the global RNG ]
             self._worker_seeds.manual_seed(worker_seed(self.config.seed, start.epoch))
         start_metrics = self.metrics.snapshot()
-        chunks = self._stream.open(start.epoch, start.plan, start.point)
         log = RoundLog(start.position)
-        # re-fetches the resume point's samples
-        run = EpochRun(self._ctx, start.epoch, chunks, log, start.point, stream_length=self._stream.length())
+        try:  # re-fetches the resume point's samples
+            chunks = self._stream.open(start.epoch, start.plan, start.point)
+            run = EpochRun(self._ctx, start.epoch, chunks, log, start.point, stream_length=self._stream.length())
+        except BaseException:  # nothing of the epoch was taken: a loaded position stays pending (and in state_dict)
+            self._cursor.load(start.epoch, start.position, start.plan)
+            raise
         self._stream.forget_replayed()
         self._current = _EpochIterator(self, run, log, epoch=start.epoch, plan=start.plan, start_metrics=start_metrics)
         return self._current
@@ -206,6 +198,8 @@ class ODBDataLoader:
         current, cursor, me = self._current, self._cursor, self._identity()
         if current is not None and not current.finished:  # where the trainer stands, not the producer thread
             epoch, plan, position, metrics = current.epoch, current.plan, current.log.position, current.start_metrics
+        elif cursor.closed_at is not None:  # as it stood when `close()` ended the epoch
+            epoch, plan, position, metrics = cursor.closed_at
         else:
             epoch, plan, position, metrics = cursor.epoch, cursor.plan, cursor.position, self.metrics.snapshot()
         return LoaderState(world_size=me.world_size, rank=me.rank, config=me.config, source=me.source, epoch=epoch,
@@ -285,8 +279,12 @@ class ODBDataLoader:
         """End the loader on every rank after its last step: leave the current epoch (`leave_epoch`), then close
         the transport the loader built itself, whose threads and Gloo group must not outlive the run (NOTE [ Threads
         at interpreter exit ] in odb_core/ranks/sync.py); a transport passed in stays the caller's. Idempotent. A
-        closed loader keeps its state, metrics and `len()`; over Gloo its next collective raises RuntimeError."""
+        closed loader keeps its state (`state_dict()` of an epoch closed before its end: where its consumer stood, as
+        before the close), metrics and `len()`; over Gloo its next collective raises RuntimeError."""
+        current = self._current
         try:
+            if current is not None and not current.finished:  # a preemption handler, a `finally:`, then a save
+                self._cursor.closed_at = current.epoch, current.plan, current.log.position, current.start_metrics
             self._stop_epoch(leave=not unwinding())  # NOTE [ A failed epoch is not left ] in pipeline.py
         finally:
             self._stream.close_files()  # never blocks (NOTE [ A worker's files travel as descriptors ])

@@ -16,6 +16,7 @@ from typing import Any
 
 from odb_core.data.sample import LengthFn, count_patches, inspect_sample
 from odb_core.data.sendable import payload_bytes
+from odb_core.data.sources import DatasetFetchError
 from odb_core.epoch.plan_ahead import WaitParts
 from odb_core.epoch.stream import Chunk, ReadChunk, read_chunk
 from odb_core.epoch.wait_advice import ReadClock
@@ -134,15 +135,20 @@ class SampleReader:
         self.dummy_patches = 0
 
     def restore(self, start: RoundStart, engine: BufferEngine, fetch: Callable[[int], Mapping[str, Any]]) -> None:
-        """Re-fetch the samples buffered at `start` (and the dummy) by index, as the saved round began."""
+        """Re-fetch the samples buffered at `start` (and the dummy) by index, as the saved round began. A failed
+        re-read names the sample (`DatasetFetchError`) and releases the worker stream (`_fail`)."""
         self.consumed = start.consumed
-        for index in start.buffer:
-            sample = fetch(index)
-            engine.admit(inspect_sample(index, sample, self.length_fn))
-            self.payloads.put(index, sample, payload_bytes(sample))
-        if start.dummy_index is not None:
-            self.dummy_index, self.dummy = start.dummy_index, fetch(start.dummy_index)
-            self.dummy_patches = count_patches(self.dummy)
+        try:
+            for index in start.buffer:
+                sample = _refetch(fetch, index)
+                engine.admit(inspect_sample(index, sample, self.length_fn))
+                self.payloads.put(index, sample, payload_bytes(sample))
+            if start.dummy_index is not None:
+                self.dummy_index, self.dummy = start.dummy_index, _refetch(fetch, start.dummy_index)
+                self.dummy_patches = count_patches(self.dummy)
+        except BaseException as exc:
+            self._fail(exc)
+            raise
 
     def fill(self, engine: BufferEngine) -> bool:
         """Top the buffer up; returns whether this rank is still active (its stream holds more). On any error
@@ -288,6 +294,16 @@ class SampleReader:
         close = getattr(chunks, "close", None)  # WatchedChunks: its reader thread ends now, not when collected
         if close is not None:
             close()
+
+
+def _refetch(fetch: Callable[[int], Mapping[str, Any]], index: int) -> Mapping[str, Any]:
+    try:
+        return fetch(index)
+    except DatasetFetchError:
+        raise
+    except Exception as exc:
+        raise DatasetFetchError(f"sample {index}: re-read by index to resume its round, dataset[{index}] raised "
+                                f"{type(exc).__name__}: {exc}") from exc
 
 
 class ClosedStream(Iterator[Chunk]):

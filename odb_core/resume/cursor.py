@@ -31,11 +31,14 @@ class EpochStart:
 @dataclass(slots=True)
 class EpochCursor:
     """The epoch of the next `iter()`; each `begin()` advances it by one. A loaded state pins `epoch` with a
-    pending `position` (exact resume) or `plan` (elastic resume) that the next `begin()` consumes."""
+    pending `position` (exact resume) or `plan` (elastic resume) that the next `begin()` consumes. `closed_at`:
+    where the consumer of an epoch that `close()` ended early stood, (epoch, plan, position, metrics), which
+    `state_dict()` saves until the loader moves (`begin`, `load`, `select`)."""
 
     epoch: int = 0
     position: SavedPosition | None = None
     plan: RemainderSource | None = None
+    closed_at: tuple[int, RemainderSource | None, SavedPosition | None, dict[str, float | int]] | None = None
 
     def select(self, epoch: int) -> None:
         """`set_epoch`: refuse to replay or skip what a loaded state left pending in its epoch."""
@@ -46,12 +49,12 @@ class EpochCursor:
                                  f"{'replay' if epoch < self.epoch else 'skip'} its remaining steps. Call "
                                  f"set_epoch(loader.epoch) (= {self.epoch}), or build a fresh loader to start over")
             self.position = self.plan = None
-        self.epoch = epoch
+        self.epoch, self.closed_at = epoch, None
 
     def load(self, epoch: int, position: SavedPosition | None, plan: RemainderSource | None) -> None:
-        self.epoch, self.position, self.plan = epoch, position, plan
+        self.epoch, self.position, self.plan, self.closed_at = epoch, position, plan, None
 
     def begin(self) -> EpochStart:
         start = EpochStart(epoch=self.epoch, position=self.position, plan=self.plan)
-        self.epoch, self.position, self.plan = self.epoch + 1, None, None
+        self.epoch, self.position, self.plan, self.closed_at = self.epoch + 1, None, None, None
         return start

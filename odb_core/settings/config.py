@@ -7,7 +7,7 @@ and the allowed range. There are no aliases and no environment-variable knobs; e
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 CostName = Literal["padded", "tokens", "attention"]
 OversizePolicy = Literal["alone", "error"]
@@ -281,6 +281,17 @@ class Layout(Protocol):
 
     @property
     def aware_per_node(self) -> int | None: ...  # the ranks per node of node-aware rounds, else None
+
+
+def given_config(token_budget: int | None, config: ODBConfig | None, fields_given: dict[str, Any]) -> ODBConfig:
+    """A loader's one `ODBConfig`: passed whole as `config=`, or built from `token_budget=` and other field names."""
+    if config is None:
+        if token_budget is None:
+            raise TypeError("ODBDataLoader needs token_budget=... (tokens per micro-batch per rank) or config=")
+        return ODBConfig(token_budget=token_budget, **fields_given)
+    if token_budget is not None or fields_given:
+        raise TypeError("pass either config=ODBConfig(...) or individual config fields, not both")
+    return config
 
 
 def fingerprint(config: ODBConfig, layout: Layout | None = None) -> dict[str, object]:
