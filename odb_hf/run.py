@@ -52,6 +52,10 @@ class RunState:
         self._position = DataPosition()
         self._run: ODBRun | None = None
 
+    def end_train(self, args: TrainingArguments) -> None:
+        """When `train()` returns or raises: the arguments as the user gave them (checkpoint.py)."""
+        self._position.end(args)
+
     @property
     def restarted(self) -> bool:
         """This `train()` resumed without the data position (the user's `ignore_data_skip`): its first epoch starts

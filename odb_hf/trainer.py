@@ -102,8 +102,12 @@ class ODBTrainerMixin:
     odb_traits = ODBTrainerTraits(owns_data=True)  # this class's get_train_dataloader is ODB's own
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
-        _state(self).start_train(self.args, resume_from_checkpoint)
-        return super().train(resume_from_checkpoint, *args, **kwargs)
+        odb = _state(self)
+        odb.start_train(self.args, resume_from_checkpoint)
+        try:
+            return super().train(resume_from_checkpoint, *args, **kwargs)
+        finally:
+            odb.end_train(self.args)
 
     def get_train_dataloader(self) -> EpochView:
         odb = _state(self)

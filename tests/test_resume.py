@@ -122,6 +122,26 @@ def test_a_loader_closed_inside_an_epoch_keeps_where_its_consumer_stood(num_work
     assert (loader.state_dict()["epoch"], loader.state_dict()["position"]) == (3, None)
 
 
+def test_a_closed_loaders_state_survives_an_iter_that_fails_and_a_set_epoch_that_moves_nothing(monkeypatch):
+    dataset = LengthDataset(lognormal_lengths(300, 1.0, 128, seed=3, hi=1024))
+    loader = _make(dataset)
+    it = iter(loader)
+    for _ in range(4):
+        next(it)
+    saved = json.loads(json.dumps(loader.state_dict()))
+    loader.close()
+    loader.set_epoch(loader.epoch)  # the top of a loop that selects its epoch: nothing moves
+    assert json.loads(json.dumps(loader.state_dict())) == saved
+
+    def broken(*args, **kwargs):
+        raise OSError("the dataset's storage is gone")
+
+    monkeypatch.setattr(loader._stream, "open", broken)
+    with pytest.raises(OSError, match="storage is gone"):
+        iter(loader)
+    assert json.loads(json.dumps(loader.state_dict())) == saved
+
+
 def test_a_loader_closed_while_an_error_propagates_keeps_its_position_too():
     dataset = LengthDataset(lognormal_lengths(300, 1.0, 128, seed=3, hi=1024))
     reference = [_record(b) for b in _make(dataset)]

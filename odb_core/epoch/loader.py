@@ -148,7 +148,7 @@ class ODBDataLoader:
 
     def __iter__(self) -> Iterator[ODBBatch]:
         self.leave_epoch()
-        start = self._cursor.begin()
+        closed, start = self._cursor.closed_at, self._cursor.begin()
         if start.nothing_left:  # its last step was consumed before the save
             return iter(())
         if self._worker_seeds is not None:  # NOTE [ ODB draws nothing from the global RNG ]
@@ -160,6 +160,7 @@ class ODBDataLoader:
             run = EpochRun(self._ctx, start.epoch, chunks, log, start.point, stream_length=self._stream.length())
         except BaseException:  # nothing of the epoch was taken: a loaded position stays pending (and in state_dict)
             self._cursor.load(start.epoch, start.position, start.plan)
+            self._cursor.closed_at = closed  # and a state after `close()` too
             raise
         self._stream.forget_replayed()
         self._current = _EpochIterator(self, run, log, epoch=start.epoch, plan=start.plan, start_metrics=start_metrics)
@@ -191,8 +192,9 @@ class ODBDataLoader:
         """This rank's position, as plain JSON-serialisable data (save one per rank, after the same step).
 
         Taken after any consumed step, it makes a fresh loader's next `iter()` yield exactly the batches the
-        uninterrupted run would have yielded next (same indices, order and `StepInfo`). Between epochs it
-        points at the start of the next epoch. To resume at another world size, merge every rank's state with
+        uninterrupted run would have yielded next (same indices, order and `StepInfo`). Between epochs (a left one
+        too) it points at the start of the next epoch; after `close()` inside an epoch, where its consumer stood. To
+        resume at another world size, merge every rank's state with
         `odb_core.resume.resume.merge_states`. Size: O(window) ints (plus O(W x window) during a remainder epoch).
         """
         current, cursor, me = self._current, self._cursor, self._identity()

@@ -112,7 +112,7 @@ class WorkerWatch:
         self._poller = select.poll() if hasattr(select, "poll") else None
         self._watch_fd(self._inbox.fileno())
         self.cheap = self._poller is not None  # `quick_dead` sees every known worker (each has a sentinel)
-        self.failed = False  # a worker died: the stream needs a new DataLoader
+        self.failed = False  # a worker died, or a reader thread outlived its epoch: the stream needs a new DataLoader
         self.inbox: FileInbox | None = None  # the current `iter()`'s workers' files (data/worker_files.py)
 
     def start(self, loader: DataLoader) -> Iterator[Any]:
@@ -326,13 +326,16 @@ class WatchedChunks(Iterator[Any]):
     def close(self, wait: bool = True) -> None:
         """Stop reading: end the reader thread, if any, and release the DataLoader iterator. With `wait` the thread
         is waited for (up to `GRACE_S`, while it finishes a fetch): persistent workers keep their DataLoader
-        iterator for the next epoch, whose `iter()` must not reset it while this thread still reads from it."""
+        iterator for the next epoch, whose `iter()` must not reset it while this thread still reads from it; a
+        thread still reading after that makes the next epoch start a new DataLoader (`failed`)."""
         self._ended = True
         self._chunks = None
         if self._hop is not None:
             self._hop.abandon()
             if wait and self._hop.thread is not threading.current_thread():
                 self._hop.thread.join(timeout=GRACE_S)
+                if self._hop.thread.is_alive():  # still in a fetch (a loaded machine): no reset under it
+                    self._watch.failed = True  # the next epoch gets a new DataLoader
 
     def __del__(self) -> None:
         if not sys.is_finalizing():

@@ -49,7 +49,8 @@ class EpochCursor:
                                  f"{'replay' if epoch < self.epoch else 'skip'} its remaining steps. Call "
                                  f"set_epoch(loader.epoch) (= {self.epoch}), or build a fresh loader to start over")
             self.position = self.plan = None
-        self.epoch, self.closed_at = epoch, None
+        if epoch != self.epoch:
+            self.epoch, self.closed_at = epoch, None
 
     def load(self, epoch: int, position: SavedPosition | None, plan: RemainderSource | None) -> None:
         self.epoch, self.position, self.plan, self.closed_at = epoch, position, plan, None
