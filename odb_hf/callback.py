@@ -30,6 +30,12 @@ def _when_on(event: Any) -> Any:
     return functools.wraps(event)(lambda self, *args, **kwargs: event(self, *args, **kwargs) if self.enabled else None)
 
 
+def _served_another() -> ODBSetupError:
+    """A callback keeps one Trainer's run, plan and position: a second Trainer is refused."""
+    return ODBSetupError("this ODBCallback already served another Trainer, whose run it keeps; pass a new "
+                         "ODBCallback(...) to each Trainer")
+
+
 class ODBCallback(TrainerCallback):
     """Online Dynamic Batching for the Trainer: `Trainer(..., callbacks=[ODBCallback(token_budget=16384)])`.
 
@@ -118,8 +124,7 @@ class ODBCallback(TrainerCallback):
         trainer = initialising_trainer(self)
         if self._trainer is not None:  # its run, plan and position are another Trainer's (still alive or not)
             if trainer is not None and trainer is not self.trainer:
-                raise ODBSetupError("this ODBCallback already served another Trainer, whose run it keeps; pass a "
-                                    "new ODBCallback(...) to each Trainer")
+                raise _served_another()
             return
         if trainer is None:
             raise ODBSetupError("ODBCallback could not find the Trainer being built; call "
@@ -130,8 +135,7 @@ class ODBCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, **kwargs):
         trainer = initialising_trainer(self)  # the Trainer whose train() dispatches this (found as in on_init_end)
         if self._trainer is not None and trainer is not None and trainer is not self.trainer:
-            raise ODBSetupError("this ODBCallback already served another Trainer, whose run it keeps; pass a "
-                                "new ODBCallback(...) to each Trainer")
+            raise _served_another()
         odb = self._live()
         run = odb.run
         check_training_start(self.trainer)
