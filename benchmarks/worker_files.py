@@ -12,7 +12,10 @@ let go of a file before the rank does, and the rank frees its pages, as in a loa
     `resource_sharer`, and the rank fetches each over a connection of its own;
   * `descriptors`: the worker sends the chunk's descriptors in one message first (`send_files`) and the rank maps
     them from it (`FileInbox.opened`; NOTE [ A worker's files travel as descriptors ] in
-    odb_core/data/worker_files.py).
+    odb_core/data/worker_files.py);
+  * `region`: the worker writes each tensor into its region instead of a file of its own (`placed`), and the rank
+    reads it over its one mapping of that region, giving the span back when it drops the tensor (NOTE [ A worker's
+    region ] in odb_core/data/worker_region.py).
 Reported per tensor (the median over the repeats, and the least and most): the rank's CPU milliseconds (every
 thread: unpickling, mapping, and freeing the file's pages once the rank drops the last reference, which both ways
 pay alike), the worker's CPU milliseconds (every thread: making and moving the tensor too, which both ways pay
@@ -33,19 +36,23 @@ import torch.multiprocessing as mp
 from benchmarks import RESULTS
 from odb_core.data.sendable import move_to_shared
 from odb_core.data.worker_files import FileInbox, attach, send_files
+from odb_core.data.worker_region import placed
 
-WAYS = ("torch", "descriptors")
+WAYS = ("torch", "descriptors", "region")
+REGION_BYTES = 1 << 30  # the worker's region: more than the tensors the rank holds at once
 TIMEOUT_S = 60.0  # a worker that died: an error, not a wait
 
 
 def worker(out, done, way: str, end, tensors: int, numel: int, per_chunk: int) -> None:
-    if way == "descriptors":
-        attach(end, 0)
+    if way != "torch":
+        attach(end, 0, REGION_BYTES if way == "region" else 0)
     start, chunk = time.process_time(), []
     for k in range(tensors):
         image = torch.empty(numel).fill_(k)
-        move_to_shared(image)
-        chunk.append((k, {"pixel_values": image}))
+        sample = placed({"pixel_values": image})
+        if type(sample["pixel_values"]) is torch.Tensor:
+            move_to_shared(image)
+        chunk.append((k, sample))
         if len(chunk) == per_chunk or k == tensors - 1:
             out.put(send_files(chunk))
             chunk = []

@@ -195,6 +195,7 @@ def step_record(batch: Any) -> dict[str, Any]:
             "local_input_tokens": info.local_input_tokens, "global_input_tokens": info.global_input_tokens,
             "window_tokens": info.window_tokens, "rows": rows, "width": width,
             "pixel_rows": int(batch["pixel_values"].shape[0]) if "pixel_values" in batch else 0,
+            "pixel_sum": float(batch["pixel_values"].double().sum()) if "pixel_values" in batch else 0.0,
             "local_patches": info.local_patches, "global_patches": info.global_patches,
             "labels_all_ignored": bool((labels == IGNORE_INDEX).all())}
 
@@ -500,3 +501,16 @@ def main(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1:])
+
+
+def image_runs(tmp_dir: Path, settings: dict[str, dict[str, Any]]) -> dict[str, dict[int, dict[str, Any]]]:
+    """Two real Gloo ranks, each with 2 forked workers reading 1 MiB images under global planning, once per named
+    loader `settings` (both ranks alike): each run's rank records."""
+    runs = {}
+    for name, options in settings.items():
+        case = Case(world_size=2, lengths=mixed_lengths(160), window=32, shuffle=True, first_image=40, epochs=2,
+                    num_workers=2, context="fork", image_width=512, options_by_rank={"0": options, "1": options})
+        result = run_job(case, "env", tmp_dir / name, timeout_s=300)
+        assert not result.timed_out and sorted(result.records) == [0, 1], result.output[-4000:]
+        runs[name] = result.records
+    return runs

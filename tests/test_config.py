@@ -84,6 +84,8 @@ BAD_VALUES: list[tuple[str, Any, dict[str, Any]]] = [
     ("overlap_moves", "yes", {}),
     ("shared_memory_moves", 1, {}),
     ("shared_memory_moves", "no", {}),
+    ("worker_regions", 1, {}),
+    ("worker_regions", "yes", {}),
     ("sync_timeout_s", 0, {}),
     ("sync_timeout_s", -5.0, {}),
     ("sync_timeout_s", float("nan"), {}),

@@ -20,7 +20,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from dist_cases import Case, ImagesFromDataset, mixed_lengths, run_job
+from dist_cases import Case, ImagesFromDataset, image_runs, mixed_lengths, run_job
 
 from odb_core import ODBDataLoader, PeerError, run_virtual_ranks
 from odb_core.data.sendable import pack_sample
@@ -378,14 +378,7 @@ def test_a_rank_that_turned_handles_off_receives_every_byte_in_frames():
 @pytest.mark.timeout(400)
 def test_gloo_ranks_with_workers_pass_images_by_handle_and_run_the_batches_of_the_frames(tmp_path):
     """Real Gloo ranks, each with 2 forked DataLoader workers that send 1 MiB images through shared memory."""
-    runs = {}
-    for name, on in (("handles", True), ("frames", False)):
-        options = {"shared_memory_moves": on}
-        case = Case(world_size=2, lengths=mixed_lengths(160), window=32, shuffle=True, first_image=40, epochs=2,
-                    num_workers=2, context="fork", image_width=512, options_by_rank={"0": options, "1": options})
-        result = run_job(case, "env", tmp_path / name, timeout_s=300)
-        assert not result.timed_out and sorted(result.records) == [0, 1], result.output[-4000:]
-        runs[name] = result.records
+    runs = image_runs(tmp_path, {"handles": {"shared_memory_moves": True}, "frames": {"shared_memory_moves": False}})
     assert [runs["handles"][r]["epochs"] for r in (0, 1)] == [runs["frames"][r]["epochs"] for r in (0, 1)]
     assert sum(e["moved_samples"] for r in (0, 1) for e in runs["handles"][r]["epochs"]) > 0
     for rank in (0, 1):

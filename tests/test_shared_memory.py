@@ -271,7 +271,8 @@ class Images(torch.utils.data.Dataset):  # 1 MiB of pixels each: over the pipe l
         if sys.argv[1] == "deep":  # 5 levels down: past what the worker moves itself
             return {"input_ids": torch.arange(8) + 3, "a": {"b": {"c": {"d": {"e": pixels}}}}}
         return {"input_ids": torch.arange(8) + 3, "pixel_values": pixels}
-loader = ODBDataLoader(Images(), token_budget=64, window=64, num_workers=2, max_batch_size=8)
+loader = ODBDataLoader(Images(), token_budget=64, window=64, num_workers=2, max_batch_size=8,
+                       worker_regions=sys.argv[2:] == ["regions"])
 try:
     print("read", sorted(i for batch in loader for i in batch.info.indices) == list(range(64)))
 except Exception as exc:
@@ -279,8 +280,9 @@ except Exception as exc:
 """
 
 
-def _run_with_shm(size_mib: int, kind: str = "flat") -> subprocess.CompletedProcess:
-    shell = f"mount -t tmpfs -o size={size_mib}m tmpfs /dev/shm && exec {sys.executable} -c \"$SCRIPT\" {kind}"
+def _run_with_shm(size_mib: int, kind: str = "flat", regions: bool = False) -> subprocess.CompletedProcess:
+    shell = (f"mount -t tmpfs -o size={size_mib}m tmpfs /dev/shm && exec {sys.executable} -c \"$SCRIPT\" {kind}"
+             + (" regions" if regions else ""))
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "SCRIPT": SCRIPT}
     return subprocess.run(["unshare", "-rm", "sh", "-c", shell], env=env, capture_output=True, text=True, timeout=90)
 
@@ -339,3 +341,15 @@ def test_the_same_run_reads_every_sample_once_when_dev_shm_has_room(kind):
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "read True", (done.stdout, done.stderr[-2000:])
 
+
+
+@needs_namespace
+def test_a_workers_region_is_not_in_dev_shm_so_a_small_one_holds_top_level_images():
+    """`worker_regions` (NOTE [ A worker's region ] in odb_core/data/worker_region.py): the region is an anonymous
+    memory file, outside /dev/shm, so the 64 images that overflow a 16 MiB /dev/shm above are read; images one level
+    down still take files of their own there, and still fail by name."""
+    done = _run_with_shm(16, "flat", regions=True)
+    assert done.returncode == 0 and done.stdout.strip() == "read True", (done.stdout, done.stderr[-2000:])
+    nested = _run_with_shm(16, "nested", regions=True)
+    assert nested.stdout.strip().startswith("error SampleError sample "), (nested.stdout, nested.stderr[-2000:])
+    assert "'images.pixel_values' (a tensor of 1.0 MiB)" in nested.stdout

@@ -232,9 +232,9 @@ def test_a_full_send_buffer_leaves_the_chunk_to_torch_instead_of_waiting(inbox):
     os.close(fds[0])
 
 
-@pytest.mark.parametrize("way", ["torch", "descriptors"])
+@pytest.mark.parametrize("way", ["torch", "descriptors", "region"])
 def test_the_benchmark_times_both_ways_with_every_tensor_arriving_right(way):
-    """`python -m benchmarks.worker_files` compares the two ways: each must deliver every tensor with its values
+    """`python -m benchmarks.worker_files` compares the three ways: each must deliver every tensor with its values
     (the run asserts it) and report positive per-tensor figures."""
     from benchmarks.worker_files import run
 

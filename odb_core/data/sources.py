@@ -25,6 +25,7 @@ from odb_core.data.feeder import WorkerChunk
 from odb_core.data.sample import ID_DTYPE, ID_FIELDS, ID_KEYS, compact_ids
 from odb_core.data.sendable import lane_may_move, pack_sample, sendable, share_lane, share_large, unshared_storages
 from odb_core.data.worker_files import send_files
+from odb_core.data.worker_region import placed, settled
 
 
 class DatasetFetchError(RuntimeError):
@@ -143,22 +144,22 @@ class Handover:
         return _settled(handed)
 
     def chunk(self, samples: list[Any]) -> list[Any]:
-        """The samples of one chunk, handed over. A chunk whose first sample holds no list of ids (a dataset of
-        tensors) is not compacted: the look at every sample would find nothing to convert."""
+        """The samples of one chunk, handed over; not compacted where its first sample holds no list of ids."""
         if self.compact and samples and holds_id_list(samples[0]):
             samples = [compact_ids(sample, self.integer_keys, self.mark) for sample in samples]
         return [_hand_over(pack_sample(sample, own=True)) for sample in samples] if self.pack else samples
 
 
 def _settled(handed: list[tuple[int, Any]]) -> list[tuple[int, Any]]:
-    """`Handover.each`'s samples with every move on the share lane finished (in order)."""
+    """`Handover.each`'s samples, every move on the share lane finished (in order)."""
     return [(index, value.result() if isinstance(value, Future) else value) for index, value in handed]
 
 
 def _hand_over(packed: Any, left: list[Any] | None = None) -> Any:
-    """A packed sample's other tensors moved into shared memory, then the pickling probe (on the share lane, or in
-    line); on the lane, the storages the tensors left are kept in `left`."""
-    return sendable(share_large(packed, left))
+    """A packed sample probed, its other tensors placed in the worker's region (worker_region.py) or moved into
+    shared memory (on the share lane, or in line); on the lane, the storages the tensors left are kept in `left`."""
+    sample = placed(sendable(packed))
+    return settled(sample, share_large(sample, left))
 
 
 def holds_id_list(sample: Any) -> bool:
@@ -335,8 +336,7 @@ def worker_parts(dataset: Any, num_workers: int) -> int:
 
 def keep_chunk(chunk: list[tuple[int, Any]]) -> list[tuple[int, Any]]:
     """The workers' collate function: the tagged chunk untouched (module level, so picklable); in a worker process
-    a `WorkerChunk` (NOTE [ A chunk the feeder cannot send ] in feeder.py) whose shared files travel as
-    descriptors (NOTE [ A worker's files travel as descriptors ] in worker_files.py)."""
+    a `WorkerChunk` (NOTE [ A chunk the feeder cannot send ] in feeder.py) whose shared files go as descriptors."""
     return chunk if get_worker_info() is None else WorkerChunk(send_files(chunk))
 
 

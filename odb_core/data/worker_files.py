@@ -9,7 +9,7 @@ each way), one descriptor passed, the connection closed. A plain DataLoader pays
 sample, and on a host whose cores the workers share, it comes out of their reading (docs/design.md, issue 27,
 item 9). `python -m benchmarks.worker_files` (2 MiB tensors): the rank's CPU per tensor 0.59-0.71 ms -> 0.40-0.49
 ms with what follows, the worker's 2.17-2.64 -> 2.00-2.23 ms. A file per tensor, and its mapping and page freeing
-on the rank, remain (design.md item 9: a region a worker reuses, designed, not built).
+on the rank, remain, unless `worker_regions` is on (NOTE [ A worker's region ] in worker_region.py).
 
 So each worker of an `iter()` gets one end of a Unix datagram socket pair (`FileInbox`, made by the rank's
 `WorkerWatch.start` and handed over by `Lifeline`), and the workers' collate function (`keep_chunk`) sends the
@@ -39,6 +39,11 @@ two descriptors per worker on the rank (and up to two per worker in each forked 
 files of chunks the DataLoader dropped stay open in the rank's socket until that worker's next chunk with files is
 read or the pairs are closed (a new `iter()` of non-persistent workers, or the loader's `close()`); a storage that
 several chunks share is mapped once per chunk (torch's cache of received storages mapped it once).
+With `worker_regions` (NOTE [ A worker's region ] in worker_region.py) a chunk's message also lists its samples'
+region spans, and the first one that names the worker's region carries its descriptor (its place in the message is
+in the message's head, `_HEAD`); a chunk with spans sends a message even without files, so the spans of a dropped
+chunk come back when the rank skips its message. Where such a message cannot be sent, the chunk's region tensors
+are copied out of the region and go torch's way.
 """
 
 from __future__ import annotations
@@ -51,19 +56,21 @@ import socket
 import struct
 import threading
 from collections import UserDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
 
+from odb_core.data.region_maps import RegionMaps
+from odb_core.data.worker_region import (DTYPES, MAX_SPANS, RegionSlot, attach_region, copied_out, detach_region,
+                                         worker_region)
 from odb_core.settings.console import LOGGER
 
 MAX_FILES = 250  # descriptors in one message: the kernel passes at most 253 (SCM_MAX_FD)
 _LEFT = (errno.EPIPE, errno.ECONNREFUSED, errno.ENOTCONN, errno.ECONNRESET)  # the rank's end shut or closed
 _NUMBER = struct.Struct("<q")
+_HEAD = struct.Struct("<qqq")  # a chunk message's number, where the region's descriptor is in it (-1: not), its size
 
-DTYPES = {str(d): d for d in (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
-                              torch.int16, torch.int8, torch.uint8, torch.bool)}
 
 
 def shared_fd(tensor: torch.Tensor) -> int | None:
@@ -114,10 +121,12 @@ class _Sender:
 _SENDER: _Sender | None = None  # this worker process's, once `attach`ed
 
 
-def attach(end: socket.socket, worker: int) -> None:
-    """In a worker process (`Lifeline`): send this worker's chunks' files on `end`."""
+def attach(end: socket.socket, worker: int, region_bytes: int = 0) -> None:
+    """In a worker process (`Lifeline`): send this worker's chunks' files on `end`, and with `region_bytes` place
+    their large tensors in a region of that size (NOTE [ A worker's region ] in worker_region.py)."""
     global _SENDER
     _SENDER = _Sender(end, worker)
+    attach_region(end, worker, region_bytes)
 
 
 def send_files(pairs: list[tuple[int, Any]]) -> list[tuple[int, Any]]:
@@ -128,30 +137,57 @@ def send_files(pairs: list[tuple[int, Any]]) -> list[tuple[int, Any]]:
         return pairs
     fds: list[int] = []
     slots: dict[int, int] = {}  # a storage's address: its slot
+    spans: list[int] = []  # the chunk's region spans (NOTE [ A worker's region ] in worker_region.py)
+    over: list[int] = []  # spans past `MAX_SPANS`, copied out: given back once the chunk is sent
     out: list[tuple[int, Any]] = []
     for index, sample in pairs:
         if isinstance(sample, dict | UserDict):  # HF's `BatchFeature` is a `UserDict`
-            sample = _slotted(sample, sender, fds, slots)
+            sample = _slotted(sample, sender, fds, slots, (spans, over))
         out.append((index, sample))
-    if not fds:
+    if not fds and not spans:
         return pairs
+    region = worker_region() if spans else None
+    declare = region is not None and not region.declared
+    if declare:
+        fds.append(region.fd)
+    head = _HEAD.pack(sender.number, len(fds) - 1 if declare else -1, region.size if declare else 0)
     try:
-        sender.end.sendmsg([_NUMBER.pack(sender.number)], [_rights(fds)], socket.MSG_DONTWAIT)
+        sender.end.sendmsg([head + array.array("q", spans).tobytes()], [_rights(fds)] if fds else [],
+                           socket.MSG_DONTWAIT)
     except OSError as exc:  # torch's way for this chunk: the files go with its pickle
+        if exc.errno in _LEFT and region is not None:
+            detach_region()  # the rank has left: no later tensor goes through the region
         if exc.errno not in _LEFT and not sender.warned:
             sender.warned = True
             LOGGER.warning("ODB: DataLoader worker %d sends a chunk's shared-memory files the slower way, one "
                            "connection per file (%s); later chunks may too (NOTE [ A worker's files travel as "
                            "descriptors ] in odb_core/data/worker_files.py)", sender.worker, exc)
-        return pairs
+        return pairs if region is None else [(index, copied_out(sample, region)) for index, sample in pairs]
+    if declare:
+        region.declared = True
+    if over:
+        region.release(over)  # type: ignore[union-attr]
     sender.number += 1
     return out
 
 
-def _slotted(sample: dict | UserDict, sender: _Sender, fds: list[int], slots: dict[int, int]) -> dict | UserDict:
-    """`sample` (a copy, if any tensor is replaced) with its top-level shared tensors as `FileSlot`s."""
+def _slotted(sample: dict | UserDict, sender: _Sender, fds: list[int], slots: dict[int, int],
+             spans: tuple[list[int], list[int]]) -> dict | UserDict:
+    """`sample` (a copy, if any tensor is replaced) with its top-level shared tensors as `FileSlot`s, and its
+    `RegionSlot`s naming the message (their spans added to `spans[0]`; past `MAX_SPANS`, copied out: `spans[1]`)."""
     out = None
     for key, value in sample.items():
+        if type(value) is RegionSlot:
+            if out is None:
+                out = dict(sample) if type(sample) is dict else copy.copy(sample)
+            listed, over = spans
+            if len(listed) == MAX_SPANS:  # torch's way; the region is there, as `placed` made it
+                out[key] = worker_region().read(value)  # type: ignore[union-attr]
+                over.append(value.span)
+                continue
+            listed.append(value.span)
+            out[key] = value._replace(message=sender.number)
+            continue
         if type(value) is not torch.Tensor or (fd := shared_fd(value)) is None:
             continue
         storage = value.untyped_storage()
@@ -182,6 +218,15 @@ def _received(ancillary: list[tuple[int, int, bytes]]) -> list[int]:
     return list(fds)
 
 
+@dataclass(slots=True)
+class _Opening:
+    """What `FileInbox.opened` has received for one chunk (a chunk comes from one worker)."""
+
+    storages: dict[tuple[int, int], torch.UntypedStorage] = field(default_factory=dict)
+    fds: list[int] = field(default_factory=list)
+    worker: int = -1  # the chunk's worker, once its message is received
+
+
 class FileInbox:
     """The rank's ends of one `iter()`'s worker socket pairs (NOTE above); `ends` are the workers'."""
 
@@ -192,43 +237,50 @@ class FileInbox:
         self._lock = threading.Lock()  # a reader thread left behind may still read beside the next epoch's
         self.files = 0  # files opened, and messages of dropped chunks skipped: what the tests look at
         self.skipped = 0
+        self.regions = RegionMaps(self._mine)  # NOTE [ A worker's region ] in worker_region.py
 
     def opened(self, chunk: list[tuple[int, Any]]) -> list[tuple[int, Any]]:
-        """`chunk`'s samples with every `FileSlot` the tensor it stands for, mapped from its file."""
-        storages: dict[tuple[int, int], torch.UntypedStorage] = {}
-        fds: list[int] = []
+        """`chunk`'s samples with every `FileSlot` the tensor it stands for, mapped from its file, and every
+        `RegionSlot` a tensor over its worker's region (NOTE [ A worker's region ] in worker_region.py)."""
+        opening = _Opening()
         try:
-            out = [(index, self._open_sample(sample, storages, fds)) for index, sample in chunk]
+            out = [(index, self._open_sample(sample, opening)) for index, sample in chunk]
         finally:
-            for fd in fds:
+            for fd in opening.fds:
                 os.close(fd)
+        self.regions.flush()  # the spans given back since: the workers reuse them
         return out
 
-    def _open_sample(self, sample: Any, storages: dict, fds: list[int]) -> Any:
+    def _open_sample(self, sample: Any, opening: _Opening) -> Any:
         if not isinstance(sample, dict | UserDict):
             return sample
         out = None
         for key, value in sample.items():
-            if type(value) is not FileSlot:
+            kind = type(value)
+            if kind is not FileSlot and kind is not RegionSlot:
                 continue
             if out is None:
                 out = dict(sample) if type(sample) is dict else copy.copy(sample)
-            storage = storages.get((value.worker, value.slot))
+            if opening.worker < 0:
+                self._receive(value.worker, value.message, opening.fds)
+                opening.worker = value.worker
+            if kind is RegionSlot:
+                out[key] = self.regions.tensor(value)
+                continue
+            storage = opening.storages.get((value.worker, value.slot))
             if storage is None:
-                if not fds:
-                    self._receive(value.worker, value.message, fds)
-                storage = storages[(value.worker, value.slot)] = torch.UntypedStorage._new_shared_fd_cpu(
-                    fds[value.slot], value.nbytes)
+                storage = opening.storages[(value.worker, value.slot)] = torch.UntypedStorage._new_shared_fd_cpu(
+                    opening.fds[value.slot], value.nbytes)
                 self.files += 1
             out[key] = tensor_in(storage, value.dtype, value.offset, value.shape, value.stride)
         return sample if out is None else out
 
     def _receive(self, worker: int, message: int, fds: list[int]) -> None:
-        """The descriptors of `worker`'s message `message` into `fds` (the caller closes them), closing those of
-        older ones (dropped chunks)."""
+        """The descriptors of `worker`'s message `message` into `fds` (the caller closes them), its region mapped
+        if it declares one; the descriptors of older ones (dropped chunks) closed and their spans given back."""
         with self._lock:
             while True:
-                number, truncated = self._next_message(worker, message, fds)
+                number, truncated, spans = self._next_message(worker, message, fds)
                 if number == message and not truncated:
                     return
                 for fd in fds:
@@ -242,25 +294,38 @@ class FileInbox:
                     raise RuntimeError(f"DataLoader worker {worker} sent shared-memory files in message {number} "
                                        f"where the rank expected message {message} (NOTE [ A worker's files "
                                        "travel as descriptors ] in odb_core/data/worker_files.py); please report it")
+                self.regions.give_back(worker, spans)
                 self.skipped += 1
 
-    def _next_message(self, worker: int, message: int, fds: list[int]) -> tuple[int, bool]:
-        """(number, cut short) of the next message in `worker`'s socket, its descriptors added to `fds`; a message
-        newer than `message` is only looked at, and left for the reader that asks for it."""
+    def _next_message(self, worker: int, message: int, fds: list[int]) -> tuple[int, bool, list[int]]:
+        """(number, cut short, spans) of the next message in `worker`'s socket, its descriptors added to `fds` and
+        the region it declares mapped; a message newer than `message` is only looked at, and left for the reader
+        that asks for it."""
         end = self._mine[worker]
         try:
             data = end.recv(_NUMBER.size, socket.MSG_PEEK | socket.MSG_DONTWAIT)
             number = _NUMBER.unpack(data)[0] if len(data) == _NUMBER.size else -1
             if number > message:
-                return number, False
-            _, ancillary, flags, _ = end.recvmsg(_NUMBER.size, socket.CMSG_LEN(4 * (MAX_FILES + 3)),
-                                                 socket.MSG_DONTWAIT)
+                return number, False, []
+            data, ancillary, flags, _ = end.recvmsg(_HEAD.size + 8 * MAX_SPANS, socket.CMSG_LEN(4 * (MAX_FILES + 3)),
+                                                    socket.MSG_DONTWAIT)
         except BlockingIOError:
             raise RuntimeError(f"DataLoader worker {worker}'s chunk names its shared-memory files' message {message}, "
                                "which is not in the rank's socket (NOTE [ A worker's files travel as descriptors ] "
                                "in odb_core/data/worker_files.py); please report it") from None
-        fds.extend(_received(ancillary))
-        return number, bool(flags & socket.MSG_CTRUNC)
+        received = _received(ancillary)
+        fds.extend(received)
+        if len(data) < _HEAD.size or flags & socket.MSG_CTRUNC:
+            return number, bool(flags & socket.MSG_CTRUNC), []
+        _, declared, size = _HEAD.unpack_from(data)
+        if declared >= len(received) or flags & socket.MSG_TRUNC:
+            raise RuntimeError(f"DataLoader worker {worker}'s message {number} names a region descriptor it does not "
+                               "carry, or was cut short (NOTE [ A worker's region ] in odb_core/data/worker_region.py);"
+                               " please report it")
+        if declared >= 0:
+            self.regions.declare(worker, received[declared], size)
+        spans = array.array("q", data[_HEAD.size: len(data) - (len(data) - _HEAD.size) % 8])
+        return number, False, list(spans)
 
     def close(self) -> None:
         """Close every pair. A worker forked from this rank holds copies of the rank's ends, so each is shut for

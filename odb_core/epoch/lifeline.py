@@ -76,6 +76,7 @@ class Lifeline:
     reports: Connection | None = None
     generation: int = 0
     files: tuple[socket.socket, ...] = ()  # the workers' ends of the rank's `FileInbox`, by worker id
+    region_bytes: int = 0  # each worker's region (NOTE [ A worker's region ] in data/worker_region.py); 0: none
 
     def __call__(self, worker_id: int) -> None:
         guard_feeder()  # NOTE [ A chunk the feeder cannot send ] in data/feeder.py
@@ -94,6 +95,6 @@ class Lifeline:
             except OSError:
                 pass  # the rank closed its stream: nobody will read this worker's results either
         if self.files:  # NOTE [ A worker's files travel as descriptors ] in data/worker_files.py
-            attach(self.files[worker_id], worker_id)
+            attach(self.files[worker_id], worker_id, self.region_bytes)
         if self.user_init is not None:
             self.user_init(worker_id)

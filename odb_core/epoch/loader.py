@@ -4,9 +4,8 @@ Guarantees (see docs/guarantees.md): every rank yields the same number of steps 
 `join=True` every index of the epoch's sampler output appears in exactly one non-IDLE step on exactly one rank; every
 group's cost is <= token_budget except a lone oversize sample; batches depend only on (seed, epoch, data, world size,
 config). Cost per round: one all_gather of `STATE_FIELDS` (10) ints per rank and one all_reduce of `STEP_SUM_FIELDS`
-(6) ints per step, over a dedicated Gloo group. `len()` is the step count of the last completed epoch on this loader
-(an honest estimate for the next one, which differs only by the shuffle) or `estimate_steps()`' result; before either
-exists it raises TypeError, which is how Python and the HF Trainer recognise a loader without a length.
+(6) ints per step, over a dedicated Gloo group. `len()` is the last completed epoch's step count (an estimate for the
+next, which differs by the shuffle) or `estimate_steps()`' result; before either it raises TypeError (no length).
 """
 
 from __future__ import annotations
@@ -23,6 +22,7 @@ from torch.utils.data import Sampler
 from odb_core.data.collate import CollateFn, PadCollator, takes_id_arrays
 from odb_core.data.sample import LengthFn
 from odb_core.data.sendable import open_files_needed
+from odb_core.data.worker_region import regions_of
 from odb_core.epoch.estimate import ExactPlan, estimate_steps, plan_epochs_exactly
 from odb_core.epoch.pipeline import EpochReport, EpochRun, RunContext
 from odb_core.epoch.plan_ahead import RoundAheadError
@@ -96,6 +96,7 @@ class ODBDataLoader:
                                        worker_timeout_s=config.worker_timeout_s, worker_options=worker_options,
                                        idle_sample=idle_sample, reader_thread=config.reader_thread,
                                        open_files=open_files_needed(config.max_buffer_bytes, config.window),
+                                       region_bytes=regions_of(config.worker_regions, config.max_buffer_bytes),
                                        compact_ids=length_fn is None or takes_id_arrays(length_fn),
                                        mark_ids=not takes_id_arrays(collate_fn))
         self._stream = SampleStream(dataset, stream_options, rank=self.transport.rank,
@@ -140,10 +141,9 @@ class ODBDataLoader:
         return self._current is not None and self._current.log.complete
 
     def set_epoch(self, epoch: int) -> None:
-        """Select the epoch of the next `iter()` (reshuffles). Without calls, each `iter()` advances by one.
-
-        After `load_state_dict()` the restored epoch is `self.epoch`; selecting another one while the restored
-        epoch still has steps to run raises ValueError instead of silently dropping (or misplacing) them."""
+        """Select the epoch of the next `iter()` (reshuffles); without calls, each `iter()` advances by one. After
+        `load_state_dict()` the restored epoch is `self.epoch`; selecting another one while the restored epoch
+        still has steps to run raises ValueError instead of silently dropping (or misplacing) them."""
         self._cursor.select(epoch)
 
     def __iter__(self) -> Iterator[ODBBatch]:

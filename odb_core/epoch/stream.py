@@ -32,6 +32,7 @@ from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
 from odb_core.data.sendable import payload_bytes, raise_open_files, unpack_sample
 from odb_core.data.worker_files import FileInbox
+from odb_core.data.worker_region import region_size
 from odb_core.data.sources import (ChunkSampler, DatasetFetchError, Handover, IndexedDataset, IndexedIterable,
                                    IndexListSampler, ShardedSampler, integer_columns, keep_chunk, map_style_size,
                                    worker_parts)
@@ -99,6 +100,7 @@ class StreamOptions:
     mark_ids: bool = False  # the collator gets compacted ids as lists again (`restore_id_lists`)
     reader_thread: bool = True  # NOTE [ A thread reads the workers ] in reader_thread.py
     open_files: int = 0  # what the buffers may hold open (NOTE [ The pipe or shared memory ] in sendable.py)
+    region_bytes: int = 0  # the workers' regions together; 0: none (NOTE [ A worker's region ] in worker_region.py)
 
 
 class ReadChunk(list):
@@ -177,7 +179,8 @@ class SampleStream:
         if options.num_workers > 0:  # NOTE [ Workers die with their rank ], NOTE [ A rank watches its workers ]
             user_init = options.worker_options.get("worker_init_fn")
             self._loader_options["worker_init_fn"] = Lifeline(os.getpid(), user_init)  # replaced at each open()
-            self._watch = WorkerWatch(rank=rank, rank_pid=os.getpid(), user_init=user_init)
+            self._watch = WorkerWatch(rank=rank, rank_pid=os.getpid(), user_init=user_init,
+                                      region_bytes=region_size(options.region_bytes, options.num_workers))
         if self.size is None:
             self._iterable = IndexedIterable(dataset, rank=rank, world_size=world_size, shard=options.shard_iterable,
                                              chunk=chunk, compact=options.compact_ids, mark=options.mark_ids)

@@ -102,8 +102,8 @@ class WorkerWatch:
 
     Owned and called by one thread at a time (the stream's reader); a report is drained on every look."""
 
-    def __init__(self, *, rank: int, rank_pid: int, user_init: Any) -> None:
-        self.rank, self._rank_pid, self._user_init = rank, rank_pid, user_init
+    def __init__(self, *, rank: int, rank_pid: int, user_init: Any, region_bytes: int = 0) -> None:
+        self.rank, self._rank_pid, self._user_init, self._region_bytes = rank, rank_pid, user_init, region_bytes
         self._inbox, self._outbox = multiprocessing.Pipe(duplex=False)
         self._generation = 0
         self._started: DataLoader | None = None  # the loader whose persistent workers run
@@ -129,7 +129,7 @@ class WorkerWatch:
         if hasattr(socket, "AF_UNIX"):  # NOTE [ A worker's files travel as descriptors ]
             self.inbox = FileInbox(loader.num_workers)
         loader.worker_init_fn = Lifeline(self._rank_pid, self._user_init, self._outbox, self._generation,
-                                         self.inbox.ends if self.inbox is not None else ())
+                                         self.inbox.ends if self.inbox is not None else (), self._region_bytes)
         before = {p.pid for p in multiprocessing.active_children()}
         chunks = iter(loader)
         self._candidates = {p.pid: p for p in multiprocessing.active_children() if p.pid not in before}

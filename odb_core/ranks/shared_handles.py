@@ -28,6 +28,9 @@ as before). A tensor whose
 storage is not a shared file (text samples' small tensors; a dataset read without workers, unless it shares its
 tensors itself) always travels in the frame. The ranks need not agree on `shared_memory_moves`: a rank that turns
 it off reports key 0, and neither sends nor receives handles.
+A tensor in a span of a DataLoader worker's region (NOTE [ A worker's region ] in data/worker_region.py) goes by a
+handle to that region too (the rank keeps a descriptor of each region it maps); since the worker reuses the span
+once the owner lets it go, the receiver copies it out on opening (`copied`), before the meeting lets the owner go.
 The receiver maps a path only where it leads to the owner's file: opened without a controlling tty or blocking,
 a regular file whose inode is the one the handle names and at least as large (`_open`), so a pid of another
 process, or a pid reused after the owner died, can neither be read nor grown. Each mapped tensor keeps a file
@@ -59,6 +62,7 @@ import torch
 
 from odb_core.data.sendable import OTHER_FILES, open_files_needed, raise_open_files
 from odb_core.data.worker_files import shared_fd, tensor_in
+from odb_core.data.region_maps import region_handle
 from odb_core.ranks.sync import PeerError, Transport
 
 LOGGER = logging.getLogger("odb")
@@ -76,6 +80,7 @@ class SharedHandle(NamedTuple):
     shape: tuple[int, ...]
     stride: tuple[int, ...]
     offset: int
+    copied: bool = False  # a span of a worker's region, which its owner reuses: the receiver copies it out
 
 
 def host_key() -> int:
@@ -102,13 +107,17 @@ def to_handles(sample: Any, keep: list[torch.UntypedStorage]) -> tuple[Any, int]
         if not isinstance(value, torch.Tensor):
             continue
         fd = shared_fd(value)
-        if fd is None:
+        if fd is not None:
+            handle = SharedHandle(os.getpid(), fd, os.fstat(fd).st_ino, value.untyped_storage().nbytes(),
+                                  str(value.dtype), tuple(value.shape), tuple(value.stride()), value.storage_offset())
+        elif (region := region_handle(value)) is not None:
+            handle = SharedHandle(os.getpid(), region.fd, region.inode, region.nbytes, str(value.dtype),
+                                  tuple(value.shape), tuple(value.stride()), region.offset, copied=True)
+        else:
             continue
         if out is None:
             out = dict(sample) if type(sample) is dict else copy.copy(sample)
         storage = value.untyped_storage()
-        handle = SharedHandle(os.getpid(), fd, os.fstat(fd).st_ino, storage.nbytes(), str(value.dtype),
-                              tuple(value.shape), tuple(value.stride()), value.storage_offset())
         out[key] = handle
         keep.append(storage)
         handled += value.numel() * value.element_size()
@@ -146,7 +155,8 @@ def _open(handle: SharedHandle) -> torch.Tensor:
         storage = torch.UntypedStorage._new_shared_fd_cpu(fd, handle.nbytes)
     finally:
         os.close(fd)  # the storage keeps a descriptor of its own
-    return tensor_in(storage, handle.dtype, handle.offset, handle.shape, handle.stride)
+    tensor = tensor_in(storage, handle.dtype, handle.offset, handle.shape, handle.stride)
+    return tensor.clone() if handle.copied else tensor
 
 
 def open_files_with_handles(max_buffer_bytes: int | None, window: int) -> int:
