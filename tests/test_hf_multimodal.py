@@ -71,3 +71,26 @@ def test_a_replayed_schedule_trains_exactly_its_batches_cut_to_the_shortest_rank
     assert ranks[0]["left_out"] == 48 - 6
     evaluation = math.ceil(24 / 2 / 8)
     assert all(r["vision_calls"] == 4 + evaluation for r in ranks)
+
+
+@pytest.mark.timeout(600)
+def test_the_trainer_with_worker_regions_trains_what_it_trains_with_files(tmp_path):
+    """The HF Trainer, 2 gloo ranks, 2 DataLoader workers each processing the images: with `worker_regions` (NOTE [
+    A worker's region ]) the losses, ODB's step infos and the eval loss are those of files, bit for bit."""
+    mm_mix.build_processor(tmp_path / "processor")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    facts_of = {}
+    for name, flags in (("files", []), ("regions", ["--worker-regions"])):
+        out = tmp_path / name
+        out.mkdir()
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                   "-m", "benchmarks.workers.mm_train_worker", "--processor", str(tmp_path / "processor"),
+                   "--out", str(out), "--mode", "odb", "--n-train", "96", "--epochs", "2", "--workers", "2", *flags]
+        result = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=420)
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+        facts_of[name] = facts(out, "odb")
+    for files, regions in zip(facts_of["files"], facts_of["regions"], strict=True):
+        assert regions["losses"] == files["losses"] and len(files["losses"]) >= 10
+        assert regions["infos"] == files["infos"] and regions["eval_loss"] == files["eval_loss"]
+        assert regions["region_tensors"] > 0 and files["region_tensors"] == 0  # the images did take the regions

@@ -217,3 +217,54 @@ def test_a_round_run_ahead_that_failed_inside_its_plan_is_not_left():
         loader.leave_epoch()
     assert run.report is None  # not left: the peers would be inside the round
 
+
+
+def test_a_loader_finalized_inside_its_collating_pools_submit_on_an_odb_thread_does_not_hang():
+    """A garbage collection inside `ThreadPoolExecutor.submit` on the thread that runs the next round ahead
+    finalized the loader, whose `CollateAhead.close` then waited for the lock that `submit` held: that thread hung,
+    holding the executors' global lock, and so did every later `submit` of the process (seen once in the suite).
+    Forced here: a collection at every allocation, whose callback closes the `CollateAhead` from inside `submit`."""
+    import gc
+    import sys
+    from concurrent.futures import ThreadPoolExecutor
+
+    loader = _make(LengthDataset(LENGTHS))
+    it = iter(loader)
+    next(it)
+    run = loader._current.run
+    collating = CollateAhead(run.collation, True)
+    closed = []
+
+    def close_inside_submit(phase, info):
+        frame, names = sys._getframe(), set()
+        while frame is not None:
+            names.add(frame.f_code.co_name)
+            frame = frame.f_back
+        pool = collating._pool
+        if (phase == "start" and not closed and threading.current_thread().name == PLAN_THREAD and "submit" in names
+                and pool is not None and pool._shutdown_lock.locked()):  # inside `submit`, which holds its lock
+            closed.append(True)
+            collating.close()
+
+    raised = []
+
+    def start() -> None:
+        try:
+            collating.start(run.ready[0][0])
+        except BaseException as exc:  # noqa: BLE001 - the test asserts there is none
+            raised.append(exc)
+
+    thresholds = gc.get_threshold()
+    gc.callbacks.append(close_inside_submit)
+    gc.set_threshold(1)
+    try:
+        worker = threading.Thread(target=start, name=PLAN_THREAD, daemon=True)
+        worker.start()
+        worker.join(10)
+    finally:
+        gc.set_threshold(*thresholds)
+        gc.callbacks.remove(close_inside_submit)
+    assert closed and not worker.is_alive() and not raised
+    with ThreadPoolExecutor(1) as pool:  # the executors' global lock is free
+        assert pool.submit(int, "7").result(timeout=10) == 7
+    loader.close()

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from transformers import TrainerCallback
 
 from benchmarks.data import mm_mix
 from benchmarks.data.workloads import Listed
@@ -50,6 +51,22 @@ class RunSpec:
     samples_per_step: int = 0  # > 0: both modes take optimizer steps of this many samples (time to quality)
     eval_every: int = 0  # > 0: evaluate every this many optimizer steps and record the eval curve
     odb_max_batch_size: int = 0  # ODB's micro-batch cap (0: none)
+    workers: int = 0  # DataLoader workers per rank, both modes
+    worker_regions: bool = False  # ODB's workers place their images in a region they reuse (NOTE [ A worker's region ])
+
+
+class RegionCount(TrainerCallback):
+    """The most tensors the ODB loader's inbox has taken from its workers' regions, seen at each step's end (NOTE [
+    A worker's region ]; 0 without workers or regions)."""
+
+    def __init__(self, odb) -> None:
+        self.odb, self.most = odb, 0
+
+    def on_step_end(self, args, state, control, **kwargs) -> None:
+        watch = self.odb.run.loader._stream._watch if self.odb.run is not None else None
+        inbox = watch.inbox if watch is not None else None
+        if inbox is not None:
+            self.most = max(self.most, inbox.regions.tensors)
 
 
 class VisionCalls:
@@ -114,12 +131,16 @@ def train(mode: str, spec: RunSpec, data: Data) -> dict:
     step_options = {}
     if spec.samples_per_step:  # the same optimizer step for both modes (as in benchmarks.demo)
         step_options = {"samples_per_step": spec.samples_per_step, "max_batch_size": spec.odb_max_batch_size or None}
-    odb = None
+    odb, regions = None, None
     if mode == "odb":
+        if spec.worker_regions:
+            step_options = {**step_options, "worker_regions": True}
         odb = ODBCallback(token_budget=spec.token_budget, max_patches=spec.max_patches, window=spec.window,
                           observer=lambda i: infos.append({"indices": list(i.indices), "idle": i.is_idle,
                                                            "patches": i.local_patches}), **step_options)
         callbacks.append(odb)
+        regions = RegionCount(odb)
+        callbacks.append(regions)
     accumulation = 1
     if spec.samples_per_step and mode == "std":
         world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's; the Trainer sets up the process group later
@@ -134,7 +155,7 @@ def train(mode: str, spec: RunSpec, data: Data) -> dict:
                              warmup_steps=2, lr_scheduler_type="linear", weight_decay=0.0, max_grad_norm=1.0,
                              logging_steps=1, use_cpu=True, seed=0, report_to=[], disable_tqdm=True,
                              save_strategy="no", eval_strategy="steps" if clock else "no",
-                             eval_steps=spec.eval_every or None, dataloader_num_workers=0)
+                             eval_steps=spec.eval_every or None, dataloader_num_workers=spec.workers)
     common = {"model": model, "args": args, "train_dataset": train_set, "eval_dataset": data.eval_set,
               "callbacks": callbacks, "data_collator": PadCollator(pad_token_id=processor.tokenizer.pad_token_id)}
     if mode in dict(spec.replays):
@@ -156,7 +177,8 @@ def train(mode: str, spec: RunSpec, data: Data) -> dict:
             "eval_loss": clock.points[-1]["eval_loss"] if clock else trainer.evaluate()["eval_loss"],
             "vision_calls": vision.calls, "infos": infos,
             "odb_logs": odb_logs, "left_out": len(train_set) - len(trained),
-            "eval_curve": clock.points if clock else None, "accumulation_steps": accumulation}
+            "eval_curve": clock.points if clock else None, "accumulation_steps": accumulation,
+            "region_tensors": regions.most if regions is not None else 0}
 
 
 def parse(argv: list[str] | None = None) -> tuple[list[str], int, RunSpec]:
@@ -180,6 +202,8 @@ def parse(argv: list[str] | None = None) -> tuple[list[str], int, RunSpec]:
     parser.add_argument("--samples-per-step", type=int, default=0, help="optimizer step in samples, both modes")
     parser.add_argument("--eval-every", type=int, default=0, help="optimizer steps between evaluations")
     parser.add_argument("--odb-max-batch-size", type=int, default=0, help="ODB's micro-batch cap (0: none)")
+    parser.add_argument("--workers", type=int, default=0, help="DataLoader workers per rank, both modes")
+    parser.add_argument("--worker-regions", action="store_true", help="ODB: worker_regions=True")
     ns = parser.parse_args(argv)
     replays = tuple((name, Path(file)) for name, _, file in (r.partition("=") for r in ns.replay))
     if any(not name or name in ("odb", "std") for name, _ in replays):
@@ -190,7 +214,8 @@ def parse(argv: list[str] | None = None) -> tuple[list[str], int, RunSpec]:
                    token_budget=ns.token_budget, max_patches=ns.max_patches, batch_size=ns.batch_size,
                    learning_rate=ns.learning_rate, window=ns.window, hidden=ns.hidden,
                    samples_cache=ns.samples_cache, replays=replays, samples_per_step=ns.samples_per_step,
-                   eval_every=ns.eval_every, odb_max_batch_size=ns.odb_max_batch_size)
+                   eval_every=ns.eval_every, odb_max_batch_size=ns.odb_max_batch_size, workers=ns.workers,
+                   worker_regions=ns.worker_regions)
     return ns.mode + [name for name, _ in replays], ns.repeats, spec
 
 

@@ -33,6 +33,7 @@ from typing import Any
 from odb_core.epoch.collation import Collation, PlannedStep
 
 COLLATE_THREAD = "odb-collate"
+ODB_THREADS = "odb-"  # the names of the threads ODB starts begin so
 
 
 class CollateAhead:
@@ -72,14 +73,16 @@ class CollateAhead:
 
     def close(self) -> None:
         """End the thread, after the collation it may be running; a batch collated ahead is dropped, and the
-        collator's reusable memory that no batch uses is given back (`PadCollator.release_memory`). Called on a
-        collating thread itself (a garbage collection there finalized the loader), it does not wait: a thread
-        cannot join itself. No step is collated ahead after it (a round run ahead that outlived a close)."""
+        collator's reusable memory that no batch uses is given back (`PadCollator.release_memory`). Called on one
+        of ODB's own threads, it is a garbage collection there that finalized the loader, maybe inside this pool's
+        `submit` (the thread that runs the next round ahead), which holds the lock `shutdown` takes: the pool is
+        only let go then, and its thread ends once the pool is collected, after the collation it may be running
+        (`shutdown` there hung that thread, and every later `submit` of the process with it: seen once in the
+        suite). No step is collated ahead after it (a round run ahead that outlived a close)."""
         self._step, self._future, self.enabled = None, None, False
-        if self._pool is not None:
-            on_collating_thread = threading.current_thread().name.startswith(COLLATE_THREAD)
-            self._pool.shutdown(wait=not on_collating_thread, cancel_futures=True)
-            self._pool = None
+        pool, self._pool = self._pool, None
+        if pool is not None and not threading.current_thread().name.startswith(ODB_THREADS):
+            pool.shutdown(wait=True, cancel_futures=True)
         release = getattr(self.collation.collate_fn, "release_memory", None)  # NOTE [ Reused collation memory ]
         if callable(release):
             release()
