@@ -139,7 +139,10 @@ class RegionHandle(NamedTuple):
 
 
 def region_handle(tensor: torch.Tensor) -> RegionHandle | None:
-    """Where `tensor` lies in a region this rank mapped (`RegionMaps`), or None."""
+    """Where `tensor` lies in a region this rank mapped (`RegionMaps`), or None (at once where it mapped none: the
+    move lane asks for every tensor of a moved sample that is not a shared file)."""
+    if not _MAPPED:
+        return None
     storage = tensor.untyped_storage()
     address = storage.data_ptr()
     for base, (size, fd, inode) in _MAPPED.copy().items():  # a finalizer may pop from it meanwhile

@@ -63,7 +63,7 @@ import torch
 
 from odb_core.data.region_maps import RegionMaps
 from odb_core.data.worker_region import (DTYPES, MAX_SPANS, RegionSlot, attach_region, copied_out, detach_region,
-                                         worker_region)
+                                         plain_bytes, worker_region)
 from odb_core.settings.console import LOGGER
 
 MAX_FILES = 250  # descriptors in one message: the kernel passes at most 253 (SCM_MAX_FD)
@@ -77,12 +77,11 @@ def shared_fd(tensor: torch.Tensor) -> int | None:
     """The descriptor of the shared-memory file under `tensor`'s storage, or None (not a shared file, shared by
     name, empty, or a tensor whose bits another process would read differently: a lazily negated or conjugated
     view). `_get_shared_fd` only reads: unlike `_share_fd_cpu_`, it never moves a storage."""
-    if tensor.layout is not torch.strided or tensor.is_nested or str(tensor.dtype) not in DTYPES:
+    if tensor.layout is not torch.strided or tensor.is_nested:
         return None  # sparse and nested tensors have no storage of their own
     storage = tensor.untyped_storage()
-    if (not storage.is_shared() or not storage.nbytes() or tensor.device.type != "cpu" or tensor.requires_grad
-            or tensor.is_neg() or tensor.is_conj()):
-        return None  # `is_shared` before `_get_shared_fd`, which costs 8 µs to refuse a text sample's tensor
+    if not storage.is_shared() or not storage.nbytes() or not plain_bytes(tensor):
+        return None  # `is_shared` first, and before `_get_shared_fd`, which costs 8 µs to refuse a text tensor
     try:
         fd = storage._get_shared_fd()
     except RuntimeError:

@@ -69,7 +69,7 @@ import torch
 ALIGN = 64  # bytes: every span starts at a multiple of it
 RESERVE_STEP = 8 << 20  # region pages reserved at once, ahead of the worker's writes
 MIN_REGION = 64 << 20
-FLUSH_AT = 64  # spans the rank gives back in one datagram, at most, between chunks
+FLUSH_AT = 64  # spans gathered on the rank that make it send them, without waiting for the next chunk
 MAX_SPANS = 2048  # spans one chunk message may list; a chunk's further tensors take a file each
 DTYPES = {str(d): d for d in (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
                               torch.int16, torch.int8, torch.uint8, torch.bool)}
@@ -109,12 +109,17 @@ _OFFSET_MASK = (1 << _TAG_SHIFT) - 1
 _TAGS = 1 << 22  # placement counts wrap here, so that a span stays a positive int64
 
 
-def placeable(tensor: torch.Tensor) -> bool:
-    """Whether `tensor` may go into a region: dense, contiguous, on the CPU, of a `DTYPES` dtype, not requiring
-    grad, not a lazily negated or conjugated view, and not empty."""
+def plain_bytes(tensor: torch.Tensor) -> bool:
+    """Whether another process may rebuild `tensor` from its bytes, dtype and layout: dense, on the CPU, of a
+    `DTYPES` dtype, not requiring grad, and not a lazily negated or conjugated view (whose bits read differently)."""
     return (tensor.layout is torch.strided and not tensor.is_nested and tensor.device.type == "cpu"
             and str(tensor.dtype) in DTYPES and not tensor.requires_grad and not tensor.is_neg()
-            and not tensor.is_conj() and tensor.numel() > 0 and tensor.is_contiguous())
+            and not tensor.is_conj())
+
+
+def placeable(tensor: torch.Tensor) -> bool:
+    """Whether `tensor` may go into a region: `plain_bytes`, contiguous and not empty."""
+    return plain_bytes(tensor) and tensor.numel() > 0 and tensor.is_contiguous()
 
 
 class Region:
