@@ -151,6 +151,7 @@ class Case:
     options_by_rank: dict[str, dict[str, Any]] | None = None  # per-rank loader options over the case's ("1": {...})
     record_errors: bool = False  # every rank records the error its epoch ends with, as survivors do
     step_s_by_rank: list[float] | None = None  # per-rank seconds each step "trains" (a sleep after each batch)
+    record_carried: bool = False  # each epoch records the tensors its workers' regions and files carried so far
 
     def save(self, path: Path) -> None:
         path.write_text(json.dumps(asdict(self)))
@@ -229,6 +230,9 @@ def _epochs(loader: Any, case: Case, rank: int) -> list[dict[str, Any]]:
             epochs[-1]["waits"] = {name: getattr(loader.metrics, name)  # cumulative over the epochs so far
                                    for name in ("wait_seconds", "read_seconds", "sync_seconds")}
             epochs[-1]["advice"] = dict(report.advice) if report else {}  # NOTE [ Which lever ]
+        if case.record_carried:  # cumulative while the inbox lives (persistent workers: the whole run)
+            inbox = loader._stream._watch.inbox
+            epochs[-1]["carried"] = {"regions": inbox.regions.tensors, "files": inbox.files}
     return epochs
 
 

@@ -14,8 +14,11 @@ from __future__ import annotations
 
 import gc
 import hashlib
+import array
 import os
+import pickle
 import signal
+import socket
 from collections import UserDict
 
 import pytest
@@ -25,12 +28,12 @@ from torch.utils.data import Dataset
 from odb_core import ODBDataLoader, WorkerDiedError
 from odb_core.data import worker_files, worker_region
 from odb_core.data.worker_files import FileInbox, attach, send_files
-from odb_core.data.region_maps import RegionMaps, region_handle
+from odb_core.data.region_maps import RegionMaps, flush_borrowed, region_handle
 from odb_core.data.sendable import Unsendable
-from odb_core.data.worker_region import (ALIGN, MAX_SPANS, MIN_REGION, RegionSlot, offset_of, placed, region_size,
-                                         regions_of, settled)
-from odb_core.ranks.shared_handles import SharedHandle, from_handles
-from dist_cases import image_runs
+from odb_core.data.worker_region import (ALIGN, LENT, MAX_SPANS, MIN_REGION, RegionSlot, give_back_address,
+                                         offset_of, placed, region_size, regions_of, settled)
+from odb_core.ranks.shared_handles import SharedHandle, from_handles, to_handles
+from dist_cases import Case, image_runs, mixed_lengths, run_job
 from test_worker_files import FeatureImages, Images, KeepSamples, check
 
 pytestmark = [pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="no memfd_create here"),
@@ -108,7 +111,7 @@ def test_a_workers_region_carries_its_contiguous_tensors_and_files_the_rest(data
 @pytest.mark.timeout(400)
 def test_gloo_ranks_with_regions_run_the_batches_of_files_and_move_their_images_by_handle(tmp_path):
     """Real Gloo ranks under global planning, each with 2 forked workers and 1 MiB images: a moved sample's region
-    tensor goes by a handle to the region, which the receiver copies out; the steps are those of files."""
+    tensor goes by a handle to the region, which the receiver uses in place; the steps are those of files."""
     runs = image_runs(tmp_path, {"regions": {"worker_regions": True}, "files": {"worker_regions": False}})
     # every step's image rows, their sum included (each row holds its sample's index), are the files' ones
     assert [runs["regions"][r]["epochs"] for r in (0, 1)] == [runs["files"][r]["epochs"] for r in (0, 1)]
@@ -116,6 +119,36 @@ def test_gloo_ranks_with_regions_run_the_batches_of_files_and_move_their_images_
     assert any(s["pixel_sum"] > 0 for r in (0, 1) for e in runs["regions"][r]["epochs"] for s in e["steps"])
     for rank in (0, 1):  # no image's bytes went through the lane either way (frames carry them: 20x more)
         assert runs["regions"][rank]["lane_bytes_sent"] < 1.2 * runs["files"][rank]["lane_bytes_sent"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_gloo_ranks_that_use_moved_spans_in_place_give_every_span_back_epoch_after_epoch(tmp_path):
+    """Real Gloo ranks under global planning, persistent workers with regions of `MIN_REGION` (64 MiB) and ~1.6 MB
+    images, five epochs: a moved image is used in place by the receiver, and its worker gets the span back from
+    both ranks, never while either reads it (each step's pixel sum is its samples'). Were the receivers' halves
+    lost, ~15 MiB a worker would stay taken each epoch and later images would take files: 102 of 257 did so when
+    the receiver gave nothing back, against 3 here (a region that holds the rank's round, the next fill and the
+    peer's moved images is sometimes full, as it may be)."""
+    options = {"worker_regions": True, "max_buffer_bytes": MIN_REGION}
+    case = Case(world_size=2, lengths=mixed_lengths(160), window=32, shuffle=True, first_image=40, epochs=5,
+                num_workers=2, context="fork", image_width=512, persistent_workers=True, record_carried=True,
+                options_by_rank={"0": options, "1": options})
+    result = run_job(case, "env", tmp_path, timeout_s=300)
+    assert not result.timed_out and sorted(result.records) == [0, 1], result.output[-4000:]
+    moved = sum(e["moved_samples"] for r in (0, 1) for e in result.records[r]["epochs"])
+    assert moved > 5 * 40  # of 5 x 120 images, about half move
+    lane = sum(result.records[r]["lane_bytes_sent"] for r in (0, 1))
+    assert lane < 16_384 * moved  # handles, not images (~1.6 MB each in a frame): the spans were lent
+    for rank in (0, 1):
+        epochs = result.records[rank]["epochs"]
+        carried = epochs[-1]["carried"]
+        assert carried["files"] <= 0.05 * carried["regions"], [e["carried"] for e in epochs]
+        assert carried["regions"] >= 5 * 40  # most of its shard's 60 images each epoch
+        steps = [s for e in epochs for s in e["steps"] if not s["is_idle"]]
+        # each image row holds its sample's index: a span reused while a rank read it would change a step's sum
+        assert [s["pixel_sum"] for s in steps] == [
+            float(sum(i * 4 * case.lengths[i] * 512 for i in s["indices"] if i >= 40)) for s in steps]
 
 
 def test_persistent_workers_left_early_give_their_dropped_chunks_spans_back():
@@ -275,16 +308,93 @@ def test_a_process_forked_from_the_rank_gives_back_none_of_its_spans(pair):
     assert region._used == {}
 
 
-def test_a_view_into_a_span_goes_by_a_handle_to_its_place_in_the_region(pair):
+def _lent(pair) -> tuple[dict, torch.Tensor, dict, list]:
+    """A sample the rank read (`pad`, then `x` in the next span), a view into its `x`, and that view after a move
+    by handle within this process: the receiver's sample, and the owner's storages the lane keeps until the
+    meeting."""
     got = dict(pair.opened(send_files([(0, placed({"pad": torch.ones(30), "x": torch.arange(1000.0)}))])))[0]
     view = got["x"][10:20]
     handle = region_handle(view)
     assert handle is not None and handle.offset == (128 + 40) // 4  # x's span after pad's 128 bytes, 10 floats in
-    opened = from_handles({"x": SharedHandle(os.getpid(), handle.fd, handle.inode, handle.nbytes, str(view.dtype),
-                                             tuple(view.shape), tuple(view.stride()), handle.offset, copied=True)})
-    view.fill_(-1.0)  # the worker reuses the span once the owner lets it go: the receiver's copy keeps its values
-    assert torch.equal(opened["x"], torch.arange(10.0, 20.0))
+    keep: list = []
+    sent, handled = to_handles({"x": view}, keep)
+    assert type(sent["x"]) is SharedHandle and handled == 40 and len(keep) == 1
+    return got, view, from_handles(pickle.loads(pickle.dumps(sent))), keep
+
+
+def _spans_taken() -> set[int]:
+    region = worker_region.worker_region()
+    region._take_back()
+    return {offset for offset, _ in region._used.items()}
+
+
+def test_a_view_into_a_span_goes_by_a_handle_to_its_place_in_the_region(pair):
+    got, view, received, keep = _lent(pair)
+    assert torch.equal(received["x"], torch.arange(10.0, 20.0))
+    assert received["x"].data_ptr() != view.data_ptr()  # the receiver's own mapping of the region
+    view.fill_(-1.0)  # the same memory: nothing was copied
+    assert torch.equal(received["x"], torch.full((10,), -1.0))
     assert region_handle(torch.ones(3)) is None
+    assert region_handle(received["x"]) is None  # a borrowed span is not the receiver's to lend on: a frame
+    again: list = []  # a second field over the lent storage would be a second half from one receiver: a frame
+    assert to_handles({"y": got["x"]}, again) == ({"y": got["x"]}, 0) and again == []
+
+
+@pytest.mark.parametrize("first", ["owner", "receiver"])
+def test_a_lent_span_is_freed_only_once_the_owner_and_the_receiver_have_both_let_go(pair, first):
+    """Under global planning a moved sample's region tensor is used in place by the receiver: its worker must not
+    reuse the span while either rank still reads it, and must get it back once both are done."""
+    got, view, received, keep = _lent(pair)
+    x_span = 128
+    assert _spans_taken() == {0, x_span}
+
+    def owner_lets_go() -> None:
+        nonlocal got, view
+        del got, view
+        keep.clear()  # the meeting: every receiver has opened what it got
+        gc.collect()
+        pair.regions.flush()
+
+    def receiver_lets_go() -> None:
+        received.clear()
+        gc.collect()
+        flush_borrowed()
+
+    (owner_lets_go if first == "owner" else receiver_lets_go)()
+    assert x_span in _spans_taken()  # one half back: the span stays taken
+    again = worker_region.worker_region().place(torch.full((1000,), 7.0))
+    assert offset_of(again) not in (0, x_span)
+    if first == "owner":
+        assert torch.equal(received["x"], torch.arange(10.0, 20.0))  # what the receiver reads is still its sample's
+    (receiver_lets_go if first == "owner" else owner_lets_go)()
+    assert _spans_taken() == {offset_of(again)}  # both halves back: pad's and x's spans are free
+
+
+def test_two_halves_of_one_side_never_free_a_lent_span(pair):
+    """The owner's half comes on the chunks' socket and a receiver's on the worker's own: a half sent twice (an
+    interrupted send sent again) must not stand for the other rank's."""
+    region = worker_region.worker_region()
+    span = region.place(torch.ones(100))
+    for _ in range(2):
+        pair._mine[0].send(array.array("q", [span | LENT]).tobytes())  # from the rank's end of the pair
+    region._take_back()
+    assert offset_of(span) in region._used
+    sender = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    for _ in range(2):
+        sender.sendto(array.array("q", [span | LENT]).tobytes(), give_back_address(os.fstat(region.fd).st_ino))
+    region._take_back()
+    assert offset_of(span) not in region._used  # a receiver's half came too
+    sender.close()
+
+
+def test_a_worker_that_takes_no_halves_back_lends_nothing(pair, monkeypatch):
+    """A worker whose own socket could not be bound would never get a receiver's half: its tensors go in frames."""
+    monkeypatch.setattr(worker_region, "_bound", lambda name: None)
+    attach(pair.ends[0], 0, MIN_REGION)  # a new region, without a socket of its own
+    got = dict(pair.opened(send_files([(0, placed({"x": torch.arange(1000.0)}))])))[0]
+    assert pair.regions.tensors == 1 and region_handle(got["x"]) is None
+    keep: list = []
+    assert to_handles(got, keep) == (got, 0) and keep == []
 
 
 def test_a_chunk_that_cannot_be_sent_takes_its_tensors_out_of_the_region(pair):

@@ -69,7 +69,8 @@ from odb_core.settings.console import LOGGER
 MAX_FILES = 250  # descriptors in one message: the kernel passes at most 253 (SCM_MAX_FD)
 _LEFT = (errno.EPIPE, errno.ECONNREFUSED, errno.ENOTCONN, errno.ECONNRESET)  # the rank's end shut or closed
 _NUMBER = struct.Struct("<q")
-_HEAD = struct.Struct("<qqq")  # a chunk message's number, where the region's descriptor is in it (-1: not), its size
+_HEAD = struct.Struct("<qqqq")  # a chunk message's number, where the region's descriptor is in it (-1: not), its
+# size, and whether the worker takes halves of lent spans back on a socket of its own (NOTE [ A worker's region ])
 
 
 
@@ -149,7 +150,8 @@ def send_files(pairs: list[tuple[int, Any]]) -> list[tuple[int, Any]]:
     declare = region is not None and not region.declared
     if declare:
         fds.append(region.fd)
-    head = _HEAD.pack(sender.number, len(fds) - 1 if declare else -1, region.size if declare else 0)
+    head = _HEAD.pack(sender.number, len(fds) - 1 if declare else -1, region.size if declare else 0,
+                      int(declare and region.takes_halves))
     try:
         sender.end.sendmsg([head + array.array("q", spans).tobytes()], [_rights(fds)] if fds else [],
                            socket.MSG_DONTWAIT)
@@ -316,13 +318,13 @@ class FileInbox:
         fds.extend(received)
         if len(data) < _HEAD.size or flags & socket.MSG_CTRUNC:
             return number, bool(flags & socket.MSG_CTRUNC), []
-        _, declared, size = _HEAD.unpack_from(data)
+        _, declared, size, lends = _HEAD.unpack_from(data)
         if declared >= len(received) or flags & socket.MSG_TRUNC:
             raise RuntimeError(f"DataLoader worker {worker}'s message {number} names a region descriptor it does not "
                                "carry, or was cut short (NOTE [ A worker's region ] in odb_core/data/worker_region.py);"
                                " please report it")
         if declared >= 0:
-            self.regions.declare(worker, received[declared], size)
+            self.regions.declare(worker, received[declared], size, bool(lends))
         spans = array.array("q", data[_HEAD.size: len(data) - (len(data) - _HEAD.size) % 8])
         return number, False, list(spans)
 

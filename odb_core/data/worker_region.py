@@ -22,7 +22,8 @@ Samples leave in plan order, not read order, so spans come back with holes: the 
 spans rounded to `ALIGN` bytes. A span is its offset tagged with the region's count of placements (`offset_of`;
 counted from a random start), and the worker frees only the placement a span names: a span given back twice or late
 never frees a later placement at its offset, and one meant for an earlier worker that reaches a new one on a reused
-socket (an inbox closed while a finalizer sends) matches a placement of its with a chance of 2^-22. A region never
+socket (an inbox closed while a finalizer sends, or a stale half below) matches a placement of its with a chance of
+2^-22. A region never
 makes a worker wait: the rank may hold a round's samples, whose steps come only once the round is read, so a worker
 that waited for space could wait for itself. A tensor that does not fit (the region full, or smaller than the
 tensor), a chunk whose message cannot be sent, or region pages the kernel cannot reserve (`posix_fallocate`, ahead
@@ -32,22 +33,34 @@ placed (the rank's tensor has the worker's dtype, shape and values, with the def
 stride may differ); two fields that view one storage become two spans. A chunk message lists its spans, so a chunk
 the DataLoader dropped (persistent workers reset at an epoch's early end) gives its spans back when the rank skips
 its message. Under global planning a moved sample's region tensor goes to a rank of the same host by a handle to the
-region (`region_handle`; the rank keeps a descriptor of each region it maps), and the receiver copies it out at
-once, before its owner lets the span go (NOTE [ Moving shared tensors by handle ]); to another host, in its frame.
-If the meeting that lets the owner go fails (a peer died or timed out), the owner lets its spans go at once, as it
-does its files; a receiver still copying may then read bytes its worker wrote since, on a run that is failing
-anyway.
-Costs: a worker's region is `region_size` bytes of address space on both sides; its pages are reserved as the worker
-first reaches them and stay reserved while the worker lives (the high-water mark of what its rank held at once, with
-holes), where files gave each tensor's pages back after its step; the resident memory of each process that touched
-them counts them. `region_size` is `max_buffer_bytes` / workers (1 GiB / workers without a bound), at least
-`MIN_REGION`: what a rank holds beyond that (a round and the next fill may hold up to twice the bound, NOTE [ The
-pipe or shared memory ]) takes files. A dead worker's region stays mapped on the rank until its inbox is closed (the
-next `iter()` of workers that are not persistent, or `close()`) and the last tensor over it is gone. A worker whose
-rank has closed its end places nothing more (`detach_region`). Measured (docs/benchmarks.md, "A region each worker
-reuses"): per 2 MiB tensor the rank's CPU 0.394 -> 0.055 ms and the worker's 1.614 -> 0.374 ms; on the VLM rows
-faster where no sample moves, no faster under global planning, where the receivers' copies cost the rank CPU; so it
-is off by default.
+region (`region_handle`; the rank keeps a descriptor of each region it maps; NOTE [ Moving shared tensors by handle
+]), and the receiver uses the span in place: it maps that region once (`borrowed`; for as long as any span of it is
+in use there) and builds the tensor over its own mapping. The span is then *lent*, and comes back in two halves: the
+owner gives it back as before but with `LENT` set, and the receiver, once its last tensor over the span is gone,
+sends its own half straight to the worker, on a datagram socket the worker binds in the abstract namespace when it
+makes the region (`give_back_address`, named by the region's inode; read beside the chunks' socket). The worker
+frees a lent span once both halves have come, in either order, so neither rank's tensor is ever written under it.
+The worker tells the halves apart by the socket they come on, so two of one side never free a span. The receiver's
+halves wait in `_DUE` until sent (`flush_borrowed`: after each chunk its own rank reads from workers with regions, and
+at each exchange of the move lane). A worker whose socket could not be bound (its name taken) lends nothing: it says so
+with its region's descriptor, and its moved tensors go in frames, as to another host. The worker reads at most `_READS`
+datagrams a socket before a placement, and drops those of another user (anyone may send to a name). A half that cannot
+reach the worker (the worker has ended: nothing to give back; a receiver in another network namespace than the worker's,
+which shares its pid namespace and /dev/shm, or the handle would not open) is dropped, and that span stays taken until
+the worker ends: its region fills and its later tensors take files. If the meeting that lets the owner go fails (a peer
+died or timed out), the owner lets go at once, and a receiver that never opened the handle never sends its half: the
+span stays taken, on a run that is failing anyway.
+Costs: a worker's region is `region_size` bytes of address space in the worker, its rank and each rank that borrows a
+span of it; its pages are reserved as the worker first reaches them and stay reserved while the worker lives (the
+high-water mark of what its rank held at once, with holes), where files gave each tensor's pages back after its step;
+the resident memory of each process that touched them counts them. `region_size` is `max_buffer_bytes` / workers (1 GiB
+/ workers without a bound), at least `MIN_REGION`: what a rank holds beyond that (a round and the next fill may hold up
+to twice the bound, NOTE [ The pipe or shared memory ]) takes files. A dead worker's region stays mapped on the rank
+until its inbox is closed (the next `iter()` of workers that are not persistent, or `close()`) and the last tensor over
+it is gone. A worker whose rank has closed its end places nothing more (`detach_region`). Measured (docs/benchmarks.md,
+"A region each worker reuses"): per 2 MiB tensor the rank's CPU 0.394 -> 0.055 ms and the worker's 1.614 -> 0.374 ms; on
+the VLM rows faster at W = 1 (1.11-1.13 of plain against 0.97-0.98), and under global planning at W = 2 somewhat
+(0.80-0.90 against 0.72-0.85), still under plain there; off by default (docs/design.md item 9 says why).
 """
 
 from __future__ import annotations
@@ -59,6 +72,7 @@ import mmap
 import os
 import secrets
 import socket
+import struct
 import threading
 from collections import UserDict
 from dataclasses import dataclass
@@ -71,6 +85,7 @@ RESERVE_STEP = 8 << 20  # region pages reserved at once, ahead of the worker's w
 MIN_REGION = 64 << 20
 FLUSH_AT = 64  # spans gathered on the rank that make it send them, without waiting for the next chunk
 MAX_SPANS = 2048  # spans one chunk message may list; a chunk's further tensors take a file each
+LENT = 1 << 62  # on a span given back: one of two halves, the owner's or the receiver's (NOTE above)
 DTYPES = {str(d): d for d in (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
                               torch.int16, torch.int8, torch.uint8, torch.bool)}
 
@@ -122,6 +137,11 @@ def placeable(tensor: torch.Tensor) -> bool:
     return plain_bytes(tensor) and tensor.numel() > 0 and tensor.is_contiguous()
 
 
+def give_back_address(inode: int) -> bytes:
+    """The abstract socket name on which the worker whose region is memory file `inode` takes back lent spans."""
+    return b"\0odb-region-%d" % inode
+
+
 class Region:
     """A worker's region (NOTE above): the memory file, its mapping, and the free spans, first fit. Placing and
     taking back run under a lock: the worker's main thread and its share lane both place."""
@@ -139,8 +159,11 @@ class Region:
         self._used: dict[int, tuple[int, int]] = {}  # a placed span's offset: its length, and the span
         self._reserved = 0  # pages reserved below this offset
         self._placed = secrets.randbelow(_TAGS)  # placements, from a random count: a span's tag (NOTE above)
+        self._halves: dict[int, int] = {}  # lent spans some of whose halves came back: 1 the owner's, 2 a receiver's
         self._lock = threading.Lock()
         self.declared = False  # whether its descriptor has gone to the rank
+        self._inbox = _bound(give_back_address(os.fstat(self.fd).st_ino))  # receivers' halves of lent spans
+        self.takes_halves = self._inbox is not None  # told to the rank with the descriptor: it lends only then
 
     def place(self, tensor: torch.Tensor) -> int | None:
         """`tensor`'s bytes written into a free span: the span (`offset_of`), or None (none fits, or no pages)."""
@@ -180,22 +203,29 @@ class Region:
                 self._give_back(span)
 
     def _take_back(self) -> None:
-        """The spans the rank has given back since the last look (its datagrams on the worker's socket)."""
-        while True:
-            try:
-                data = self._end.recv(8 * MAX_SPANS, socket.MSG_DONTWAIT)
-            except OSError:  # none waiting (BlockingIOError), or the rank's end closed
-                return
-            if not data:
-                return
-            for span in array.array("q", data[: len(data) - len(data) % 8]):
-                self._give_back(span)
+        """The spans given back since the last look: the rank's datagrams on the worker's socket, and the halves of
+        lent spans that receivers sent to its own."""
+        for end, half in ((self._end, 1), (self._inbox, 2)):
+            for _ in range(_READS if end is not None else 0):  # bounded: anyone may send to the inbox's name
+                try:
+                    data = end.recv(8 * MAX_SPANS, socket.MSG_DONTWAIT) if half == 1 else _halves_from(end)
+                except OSError:  # none waiting (BlockingIOError), or the rank's end closed
+                    break
+                if data is None or (not data and half == 1):
+                    break
+                for span in array.array("q", data[: len(data) - len(data) % 8]):
+                    self._give_back(span, half)
 
-    def _give_back(self, span: int) -> None:
+    def _give_back(self, span: int, half: int = 1) -> None:
+        lent, span = span & LENT, span & ~LENT
         offset = offset_of(span)
         placed_here = self._used.get(offset)
         if placed_here is None or placed_here[1] != span:
             return  # given back already: not the placement that holds the offset now
+        if lent and (halves := self._halves.get(span, 0) | half) != 3:  # the other rank still uses it
+            self._halves[span] = halves
+            return
+        self._halves.pop(span, None)
         length = self._used.pop(offset)[0]
         at = bisect.bisect(self._free, [offset])
         if at < len(self._free) and self._free[at][0] == offset + length:  # joins the next free span
@@ -204,6 +234,40 @@ class Region:
             self._free[at - 1][1] += length
         else:
             self._free.insert(at, [offset, length])
+
+
+def _bound(name: bytes) -> socket.socket | None:
+    """A datagram socket bound to `name`, not blocking, that learns each sender's user; None where it cannot be
+    (the rank then lends none of the region's spans)."""
+    try:
+        end = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        end.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
+        end.bind(name)
+    except OSError:
+        end.close()
+        return None
+    return end
+
+
+_CREDENTIALS = struct.Struct("iII")  # pid, uid, gid
+_READS = 64  # datagrams read from one socket before a placement, at most
+
+
+def _halves_from(end: socket.socket) -> bytes | None:
+    """One datagram of halves from the worker's own socket, or None (none waiting). Anyone on the host may send to
+    an abstract name: a datagram from another user is dropped (empty), so only the job's processes free spans."""
+    try:
+        data, ancillary, _, _ = end.recvmsg(8 * MAX_SPANS, socket.CMSG_SPACE(_CREDENTIALS.size))
+    except OSError:
+        return None
+    for level, kind, value in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS and len(value) >= _CREDENTIALS.size:
+            if _CREDENTIALS.unpack_from(value)[1] == os.getuid():
+                return data
+    return b"" if data else None
 
 
 @dataclass(slots=True)

@@ -53,6 +53,7 @@ import numpy as np
 import torch
 
 from odb_core.data.collate import sample_supervised_tokens
+from odb_core.data.region_maps import flush_borrowed
 from odb_core.data.sample import LengthFn, input_tokens
 from odb_core.data.sendable import pack_sample, unpack_sample
 from odb_core.planning.pooled import PooledRound
@@ -190,6 +191,7 @@ def _exchange(lane: Transport, pickled: list[Pickled | None], keep: list[torch.U
     """On the lane's thread: write the frames, exchange them, decode what came (opening the handles' files), and
     where handles travel, meet the lane's ranks before `keep` is let go."""
     try:
+        flush_borrowed()  # the halves of lent spans given back here since: the peers' workers reuse them
         frames: list[bytes | np.ndarray] = [b"" if p is None else frame_of(p) for p in pickled]
         received = lane.all_to_all_bytes(frames)
         del frames, pickled

@@ -29,8 +29,9 @@ storage is not a shared file (text samples' small tensors; a dataset read withou
 tensors itself) always travels in the frame. The ranks need not agree on `shared_memory_moves`: a rank that turns
 it off reports key 0, and neither sends nor receives handles.
 A tensor in a span of a DataLoader worker's region (NOTE [ A worker's region ] in data/worker_region.py) goes by a
-handle to that region too (the rank keeps a descriptor of each region it maps); since the worker reuses the span
-once the owner lets it go, the receiver copies it out on opening (`copied`), before the meeting lets the owner go.
+handle to that region too (the rank keeps a descriptor of each region it maps), which names the span (`span`): the
+receiver maps the region once and uses the span in place, and the worker reuses it only once both the owner and the
+receiver have given it back.
 The receiver maps a path only where it leads to the owner's file: opened without a controlling tty or blocking,
 a regular file whose inode is the one the handle names and at least as large (`_open`), so a pid of another
 process, or a pid reused after the owner died, can neither be read nor grown. Each mapped tensor keeps a file
@@ -62,7 +63,8 @@ import torch
 
 from odb_core.data.sendable import OTHER_FILES, open_files_needed, raise_open_files
 from odb_core.data.worker_files import shared_fd, tensor_in
-from odb_core.data.region_maps import region_handle
+from odb_core.data.region_maps import borrowed, region_handle
+from odb_core.data.worker_region import DTYPES, offset_of
 from odb_core.ranks.sync import PeerError, Transport
 
 LOGGER = logging.getLogger("odb")
@@ -75,12 +77,12 @@ class SharedHandle(NamedTuple):
     pid: int
     fd: int
     inode: int  # the file's: the receiver maps it only if the path leads to that file
-    nbytes: int  # the storage's
+    nbytes: int  # the storage's (a region's: its bytes up to the storage's end)
     dtype: str
     shape: tuple[int, ...]
     stride: tuple[int, ...]
     offset: int
-    copied: bool = False  # a span of a worker's region, which its owner reuses: the receiver copies it out
+    span: int = -1  # a span a worker's region lent, tagged: the receiver uses it in place and gives its half back
 
 
 def host_key() -> int:
@@ -112,7 +114,8 @@ def to_handles(sample: Any, keep: list[torch.UntypedStorage]) -> tuple[Any, int]
                                   str(value.dtype), tuple(value.shape), tuple(value.stride()), value.storage_offset())
         elif (region := region_handle(value)) is not None:
             handle = SharedHandle(os.getpid(), region.fd, region.inode, region.nbytes, str(value.dtype),
-                                  tuple(value.shape), tuple(value.stride()), region.offset, copied=True)
+                                  tuple(value.shape), tuple(value.stride()), region.offset, span=region.span)
+            region.lend()
         else:
             continue
         if out is None:
@@ -152,11 +155,14 @@ def _open(handle: SharedHandle) -> torch.Tensor:
         if not stat.S_ISREG(seen.st_mode) or seen.st_ino != handle.inode or seen.st_size < handle.nbytes:
             raise ValueError(f"{path} is not the owner's shared-memory file (inode {seen.st_ino}, {seen.st_size} "
                              f"bytes; the handle names inode {handle.inode}, {handle.nbytes} bytes)")
-        storage = torch.UntypedStorage._new_shared_fd_cpu(fd, handle.nbytes)
+        if handle.span < 0:
+            storage, offset = torch.UntypedStorage._new_shared_fd_cpu(fd, handle.nbytes), handle.offset
+        else:  # a lent span: the storage starts at the span (NOTE [ A worker's region ])
+            storage = borrowed(fd, seen.st_size, handle.span, handle.nbytes)
+            offset = handle.offset - offset_of(handle.span) // DTYPES[handle.dtype].itemsize
     finally:
-        os.close(fd)  # the storage keeps a descriptor of its own
-    tensor = tensor_in(storage, handle.dtype, handle.offset, handle.shape, handle.stride)
-    return tensor.clone() if handle.copied else tensor
+        os.close(fd)  # the storage keeps a descriptor (or the region's mapping) of its own
+    return tensor_in(storage, handle.dtype, offset, handle.shape, handle.stride)
 
 
 def open_files_with_handles(max_buffer_bytes: int | None, window: int) -> int:
