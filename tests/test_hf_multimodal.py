@@ -81,7 +81,7 @@ def test_the_trainer_with_worker_regions_trains_what_it_trains_with_files(tmp_pa
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     facts_of = {}
-    for name, flags in (("files", []), ("regions", ["--worker-regions"])):
+    for name, flags in (("files", ["--no-worker-regions"]), ("regions", ["--worker-regions"])):
         out = tmp_path / name
         out.mkdir()
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",

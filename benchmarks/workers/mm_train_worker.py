@@ -52,7 +52,7 @@ class RunSpec:
     eval_every: int = 0  # > 0: evaluate every this many optimizer steps and record the eval curve
     odb_max_batch_size: int = 0  # ODB's micro-batch cap (0: none)
     workers: int = 0  # DataLoader workers per rank, both modes
-    worker_regions: bool = False  # ODB's workers place their images in a region they reuse (NOTE [ A worker's region ])
+    worker_regions: bool | None = None  # ODB's workers place images in a region they reuse (None: ODB's default)
 
 
 class RegionCount(TrainerCallback):
@@ -133,8 +133,8 @@ def train(mode: str, spec: RunSpec, data: Data) -> dict:
         step_options = {"samples_per_step": spec.samples_per_step, "max_batch_size": spec.odb_max_batch_size or None}
     odb, regions = None, None
     if mode == "odb":
-        if spec.worker_regions:
-            step_options = {**step_options, "worker_regions": True}
+        if spec.worker_regions is not None:  # NOTE [ A worker's region ]
+            step_options = {**step_options, "worker_regions": spec.worker_regions}
         odb = ODBCallback(token_budget=spec.token_budget, max_patches=spec.max_patches, window=spec.window,
                           observer=lambda i: infos.append({"indices": list(i.indices), "idle": i.is_idle,
                                                            "patches": i.local_patches}), **step_options)
@@ -203,7 +203,8 @@ def parse(argv: list[str] | None = None) -> tuple[list[str], int, RunSpec]:
     parser.add_argument("--eval-every", type=int, default=0, help="optimizer steps between evaluations")
     parser.add_argument("--odb-max-batch-size", type=int, default=0, help="ODB's micro-batch cap (0: none)")
     parser.add_argument("--workers", type=int, default=0, help="DataLoader workers per rank, both modes")
-    parser.add_argument("--worker-regions", action="store_true", help="ODB: worker_regions=True")
+    parser.add_argument("--worker-regions", action=argparse.BooleanOptionalAction, default=None,
+                        help="ODB: worker_regions=True (--no-worker-regions: False; neither: ODB's default)")
     ns = parser.parse_args(argv)
     replays = tuple((name, Path(file)) for name, _, file in (r.partition("=") for r in ns.replay))
     if any(not name or name in ("odb", "std") for name, _ in replays):

@@ -60,7 +60,8 @@ until its inbox is closed (the next `iter()` of workers that are not persistent,
 it is gone. A worker whose rank has closed its end places nothing more (`detach_region`). Measured (docs/benchmarks.md,
 "A region each worker reuses"): per 2 MiB tensor the rank's CPU 0.394 -> 0.055 ms and the worker's 1.614 -> 0.374 ms; on
 the VLM rows faster at W = 1 (1.11-1.13 of plain against 0.97-0.98), and under global planning at W = 2 somewhat
-(0.80-0.90 against 0.72-0.85), still under plain there; off by default (docs/design.md item 9 says why).
+(0.77-0.90 against 0.70-0.86 of plain, seven pairs; ODB's own samples/s ahead in each), still under plain there; on by
+default (`worker_regions=False` for files; docs/design.md item 9 says why).
 """
 
 from __future__ import annotations
