@@ -377,8 +377,11 @@ def test_a_rank_that_turned_handles_off_receives_every_byte_in_frames():
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_gloo_ranks_with_workers_pass_images_by_handle_and_run_the_batches_of_the_frames(tmp_path):
-    """Real Gloo ranks, each with 2 forked DataLoader workers that send 1 MiB images through shared memory."""
-    runs = image_runs(tmp_path, {"handles": {"shared_memory_moves": True}, "frames": {"shared_memory_moves": False}})
+    """Real Gloo ranks, each with 2 forked DataLoader workers that send 1 MiB images through shared-memory files
+    (`worker_regions=False`; with regions: tests/test_worker_region.py)."""
+    files = {"worker_regions": False}
+    runs = image_runs(tmp_path, {"handles": {"shared_memory_moves": True, **files},
+                                 "frames": {"shared_memory_moves": False, **files}})
     assert [runs["handles"][r]["epochs"] for r in (0, 1)] == [runs["frames"][r]["epochs"] for r in (0, 1)]
     assert sum(e["moved_samples"] for r in (0, 1) for e in runs["handles"][r]["epochs"]) > 0
     for rank in (0, 1):
@@ -387,10 +390,12 @@ def test_gloo_ranks_with_workers_pass_images_by_handle_and_run_the_batches_of_th
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_a_gloo_rank_killed_while_its_images_go_by_handle_gives_its_peer_a_peer_error(tmp_path):
+@pytest.mark.parametrize("regions", [False, True])  # handles to files, or to the workers' regions (lent spans)
+def test_a_gloo_rank_killed_while_its_images_go_by_handle_gives_its_peer_a_peer_error(tmp_path, regions):
+    options = {"worker_regions": regions}
     case = Case(world_size=2, lengths=mixed_lengths(240), window=32, shuffle=True, first_image=0, num_workers=2,
                 context="fork", image_width=512, fault="kill-rank", fault_rank=1, fault_after=3, prefetch_steps=0,
-                liveness_timeout_s=5.0)
+                liveness_timeout_s=5.0, options_by_rank={"0": options, "1": options})
     result = run_job(case, "env", tmp_path, timeout_s=200)
     assert not result.timed_out, result.output[-4000:]
     survivor = result.records[0]

@@ -19,20 +19,19 @@ finalizer on it gives the span back. The rank sends the spans given back to the 
 a tensor. So once its spans are reused a worker writes into pages that are already there, and the rank reads pages
 it has already mapped: no file, mapping, descriptor or page freed per tensor.
 Samples leave in plan order, not read order, so spans come back with holes: the worker keeps a free list, first fit,
-spans rounded to `ALIGN` bytes. A span is its offset tagged with the region's count of placements (`offset_of`;
-counted from a random start), and the worker frees only the placement a span names: a span given back twice or late
-never frees a later placement at its offset, and one meant for an earlier worker that reaches a new one on a reused
-socket (an inbox closed while a finalizer sends, or a stale half below) matches a placement of its with a chance of
-2^-22. A region never
-makes a worker wait: the rank may hold a round's samples, whose steps come only once the round is read, so a worker
-that waited for space could wait for itself. A tensor that does not fit (the region full, or smaller than the
-tensor), a chunk whose message cannot be sent, or region pages the kernel cannot reserve (`posix_fallocate`, ahead
-of the writes, so that a host out of memory is an error and never a SIGBUS on a page it cannot back) take the file
-way; the batches are the same bytes either way. Only contiguous tensors of `DTYPES` that do not require grad are
-placed (the rank's tensor has the worker's dtype, shape and values, with the default strides: a size-1 dimension's
-stride may differ); two fields that view one storage become two spans. A chunk message lists its spans, so a chunk
-the DataLoader dropped (persistent workers reset at an epoch's early end) gives its spans back when the rank skips
-its message. Under global planning a moved sample's region tensor goes to a rank of the same host by a handle to the
+spans rounded to `ALIGN` bytes. A span is its offset tagged with the region's count of placements (`offset_of`; counted
+from a random start), and the worker frees only the placement a span names: a span given back twice or late never frees
+a later placement at its offset, and one meant for an earlier worker that reaches a new one on a reused socket (an inbox
+closed while a finalizer sends, or a stale half below) matches a placement of its with a chance of 2^-22. A region never
+makes a worker wait: the rank may hold a round's samples, whose steps come only once the round is read, so a worker that
+waited for space could wait for itself. A tensor that does not fit (the region full, or smaller than the tensor), a
+chunk whose message cannot be sent, or region pages the kernel cannot reserve (`posix_fallocate`, ahead of the writes,
+so that a host out of memory is an error and never a SIGBUS on a page it cannot back) take the file way; the batches are
+the same bytes either way. Only contiguous tensors of `DTYPES` that do not require grad are placed (the rank's tensor
+has the worker's dtype, shape and values, with the default strides: a size-1 dimension's stride may differ); two fields
+that view one storage become two spans. A chunk message lists its spans, so a chunk the DataLoader dropped (persistent
+workers reset at an epoch's early end) gives its spans back when the rank skips its message.
+Under global planning a moved sample's region tensor goes to a rank of the same host by a handle to the
 region (`region_handle`; the rank keeps a descriptor of each region it maps; NOTE [ Moving shared tensors by handle
 ]), and the receiver uses the span in place: it maps that region once (`borrowed`; for as long as any span of it is
 in use there) and builds the tensor over its own mapping. The span is then *lent*, and comes back in two halves: the
@@ -59,9 +58,10 @@ to twice the bound, NOTE [ The pipe or shared memory ]) takes files. A dead work
 until its inbox is closed (the next `iter()` of workers that are not persistent, or `close()`) and the last tensor over
 it is gone. A worker whose rank has closed its end places nothing more (`detach_region`). Measured (docs/benchmarks.md,
 "A region each worker reuses"): per 2 MiB tensor the rank's CPU 0.394 -> 0.055 ms and the worker's 1.614 -> 0.374 ms; on
-the VLM rows faster at W = 1 (1.11-1.13 of plain against 0.97-0.98), and under global planning at W = 2 somewhat
-(0.77-0.90 against 0.70-0.86 of plain, seven pairs; ODB's own samples/s ahead in each), still under plain there; on by
-default (`worker_regions=False` for files; docs/design.md item 9 says why).
+the VLM rows faster at W = 1 (1.07-1.13 of plain against 0.94-1.00, seven pairs), and under global planning at W = 2
+somewhat (0.77-0.90 against 0.70-0.86, seven pairs; ODB's own samples/s ahead in each), still under plain there; not
+faster at W = 2 with rank-local planning (behind in each of seven pairs, in a matrix where it runs after the global
+row). On by default (`worker_regions=False` for files; docs/design.md item 9 says why).
 """
 
 from __future__ import annotations
@@ -153,6 +153,7 @@ class Region:
         try:
             os.ftruncate(self.fd, size)
             self._bytes = torch.frombuffer(mmap.mmap(self.fd, size), dtype=torch.uint8)  # it keeps the mapping
+            self._inbox = _bound(give_back_address(os.fstat(self.fd).st_ino))  # receivers' halves of lent spans
         except BaseException:
             os.close(self.fd)
             raise
@@ -163,7 +164,6 @@ class Region:
         self._halves: dict[int, int] = {}  # lent spans some of whose halves came back: 1 the owner's, 2 a receiver's
         self._lock = threading.Lock()
         self.declared = False  # whether its descriptor has gone to the rank
-        self._inbox = _bound(give_back_address(os.fstat(self.fd).st_ino))  # receivers' halves of lent spans
         self.takes_halves = self._inbox is not None  # told to the rank with the descriptor: it lends only then
 
     def place(self, tensor: torch.Tensor) -> int | None:
@@ -247,7 +247,7 @@ def _bound(name: bytes) -> socket.socket | None:
     try:
         end.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
         end.bind(name)
-    except OSError:
+    except (OSError, AttributeError):  # refused, or no `SO_PASSCRED` on this platform
         end.close()
         return None
     return end
