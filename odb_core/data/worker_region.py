@@ -59,9 +59,9 @@ until its inbox is closed (the next `iter()` of workers that are not persistent,
 it is gone. A worker whose rank has closed its end places nothing more (`detach_region`). Measured (docs/benchmarks.md,
 "A region each worker reuses"): per 2 MiB tensor the rank's CPU 0.394 -> 0.055 ms and the worker's 1.614 -> 0.374 ms; on
 the VLM rows faster at W = 1 (1.07-1.13 of plain against 0.94-1.00, seven pairs), and under global planning at W = 2
-somewhat (0.77-0.90 against 0.70-0.86, seven pairs; ODB's own samples/s ahead in each), still under plain there; not
-faster at W = 2 with rank-local planning (behind in each of seven pairs, in a matrix where it runs after the global
-row). On by default (`worker_regions=False` for files; docs/design.md item 9 says why).
+somewhat (0.77-0.90 against 0.70-0.86, seven pairs; ODB's own samples/s ahead in each), still under plain there; mixed
+at W = 2 with rank-local planning (behind in each of seven pairs of a matrix where it runs after the global row, level
+or ahead in three of three run alone). On by default (`worker_regions=False` for files; docs/design.md item 9 says why).
 """
 
 from __future__ import annotations

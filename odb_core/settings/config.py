@@ -146,7 +146,7 @@ class ODBConfig:
             region ] in data/worker_region.py): less CPU per image on both sides. Does not change the batches;
             ranks may differ. Its pages stay reserved while the worker lives (max_buffer_bytes a rank together,
             at least 64 MiB a worker). Faster on this project's VLM rows at W = 1, somewhat under global planning
-            at W = 2 (a moved image is used in place by its receiver), not with planning="local" at W = 2;
+            at W = 2 (a moved image is used in place by its receiver), mixed with planning="local" at W = 2;
             measured on one 2-core machine only. On by default; False gives each large tensor a shared-memory file
             of its own, freed after its step.
         sync_timeout_s: how long a Gloo collective waits for a live peer that does not take part (a peer may pause
