@@ -15,6 +15,8 @@ from __future__ import annotations
 import gc
 import hashlib
 import array
+import errno
+import logging
 import os
 import pickle
 import signal
@@ -385,6 +387,21 @@ def test_two_halves_of_one_side_never_free_a_lent_span(pair):
     region._take_back()
     assert offset_of(span) not in region._used  # a receiver's half came too
     sender.close()
+
+
+def test_a_worker_that_cannot_make_its_region_says_so_and_takes_files(pair, monkeypatch, caplog):
+    """No `memfd_create` (macOS, an old libc) or no memory for the region: the worker warns once, naming the cause,
+    and its tensors take files; nothing fails."""
+    def refused(*args):
+        raise OSError(errno.ENOSYS, "Function not implemented")
+
+    monkeypatch.setattr(os, "memfd_create", refused)
+    with caplog.at_level(logging.WARNING, logger="odb"):
+        attach(pair.ends[0], 0, MIN_REGION)
+    assert worker_region.worker_region() is None
+    assert "worker 0 could not make its region of 64 MiB (OSError" in caplog.text and "Function not" in caplog.text
+    sample = {"x": torch.ones(1000)}
+    assert placed(sample) is sample  # the file way
 
 
 def test_a_worker_that_takes_no_halves_back_lends_nothing(pair, monkeypatch):

@@ -69,6 +69,7 @@ from __future__ import annotations
 import array
 import bisect
 import copy
+import logging
 import mmap
 import os
 import secrets
@@ -81,6 +82,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+LOGGER = logging.getLogger("odb")
 ALIGN = 64  # bytes: every span starts at a multiple of it
 RESERVE_STEP = 8 << 20  # region pages reserved at once, ahead of the worker's writes
 MIN_REGION = 64 << 20
@@ -282,14 +284,16 @@ _PLACER: _Placer | None = None  # this worker process's, once `attach_region`ed
 
 def attach_region(end: socket.socket, worker: int, size: int) -> None:
     """In a worker process: place its samples' large tensors in a region of `size` bytes, made now (0: never; a
-    region that cannot be made: never, files as before)."""
+    region that cannot be made: never, files as before, with a warning that names the cause)."""
     global _PLACER
     _PLACER = None
     if size > 0:
         try:
             _PLACER = _Placer(Region(size, end), worker)
-        except (OSError, AttributeError):  # no memory for it, or no `memfd_create` here
-            pass
+        except (OSError, AttributeError) as exc:  # no memory for it, or no `memfd_create` here
+            LOGGER.warning("ODB: DataLoader worker %d could not make its region of %d MiB (%s: %s); its large tensors "
+                           "take a shared-memory file each, as with worker_regions=False (NOTE [ A worker's region ] "
+                           "in odb_core/data/worker_region.py)", worker, size >> 20, type(exc).__name__, exc)
 
 
 def detach_region() -> None:
