@@ -202,18 +202,17 @@ def region_handle(tensor: torch.Tensor) -> RegionHandle | None:
     return None
 
 
-def borrowed(fd: int, size: int, span: int, nbytes: int) -> torch.UntypedStorage:
+def borrowed(fd: int, seen: os.stat_result, span: int, nbytes: int) -> torch.UntypedStorage:
     """On a receiver: the storage of a span a peer lent (`RegionHandle.lend`), from the worker's region open at `fd`
-    (`size` bytes; mapped once while any span of it is in use here) to the region's byte `nbytes`; when the last
-    tensor over it is gone, its half goes back to the worker's socket."""
-    seen = os.fstat(fd)
+    (whose `fstat` the caller took: `seen`; mapped once while any span of it is in use here) to the region's byte
+    `nbytes`; when the last tensor over it is gone, its half goes back to the worker's socket."""
     key = (seen.st_dev, seen.st_ino)
     with _BORROWING:
         region = (ref := _BORROWED.get(key)) and ref()
         if region is None:
             if not _SENDER:
                 _SENDER.append(socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC))
-            whole = np.frombuffer(mmap.mmap(fd, size), dtype=np.uint8)
+            whole = np.frombuffer(mmap.mmap(fd, seen.st_size), dtype=np.uint8)
             region = _Map(whole, _SENDER[0], give_back_address(seen.st_ino))
             _BORROWED[key] = weakref.ref(region, lambda _, key=key: _forget(key))
     view = region.array[offset_of(span):nbytes]

@@ -158,7 +158,7 @@ def _open(handle: SharedHandle) -> torch.Tensor:
         if handle.span < 0:
             storage, offset = torch.UntypedStorage._new_shared_fd_cpu(fd, handle.nbytes), handle.offset
         else:  # a lent span: the storage starts at the span (NOTE [ A worker's region ])
-            storage = borrowed(fd, seen.st_size, handle.span, handle.nbytes)
+            storage = borrowed(fd, seen, handle.span, handle.nbytes)
             offset = handle.offset - offset_of(handle.span) // DTYPES[handle.dtype].itemsize
     finally:
         os.close(fd)  # the storage keeps a descriptor (or the region's mapping) of its own
