@@ -283,7 +283,8 @@ def test_killed_worker_raises_instead_of_hanging(prefetch_steps, reader_thread):
     elapsed = time.monotonic() - start
     if prefetch_steps == 0 and not isinstance(caught.value, WorkerDiedError):  # torch's own: raised where the
         frames = traceback.extract_tb(caught.value.__traceback__)  # handler found the main thread, never inside ODB
-        assert not any(f"{os.sep}odb_core{os.sep}" in frame.filename for frame in frames), frames
+        assert not any(f"{os.sep}odb_core{os.sep}" in frame.filename for frame in frames), \
+            "; ".join(f"{frame.filename}:{frame.lineno} {frame.name}" for frame in frames)  # a str: shown whole
     message = str(caught.value)
     del caught  # its traceback holds the epoch's frames, and through them the workers
     assert "DataLoader worker" in message and ("killed by signal" in message or "exited unexpectedly" in message)

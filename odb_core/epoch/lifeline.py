@@ -1,4 +1,4 @@
-"""DataLoader workers die with their rank, and tell their rank who they are.
+"""DataLoader workers die with their rank, tell their rank who they are, and leave its heap to it.
 
 NOTE [ Workers die with their rank ]
 A worker started by `fork` inherits every open socket of its rank, the Gloo group's included. If the rank dies
@@ -12,11 +12,23 @@ runs after it. The opposite direction, a rank noticing that a worker died, is NO
 workers ] in watch.py: `Lifeline` first sends the rank a `WorkerStarted` with the worker's pid. It also has a
 chunk the worker's queue cannot send put back with its failing samples named, instead of lost (NOTE [ A chunk the
 feeder cannot send ] in data/feeder.py).
+
+NOTE [ A worker leaves its rank's objects to the rank ]
+A forked worker starts with its rank's whole heap: the model's, the tokenizer's, torch's own objects (~360,000 on the
+VLM benchmark). Python's cyclic collector visits every tracked object at each full collection, and a visit writes
+the object's header, so in a forked worker each full collection costs time in proportion to the rank's heap and
+copies every page it touches (copy-on-write). A worker's own garbage is what it made itself. So `Lifeline` first
+moves every object the worker holds at its start into the collector's permanent generation (`gc.freeze()`: the
+child's side of what Python's documentation advises before a `fork()`), where no collection of the worker visits it
+again; the worker's own objects are collected as before, and reference counting frees inherited objects as before. A
+cycle of inherited objects that becomes garbage in the worker is freed only when the worker ends. Measured on the VLM
+rows (docs/benchmarks.md, "The rank's heap in its workers").
 """
 
 from __future__ import annotations
 
 import ctypes
+import gc
 import os
 import signal
 import socket
@@ -67,9 +79,10 @@ class WorkerStarted:
 @dataclass(frozen=True, slots=True)
 class Lifeline:
     """The `worker_init_fn` of ODB's workers (picklable for spawn/forkserver); see NOTE [ Workers die with their
-    rank ]. `user_init` is the user's own `worker_init_fn`, called afterwards; `reports`, the write end of the
-    rank's `WorkerWatch` pipe, receives a `WorkerStarted` tagged `generation`; `files[worker_id]` is the worker's
-    end of the socket its chunks' shared files go by (NOTE [ A worker's files travel as descriptors ])."""
+    rank ] and NOTE [ A worker leaves its rank's objects to the rank ]. `user_init` is the user's own
+    `worker_init_fn`, called afterwards; `reports`, the write end of the rank's `WorkerWatch` pipe, receives a
+    `WorkerStarted` tagged `generation`; `files[worker_id]` is the worker's end of the socket its chunks' shared
+    files go by (NOTE [ A worker's files travel as descriptors ])."""
 
     rank_pid: int
     user_init: Callable[[int], None] | None = None
@@ -79,6 +92,7 @@ class Lifeline:
     region_bytes: int = 0  # each worker's region (NOTE [ A worker's region ] in data/worker_region.py); 0: none
 
     def __call__(self, worker_id: int) -> None:
+        gc.freeze()  # NOTE [ A worker leaves its rank's objects to the rank ]
         guard_feeder()  # NOTE [ A chunk the feeder cannot send ] in data/feeder.py
         if sys.platform.startswith("linux"):
             try:
