@@ -29,6 +29,7 @@ from odb_core import DatasetFetchError, ODBDataLoader, PeerError, WorkerDiedErro
 from odb_core.epoch.pipeline import EpochRun
 from odb_core.epoch import watch
 from odb_core.epoch.watch import READER_THREAD
+from odb_core.resume.round_log import RoundLog
 
 PRODUCER_THREAD = "odb-producer"
 SLACK_S = 10.0  # scheduling slack on a loaded 2-core CI machine, added to every time bound
@@ -290,6 +291,53 @@ def test_killed_worker_raises_instead_of_hanging(prefetch_steps, reader_thread):
     assert "DataLoader worker" in message and ("killed by signal" in message or "exited unexpectedly" in message)
     assert elapsed <= 10.0 + SLACK_S, f"the dead worker was reported after {elapsed:.1f}s"
     loader.close()
+    del loader
+    assert_no_leftovers(baseline)
+
+
+class PidsDataset(LengthDataset):
+    """Every fetch leaves the fetching process's pid as a file name in `folder`."""
+
+    def __init__(self, lengths: list[int], folder: Path) -> None:
+        super().__init__(lengths)
+        self.folder = folder
+
+    def __getitem__(self, index: int) -> dict:
+        (self.folder / str(os.getpid())).touch()
+        return super().__getitem__(index)
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_death_met_in_the_loaders_bookkeeping_is_a_worker_died_error(tmp_path, monkeypatch):
+    """torch's SIGCHLD handler raises its error at the entry of whatever Python call the main thread makes next, so
+    it can meet the loader in the bookkeeping after a step came (the round log, the wait advice) rather than in a
+    read: there too the caller gets a `WorkerDiedError` naming the worker. Here the round log, at the first step
+    taken, kills a worker and waits: torch's handler raises in that wait (or, had it not, an error of the same kind
+    is raised there)."""
+    baseline = Baseline.now()
+    consume, killed = RoundLog.consume, []
+
+    def kill_then_consume(log: RoundLog, info) -> None:
+        if not killed:
+            pid = next(int(path.name) for path in tmp_path.iterdir() if int(path.name) != os.getpid())  # a worker
+            killed.append(pid)  # first: the handler may raise as soon as the kill returns
+            os.kill(pid, signal.SIGKILL)
+            wait_until(lambda: not is_alive(pid), timeout_s=10.0)
+            time.sleep(0.5)  # the handler runs here, at the latest when the sleep is interrupted
+            raise RuntimeError(f"the test's stand-in for torch's error: DataLoader worker (pid {pid}) was killed")
+        consume(log, info)
+
+    monkeypatch.setattr(RoundLog, "consume", kill_then_consume)
+    loader = ODBDataLoader(PidsDataset(mixed_lengths(120), tmp_path), token_budget=1024, num_workers=2, window=16,
+                           multiprocessing_context="fork", reader_thread=False)
+    try:
+        with pytest.raises(WorkerDiedError) as caught:
+            for _ in loader:
+                pass
+        assert f"(pid {killed[0]})" in str(caught.value), caught.value
+        del caught  # its traceback holds the epoch's frames, and through them the workers
+    finally:
+        loader.close()
     del loader
     assert_no_leftovers(baseline)
 

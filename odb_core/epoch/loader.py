@@ -315,8 +315,11 @@ class _EpochIterator(Iterator[ODBBatch]):
 
     def __next__(self) -> ODBBatch:
         asked = time.perf_counter()
-        try:
+        try:  # the bookkeeping too: torch's SIGCHLD error, raised at any call's entry, becomes a WorkerDiedError
             batch = next(self.source)
+            assert batch.info is not None
+            self.waits.took(batch.info.local_samples, asked, time.perf_counter())  # NOTE [ Which lever ]
+            self.log.consume(batch.info)
         except StopIteration:
             self.finished = True
             if self.run.report is not None:
@@ -327,9 +330,6 @@ class _EpochIterator(Iterator[ODBBatch]):
             raise self.loader._stream.named_failure(exc) if self.source is self.run else exc
         finally:  # the last next() too: a round it ran is in read_seconds and sync_seconds, parts of this wait
             self.loader.metrics.wait_seconds += time.perf_counter() - asked  # NOTE [ Waiting for data ]
-        assert batch.info is not None
-        self.waits.took(batch.info.local_samples, asked, time.perf_counter())  # NOTE [ Which lever ]
-        self.log.consume(batch.info)
         return batch
 
     def close(self, leave: bool = True) -> None:
