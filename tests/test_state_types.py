@@ -1,10 +1,13 @@
 """The typed pieces behind the loader's state: `LoaderState` round trips the saved JSON layout and names a bad
 field; `AccumulationWindow` releases whole optimizer steps with their exact token count; `RoundLog` answers the
-position after a consumed step."""
+position after a consumed step, and a consume cut anywhere by a raising signal handler leaves the step's position
+or the one before it, never a mix."""
 
 from __future__ import annotations
 
+import inspect
 import json
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -86,3 +89,72 @@ def test_the_round_log_points_at_the_round_of_the_last_consumed_step():
     position = log.position
     assert position.point.start == start1 and position.point.steps_consumed == 3
     assert position.point.round_emitted == (3,) and position.complete and position.metrics == {"steps": 3}
+
+
+def _two_round_log() -> tuple[RoundLog, list]:
+    """A log of rounds 0 (steps 0-1) and 1 (steps 2-3, the epoch's last), this rank's samples emitted elsewhere
+    in step 1 (global planning), and the steps to consume in order."""
+    log = RoundLog(None)
+    start0 = RoundStart(round=0, steps_done=0, consumed=0, buffer=(), carry_count=0, carry_tokens=0, dummy_index=None)
+    log.begin_round(start0, {"steps": 0})
+    log.record_owned(0, ((9,), (8, 7)))
+    log.begin_round(replace(start0, round=1, steps_done=2, consumed=8, buffer=(3, 4)), {"steps": 2})
+    log.end_epoch(4, {"steps": 4})
+    return log, [_info(0, 0, 5, (9,)), _info(1, 0, 5, (8,)), _info(2, 1, 5, (3,)), _info(3, 1, 5, (4,))]
+
+
+class _Cut(BaseException):
+    """What a signal handler raises (torch's SIGCHLD error, KeyboardInterrupt), at a chosen line."""
+
+
+def _consume_cut_at(log: RoundLog, info: StepInfo, at: int | None) -> int:
+    """`log.consume(info)` with `_Cut` raised at its `at`-th traced line (counting lines of the functions it
+    calls too), as a signal handler may raise there; returns how many lines it ran (all of them when `at` is None
+    or past the end). A trace function may raise at more points than a signal handler, which runs only where the
+    interpreter checks for pending calls: not at the `with` line, whose second event comes before the call that
+    releases the lock (a raise there would leave it held; a handler runs only after that call)."""
+    seen = [0]
+    code = RoundLog.consume.__code__
+    with_line = code.co_firstlineno + inspect.getsource(RoundLog.consume).splitlines().index(
+        "        with self._lock:")
+
+    def trace(frame, event, arg):
+        if event == "line" and not (frame.f_code is code and frame.f_lineno == with_line):
+            seen[0] += 1
+            if seen[0] == at:
+                raise _Cut
+        return trace
+
+    sys.settrace(lambda frame, event, arg: trace if event == "call" else None)
+    try:
+        log.consume(info)
+    except _Cut:
+        pass
+    finally:
+        sys.settrace(None)
+    return seen[0]
+
+
+@pytest.mark.parametrize("cut_step", [0, 1, 2, 3])  # the first step, one inside a round, a new round, the last
+def test_a_consume_cut_anywhere_leaves_the_position_before_or_after_the_step(cut_step):
+    log, steps = _two_round_log()
+    for info in steps[:cut_step]:
+        log.consume(info)
+    before = log.position
+    lines = _consume_cut_at(log, steps[cut_step], None)  # a whole consume, traced: its lines
+    after = log.position
+    assert after != before and lines > 10
+    for at in range(1, lines + 1):
+        log, steps = _two_round_log()
+        for info in steps[:cut_step]:
+            log.consume(info)
+        _consume_cut_at(log, steps[cut_step], at)
+        cut = log.position
+        assert cut in (before, after), f"cut at line {at} of {lines}: {cut}"
+        assert log.complete == (cut is not None and cut.complete)
+        if cut == before:  # the same step again (a failed epoch does not, but the log must stay whole)
+            log.consume(steps[cut_step])
+        assert log.position == after
+        for info in steps[cut_step + 1:]:
+            log.consume(info)
+        assert log.position.complete and log.position.point.round_emitted == (3, 4)

@@ -5,17 +5,35 @@ metrics snapshot taken at the same point before any step of that round is releas
 before its last round's steps are released. The consumer (the iterator the trainer holds) reports each batch it
 hands out; `position` is then what `state_dict()` saves (NOTE [ Exact resume ] in pipeline.py). Rounds before the
 consumer's are dropped, so the log holds O(rounds in flight) entries.
+
+NOTE [ A step is logged whole ]
+A signal handler may raise at almost any point of Python code on the main thread (torch's SIGCHLD handler when a
+worker dies, Python's own on Ctrl-C), so `consume` can be cut anywhere. It therefore builds the new position first
+and commits it with one assignment (`_Held`: the position and how many entries of the round's emitted list belong
+to it); cut before that, the log is exactly as it was, and `state_dict()` saves the previous step's position, never
+a mix of the two steps. Cut after it (before `next()` returns), the step counts as taken though the caller never
+received it: a failing epoch, whose position is kept only for a save after the failure.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Mapping
+from typing import NamedTuple
 
 from odb_core.resume.state import ResumePoint, RoundStart, SavedPosition
 from odb_core.steps.step_info import StepInfo
 
 Metrics = Mapping[str, float | int]
+
+
+class _Held(NamedTuple):
+    """The consumer's committed position and the first `count` entries of `emitted`, its round's emitted indices
+    (the list may run past `count`: a `consume` cut before its commit)."""
+
+    position: SavedPosition | None
+    emitted: list[int]
+    count: int
 
 
 class RoundLog:
@@ -26,8 +44,8 @@ class RoundLog:
         self._starts: dict[int, tuple[RoundStart, Metrics]] = {}
         self._final: tuple[int, Metrics] | None = None
         self._owned: dict[int, tuple[int, ...]] = {}  # step -> own indices emitted by any rank (global planning)
-        self._position = resumed
-        self._emitted: list[int] = list(resumed.point.round_emitted) if resumed is not None else []
+        emitted = list(resumed.point.round_emitted) if resumed is not None else []
+        self._held = _Held(resumed, emitted, len(emitted))  # NOTE [ A step is logged whole ]
 
     # -- producer ------------------------------------------------------------------------------------------
     def begin_round(self, start: RoundStart, metrics: Metrics) -> None:
@@ -47,38 +65,44 @@ class RoundLog:
 
     # -- consumer ------------------------------------------------------------------------------------------
     def consume(self, info: StepInfo) -> None:
-        """The consumer took the step `info` describes (steps arrive in order)."""
+        """The consumer took the step `info` describes (steps arrive in order); all or nothing (NOTE [ A step is
+        logged whole ])."""
         with self._lock:
             start, metrics = self._starts[info.round]
-            for stale in [r for r in self._starts if r < info.round]:
-                del self._starts[stale]
-            if self._position is None or self._position.point.start.round != info.round:
-                self._emitted = []
-            self._emitted.extend(self._owned.pop(info.step, info.indices))
-            for stale in [step for step in self._owned if step < info.step]:
-                del self._owned[stale]
+            held = self._held
+            same_round = held.position is not None and held.position.point.start.round == info.round
+            emitted, count = (held.emitted, held.count) if same_round else ([], 0)
+            del emitted[count:]  # what a cut `consume` left past the committed entries
+            emitted.extend(self._owned.get(info.step, info.indices))
             complete = self._final is not None and info.step + 1 == self._final[0]
             if complete:
                 metrics = self._final[1]
             point = ResumePoint(start=start, steps_consumed=info.step + 1)
             window_open = 0 if info.ends_window else info.window_index + 1
-            self._position = SavedPosition(point=point, complete=complete, metrics=metrics, window_open=window_open)
+            position = SavedPosition(point=point, complete=complete, metrics=metrics, window_open=window_open)
+            self._held = _Held(position, emitted, len(emitted))  # the commit
+            for stale in [r for r in self._starts if r < info.round]:
+                del self._starts[stale]
+            for stale in [step for step in self._owned if step <= info.step]:
+                del self._owned[stale]
 
     @property
     def position(self) -> SavedPosition | None:
         """The position after the last consumed step (with this round's emitted indices), or the resumed one."""
         with self._lock:
-            if self._position is None:
+            position, emitted, count = self._held
+            if position is None:
                 return None
-            point = self._position.point
+            point = position.point
             return SavedPosition(point=ResumePoint(start=point.start, steps_consumed=point.steps_consumed,
-                                                   round_emitted=tuple(self._emitted)),
-                                 complete=self._position.complete, metrics=self._position.metrics,
-                                 window_open=self._position.window_open)
+                                                   round_emitted=tuple(emitted[:count])),
+                                 complete=position.complete, metrics=position.metrics,
+                                 window_open=position.window_open)
 
     @property
     def complete(self) -> bool:
         """Whether the consumer took the epoch's last step (known from that step on, before the iterator's
         StopIteration; NOTE [ Epoch progress ] in odb_core/epoch/epoch_length.py)."""
         with self._lock:
-            return self._position is not None and self._position.complete
+            position = self._held.position
+            return position is not None and position.complete
