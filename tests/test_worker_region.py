@@ -17,6 +17,7 @@ import hashlib
 import array
 import errno
 import logging
+import mmap
 import os
 import pickle
 import signal
@@ -35,7 +36,7 @@ from odb_core.data.sendable import Unsendable
 from odb_core.data.worker_region import (ALIGN, LENT, MAX_SPANS, MIN_REGION, RegionSlot, give_back_address,
                                          offset_of, placed, region_size, regions_of, settled)
 from odb_core.ranks.shared_handles import SharedHandle, from_handles, to_handles
-from dist_cases import Case, image_runs, mixed_lengths, run_job
+from dist_cases import Case, child_pids, image_runs, mixed_lengths, run_job, wait_until
 from test_worker_files import FeatureImages, Images, KeepSamples, check
 
 pytestmark = [pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="no memfd_create here"),
@@ -283,6 +284,51 @@ def test_a_sample_that_cannot_be_sent_after_its_placement_gives_its_spans_back(p
     assert settled(sample, failure) is failure and region._used == {}
     kept = placed({"x": torch.ones(10)})
     assert settled(kept, kept) is kept and len(region._used) == 1  # a sample that goes keeps its spans
+
+
+def _no_mapping_here(monkeypatch) -> None:
+    """The kernel refuses this process's next mappings (ENOMEM: vm.max_map_count reached, or ulimit -v), while
+    processes forked from it (DataLoader workers) still map."""
+    here, real = os.getpid(), mmap.mmap
+
+    def refused(*args, **kwargs):
+        if os.getpid() == here:
+            raise OSError(errno.ENOMEM, "Cannot allocate memory")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(mmap, "mmap", refused)
+
+
+def test_a_rank_that_cannot_map_its_workers_region_says_which_why_and_what_to_do(pair, monkeypatch):
+    _no_mapping_here(monkeypatch)  # the worker's region is made (the fixture), the rank's mapping is refused
+    with pytest.raises(OSError) as caught:
+        pair.opened(send_files([(0, placed({"x": torch.ones(1000)}))]))
+    message = str(caught.value)
+    assert caught.value.errno == errno.ENOMEM and "DataLoader worker 0's region, 64.0 MiB" in message
+    assert "Cannot allocate memory" in message and "vm.max_map_count" in message and "worker_regions=False" in message
+
+
+def test_a_receiver_that_cannot_map_a_lent_span_says_which_why_and_what_to_do(pair, monkeypatch):
+    got = dict(pair.opened(send_files([(0, placed({"x": torch.arange(1000.0)}))])))[0]
+    keep: list = []
+    sent, _ = to_handles({"x": got["x"]}, keep)
+    _no_mapping_here(monkeypatch)
+    with pytest.raises(OSError) as caught:
+        from_handles(pickle.loads(pickle.dumps(sent)))
+    message = str(caught.value)
+    assert caught.value.errno == errno.ENOMEM and "a peer rank's DataLoader worker's region" in message
+    assert "vm.max_map_count" in message and "shared_memory_moves=False" in message
+
+
+def test_a_loader_whose_rank_cannot_map_a_region_raises_that_error_and_leaves_no_worker(monkeypatch):
+    before = set(child_pids(os.getpid()))
+    _no_mapping_here(monkeypatch)
+    loader = ODBDataLoader(Mixed(size=16), token_budget=600, num_workers=2, window=8, worker_regions=True)
+    with pytest.raises(OSError, match=r"DataLoader worker \d's region, .* worker_regions=False"):
+        next(iter(loader))
+    loader.close()
+    gc.collect()
+    assert wait_until(lambda: not set(child_pids(os.getpid())) - before, timeout_s=10.0)
 
 
 def test_a_process_forked_from_the_rank_gives_back_none_of_its_spans(pair):

@@ -97,6 +97,7 @@ class _Map:
                         _DUE.pop(id(self), None)
 
 
+_MIB = 1 << 20
 _GONE = (errno.EBADF, errno.EPIPE, errno.ECONNREFUSED, errno.ENOTCONN, errno.ECONNRESET, errno.ENOENT)
 _LATER = (errno.EAGAIN, errno.ENOBUFS, errno.EINTR, errno.ENOMEM)  # a half the worker's socket may take later
 
@@ -115,7 +116,7 @@ class RegionMaps:
         """Map `worker`'s region from `fd` (the caller closes `fd`; the mapping keeps its own, and the rank a copy
         of it while the mapping lives, for `region_handle`); `lends`: the worker bound its socket for halves, so
         its spans may move by handle."""
-        whole = np.frombuffer(mmap.mmap(fd, size), dtype=np.uint8)
+        whole = _mapped(fd, size, f"DataLoader worker {worker}'s region", "worker_regions=False")
         own = os.dup(fd)
         base = whole.__array_interface__["data"][0]
         inode = os.fstat(own).st_ino
@@ -212,12 +213,26 @@ def borrowed(fd: int, seen: os.stat_result, span: int, nbytes: int) -> torch.Unt
         if region is None:
             if not _SENDER:
                 _SENDER.append(socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC))
-            whole = np.frombuffer(mmap.mmap(fd, seen.st_size), dtype=np.uint8)
+            whole = _mapped(fd, seen.st_size, "a peer rank's DataLoader worker's region (a sample moved by handle)",
+                            "shared_memory_moves=False")
             region = _Map(whole, _SENDER[0], give_back_address(seen.st_ino))
             _BORROWED[key] = weakref.ref(region, lambda _, key=key: _forget(key))
     view = region.array[offset_of(span):nbytes]
     weakref.finalize(view, region.give_back, span | LENT)
     return torch.from_numpy(view).untyped_storage()
+
+
+def _mapped(fd: int, size: int, what: str, setting: str) -> np.ndarray:
+    """The `size` bytes of the region open at `fd`, mapped in this process; where the kernel refuses (ENOMEM: the
+    process has `vm.max_map_count` mappings, or `ulimit -v` leaves no room), an `OSError` naming the region, its
+    size, the cause and what to do, instead of mmap's bare one."""
+    try:
+        return np.frombuffer(mmap.mmap(fd, size), dtype=np.uint8)
+    except OSError as exc:
+        raise OSError(exc.errno, f"{what}, {size / _MIB:.1f} MiB, could not be mapped in this rank ({exc.strerror}). "
+                      "A process's mappings are bounded by the sysctl vm.max_map_count and its address space by "
+                      f"`ulimit -v`: raise them, or set {setting} (NOTE [ A worker's region ] in "
+                      "odb_core/data/worker_region.py)") from exc
 
 
 def _forget(key: tuple[int, int]) -> None:
