@@ -125,13 +125,14 @@ def _consume_cut_at(log: RoundLog, info: StepInfo, at: int | None) -> int:
                 raise _Cut
         return trace
 
+    previous = sys.gettrace()  # a coverage tool's or a debugger's, put back after
     sys.settrace(lambda frame, event, arg: trace if event == "call" else None)
     try:
         log.consume(info)
     except _Cut:
         pass
     finally:
-        sys.settrace(None)
+        sys.settrace(previous)
     return seen[0]
 
 
@@ -149,6 +150,7 @@ def test_a_consume_cut_anywhere_leaves_the_position_before_or_after_the_step(cut
         for info in steps[:cut_step]:
             log.consume(info)
         _consume_cut_at(log, steps[cut_step], at)
+        assert not log._lock.locked(), f"cut at line {at} of {lines} left the log's lock held"
         cut = log.position
         assert cut in (before, after), f"cut at line {at} of {lines}: {cut}"
         assert log.complete == (cut is not None and cut.complete)

@@ -22,7 +22,10 @@ import os
 import pickle
 import signal
 import socket
+import subprocess
+import sys
 from collections import UserDict
+from pathlib import Path
 
 import pytest
 import torch
@@ -308,6 +311,38 @@ def test_a_rank_that_cannot_map_its_workers_region_says_which_why_and_what_to_do
     assert "Cannot allocate memory" in message and "vm.max_map_count" in message and "worker_regions=False" in message
 
 
+def test_a_rank_out_of_files_or_address_space_is_told_which_limit_to_raise(pair, monkeypatch):
+    """mmap dup()s the descriptor first: a rank out of descriptors gets `ulimit -n`, not the mapping limits. And a real
+    refusal: a process whose address space `ulimit -v` leaves no room for the region (no stand-in for mmap)."""
+    real = mmap.mmap
+
+    def out_of_files(*args, **kwargs):
+        raise OSError(errno.EMFILE, "Too many open files")
+
+    monkeypatch.setattr(mmap, "mmap", out_of_files)
+    with pytest.raises(OSError) as caught:
+        pair.opened(send_files([(0, placed({"x": torch.ones(1000)}))]))
+    assert caught.value.errno == errno.EMFILE and "ulimit -n" in str(caught.value)
+    assert "vm.max_map_count" not in str(caught.value) and "worker_regions=False" in str(caught.value)
+    monkeypatch.setattr(mmap, "mmap", real)
+    script = """
+import errno, os, resource, socket
+from odb_core.data.region_maps import RegionMaps
+fd = os.memfd_create("region")
+os.ftruncate(fd, 64 << 20)
+size = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmSize:")) << 10
+resource.setrlimit(resource.RLIMIT_AS, (size + (16 << 20), resource.RLIM_INFINITY))
+try:
+    RegionMaps([socket.socketpair()[0]]).declare(0, fd, 64 << 20)
+except OSError as exc:
+    print(exc.errno == errno.ENOMEM, exc)
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+                          cwd=Path(__file__).resolve().parent.parent)
+    assert done.stdout.startswith("True [Errno 12] DataLoader worker 0's region, 64.0 MiB, could not be mapped"), done
+    assert "ulimit -v" in done.stdout and "worker_regions=False" in done.stdout
+
+
 def test_a_receiver_that_cannot_map_a_lent_span_says_which_why_and_what_to_do(pair, monkeypatch):
     got = dict(pair.opened(send_files([(0, placed({"x": torch.arange(1000.0)}))])))[0]
     keep: list = []
@@ -324,8 +359,9 @@ def test_a_loader_whose_rank_cannot_map_a_region_raises_that_error_and_leaves_no
     before = set(child_pids(os.getpid()))
     _no_mapping_here(monkeypatch)
     loader = ODBDataLoader(Mixed(size=16), token_budget=600, num_workers=2, window=8, worker_regions=True)
-    with pytest.raises(OSError, match=r"DataLoader worker \d's region, .* worker_regions=False"):
+    with pytest.raises(OSError, match=r"DataLoader worker \d's region, .* worker_regions=False") as caught:
         next(iter(loader))
+    assert caught.value.errno == errno.ENOMEM and "vm.max_map_count" in str(caught.value)
     loader.close()
     gc.collect()
     assert wait_until(lambda: not set(child_pids(os.getpid())) - before, timeout_s=10.0)

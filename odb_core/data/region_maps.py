@@ -223,16 +223,22 @@ def borrowed(fd: int, seen: os.stat_result, span: int, nbytes: int) -> torch.Unt
 
 
 def _mapped(fd: int, size: int, what: str, setting: str) -> np.ndarray:
-    """The `size` bytes of the region open at `fd`, mapped in this process; where the kernel refuses (ENOMEM: the
-    process has `vm.max_map_count` mappings, or `ulimit -v` leaves no room), an `OSError` naming the region, its
-    size, the cause and what to do, instead of mmap's bare one."""
+    """The `size` bytes of the region open at `fd`, mapped in this process; where that fails, an `OSError` with
+    mmap's errno that names the region, its size, the cause and what to do, instead of mmap's bare one."""
     try:
         return np.frombuffer(mmap.mmap(fd, size), dtype=np.uint8)
     except OSError as exc:
         raise OSError(exc.errno, f"{what}, {size / _MIB:.1f} MiB, could not be mapped in this rank ({exc.strerror}). "
-                      "A process's mappings are bounded by the sysctl vm.max_map_count and its address space by "
-                      f"`ulimit -v`: raise them, or set {setting} (NOTE [ A worker's region ] in "
+                      f"{_MAP_ADVICE.get(exc.errno, '')}Or set {setting} (NOTE [ A worker's region ] in "
                       "odb_core/data/worker_region.py)") from exc
+
+
+_MAP_ADVICE = {  # mmap's failures a rank's limits explain (it dup()s the descriptor first: EMFILE, ENFILE)
+    errno.ENOMEM: "A process's mappings are bounded by the sysctl vm.max_map_count and its address space by "
+                  "`ulimit -v`: raise them. ",
+    errno.EMFILE: "The rank has too many files open: raise `ulimit -n`. ",
+    errno.ENFILE: "The system has too many files open: raise the sysctl fs.file-max. ",
+}
 
 
 def _forget(key: tuple[int, int]) -> None:

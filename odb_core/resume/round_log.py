@@ -10,9 +10,10 @@ NOTE [ A step is logged whole ]
 A signal handler may raise at almost any point of Python code on the main thread (torch's SIGCHLD handler when a
 worker dies, Python's own on Ctrl-C), so `consume` can be cut anywhere. It therefore builds the new position first
 and commits it with one assignment (`_Held`: the position and how many entries of the round's emitted list belong
-to it); cut before that, the log is exactly as it was, and `state_dict()` saves the previous step's position, never
-a mix of the two steps. Cut after it (before `next()` returns), the step counts as taken though the caller never
-received it: a failing epoch, whose position is kept only for a save after the failure.
+to it); cut before that, its committed position is as it was, and `state_dict()` saves the previous step's position,
+never a mix of the two steps. Cut after it (before `next()` returns), the step counts as taken though the caller never
+received it, and a state saved then resumes after that step: a failing epoch, whose position is kept only for a save
+after the failure.
 """
 
 from __future__ import annotations
