@@ -37,7 +37,8 @@ from odb_core.data.sources import (ChunkSampler, DatasetFetchError, Handover, In
                                    IndexListSampler, ShardedSampler, integer_columns, keep_chunk, map_style_size,
                                    worker_parts)
 from odb_core.epoch.lifeline import Lifeline
-from odb_core.epoch.watch import WatchedChunks, WorkerWatch, rescued_by_sigchld
+from odb_core.epoch.child_signal import direct_reads_rescued
+from odb_core.epoch.watch import WatchedChunks, WorkerWatch
 from odb_core.resume.fields import StateError
 from odb_core.resume.source_state import CustomSource, RemainderSource, ShardedSource, Source, StreamSource
 from odb_core.resume.state import ResumePoint
@@ -198,7 +199,8 @@ class SampleStream:
 
     def named_failure(self, exc: BaseException) -> BaseException:
         """torch's error for a dead worker, which its SIGCHLD handler raises wherever the main thread runs (ODB's
-        planning, a wait for the collating thread, or the collator, which wraps it in a `CollateError`), as the
+        planning, a wait for the collating thread, or the collator, which wraps it in a `CollateError`) where ODB
+        could not detach its workers from that handler (NOTE [ A dead worker's signal ] in child_signal.py), as the
         `WorkerDiedError` naming that worker; anything else as it is. For the thread that reads the workers, after
         its epoch failed (NOTE [ A rank watches its workers ])."""
         if self._watch is None or RuntimeError not in (type(exc), type(exc.__cause__)):
@@ -218,7 +220,7 @@ class SampleStream:
         if self._watch.failed:  # persistent workers would resume the broken iterator
             self._workers, self._watch.failed = self._build_workers(), False
         chunks = self._watch.start(self._workers)
-        direct = not self._reader_thread and rescued_by_sigchld(self._workers)
+        direct = not self._reader_thread and direct_reads_rescued(self._workers)
         return WatchedChunks(chunks, self._watch, direct=direct, prepare=functools.partial(read_chunk,
                                                                                            files=self._watch.inbox))
 

@@ -6,9 +6,10 @@ a length header and then the payload, and a payload larger than the pipe (64 KiB
 killed in between (the out-of-memory killer's SIGKILL) leaves the reader blocked on the rest of the message for
 ever, since the rank itself holds the pipe's write end and no end-of-file comes. `worker_timeout_s` (the
 DataLoader's `timeout`) bounds the wait for a message to start, not this. fork and spawn workers are the rank's
-children: torch's SIGCHLD handler raises in the main thread when one dies, which breaks a read blocked there, and
-nowhere else (a read in another thread stays blocked; a read started after the signal blocks too). forkserver
-workers are children of the fork server: no signal comes at all. So:
+children: a SIGCHLD handler that raises breaks a read blocked on the main thread, and nowhere else (a read in
+another thread stays blocked; a read started after the signal blocks too); ODB's raises only inside such a read
+(NOTE [ A dead worker's signal ] in child_signal.py). forkserver workers are children of the fork server: no
+signal comes at all. So:
 
 - every worker reports its pid when it starts (`Lifeline` sends a `WorkerStarted`, tagged with the `iter()` that
   started it, over a pipe of the stream's `WorkerWatch`), and the rank watches the multiprocessing `Process` torch
@@ -18,12 +19,12 @@ workers are children of the fork server: no signal comes at all. So:
   thread reads the workers ] in reader_thread.py); the consumer waits in `POLL_S` slices and looks at the workers
   between them. A worker that died while nothing arrived for `GRACE_S` is an error (the grace is for the end of
   an epoch, where torch stops, and at worst terminates, the workers inside the last fetch);
-- with `reader_thread=False`, a read that the SIGCHLD rescue covers (fork or spawn workers, a SIGCHLD handler
-  installed, the read on the main thread) stays in the reading thread, after one `poll(0)` of the report pipe
-  and the workers' sentinels (~2 µs per chunk, nothing per sample): a worker that died while the rank was busy
-  elsewhere is reported before the rank reads its half message (within ~0.05 s against ~1.1 s through the
-  thread); any other read (forkserver workers, a read on another thread: `prefetch_steps > 0`) goes through the
-  reader thread all the same.
+- with `reader_thread=False`, a read that the SIGCHLD rescue covers (fork or spawn workers, ODB's SIGCHLD
+  handler installed, the read on the main thread) stays in the reading thread, after one `poll(0)` of the report
+  pipe and the workers' sentinels (~2 µs per chunk, ~1 µs more per worker for the look in `reading`, nothing per
+  sample): a worker that died while the rank was busy elsewhere is reported before the rank reads its half message
+  (within ~0.05 s against ~1.1 s through the thread); any other read (forkserver workers, a read on another
+  thread: `prefetch_steps > 0`) goes through the reader thread all the same.
 
 `WorkerDiedError` names the worker, its pid and how it ended. A reader thread blocked on a half message cannot
 be released through any public API and is left behind (a daemon, blocked until the process exits, holding the
@@ -50,14 +51,14 @@ from typing import Any, NoReturn
 from torch.utils.data import DataLoader
 
 from odb_core.data.worker_files import FileInbox
+from odb_core.epoch.child_signal import WorkerExited, detach, install, reading
 from odb_core.epoch.lifeline import Lifeline, WorkerStarted, rank_alive
 from odb_core.epoch.prefetch import Exhausted, Failed, Produced
 from odb_core.epoch.reader_thread import POLL_S, READER_THREAD, ReaderThread
 
-__all__ = ["READER_THREAD", "WatchedChunks", "WorkerDiedError", "WorkerWatch", "rescued_by_sigchld"]
+__all__ = ["READER_THREAD", "WatchedChunks", "WorkerDiedError", "WorkerWatch"]
 
 GRACE_S = 1.0  # a dead worker and a silent reader for this long: an error
-CHILD_START_METHODS = frozenset({"fork", "spawn"})  # start methods whose workers are the rank's own children
 
 
 class WorkerDiedError(RuntimeError):
@@ -66,7 +67,7 @@ class WorkerDiedError(RuntimeError):
 
 @dataclass(slots=True)
 class _Worker:
-    worker_id: int
+    worker_id: int | None  # None: a worker that died before its report came
     pid: int
     process: BaseProcess | None  # the Process torch started with this pid; None: not found (then pid checks)
     sentinel: int | None  # its `Process.sentinel`, registered with the watch's poller
@@ -107,7 +108,7 @@ class WorkerWatch:
         self._inbox, self._outbox = multiprocessing.Pipe(duplex=False)
         self._generation = 0
         self._started: DataLoader | None = None  # the loader whose persistent workers run
-        self._candidates: dict[int, BaseProcess] = {}  # processes the last `iter()` started, by pid
+        self.candidates: dict[int, BaseProcess] = {}  # processes the last `iter()` started, by pid
         self._workers: list[_Worker] = []
         self._poller = select.poll() if hasattr(select, "poll") else None
         self._watch_fd(self._inbox.fileno())
@@ -132,7 +133,9 @@ class WorkerWatch:
                                          self.inbox.ends if self.inbox is not None else (), self._region_bytes)
         before = {p.pid for p in multiprocessing.active_children()}
         chunks = iter(loader)
-        self._candidates = {p.pid: p for p in multiprocessing.active_children() if p.pid not in before}
+        detach(chunks)  # NOTE [ A dead worker's signal ] in child_signal.py
+        install()
+        self.candidates = {p.pid: p for p in multiprocessing.active_children() if p.pid not in before}
         self._started = loader
         return chunks
 
@@ -155,8 +158,9 @@ class WorkerWatch:
 
     def error(self, worker: _Worker) -> WorkerDiedError:
         self.failed = True
+        number = "" if worker.worker_id is None else f" {worker.worker_id}"
         return WorkerDiedError(
-            f"DataLoader worker {worker.worker_id} (pid {worker.pid}) of rank {self.rank} died while the rank was "
+            f"DataLoader worker{number} (pid {worker.pid}) of rank {self.rank} died while the rank was "
             f"reading its samples: {worker.how()}. The epoch cannot go on: a worker killed while it sends a "
             "sample leaves half a message in the DataLoader's pipe (NOTE [ A rank watches its workers ] in "
             "odb_core/epoch/watch.py). A SIGKILL usually comes from the kernel's out-of-memory killer (see "
@@ -179,7 +183,7 @@ class WorkerWatch:
             pass
 
     def _add(self, report: WorkerStarted) -> None:
-        process = self._candidates.get(report.pid)
+        process = self.candidates.get(report.pid)
         sentinel = process.sentinel if process is not None else None
         self._workers.append(_Worker(report.worker_id, report.pid, process, sentinel))
         if sentinel is not None:
@@ -197,15 +201,6 @@ class WorkerWatch:
                 self._poller.unregister(fd)
             except KeyError:
                 pass
-
-
-def rescued_by_sigchld(loader: DataLoader) -> bool:
-    """Whether torch's SIGCHLD handler raises in the main thread when a worker of `loader` dies: its workers are
-    the rank's children (fork, spawn) and a handler is installed (torch installs it at an `iter()` on the main
-    thread). Called after `iter(loader)`, when the default start method is settled."""
-    context = loader.multiprocessing_context
-    method = context.get_start_method() if context is not None else multiprocessing.get_start_method(allow_none=True)
-    return method in CHILD_START_METHODS and callable(signal.getsignal(signal.SIGCHLD))
 
 
 class WatchedChunks(Iterator[Any]):
@@ -237,7 +232,7 @@ class WatchedChunks(Iterator[Any]):
         try:
             dead = self._watch.quick_dead()
             if dead is None:
-                chunk = next(self._chunks)  # type: ignore[arg-type]
+                chunk = reading(self._watch.candidates, self._chunks)  # type: ignore[arg-type]
                 return chunk if self._prepare is None else self._prepare(chunk)
         except StopIteration:
             self._ended = True
@@ -247,12 +242,15 @@ class WatchedChunks(Iterator[Any]):
         raise self._died(dead)
 
     def _raise_named(self, exc: Exception) -> NoReturn:
-        """Raise torch's "worker exited unexpectedly", or its SIGCHLD handler's error, which interrupts whatever the
-        main thread waits in (a read, or a wait for the reader thread), as a `WorkerDiedError` naming the dead
-        worker; any other error as it is."""
+        """Raise torch's "worker exited unexpectedly", or ODB's `WorkerExited` (a direct read broken by its SIGCHLD
+        handler, maybe wrapped in torch's error), as a `WorkerDiedError` naming the dead worker; any other error as
+        it is."""
         dead = self._watch.dead()
         if dead is None:
-            raise exc
+            cause = next((e for e in (exc, exc.__cause__, exc.__context__) if isinstance(e, WorkerExited)), None)
+            if cause is None:
+                raise exc
+            dead = _Worker(None, cause.pid, cause.process, None)  # it died before its report came
         raise self._died(dead) from exc
 
     @property

@@ -1,0 +1,220 @@
+"""Who reports a dead DataLoader worker of the rank: ODB's watch, at one of the rank's next reads, not a signal
+handler at whatever line the main thread happens to run.
+
+NOTE [ A dead worker's signal ]
+torch keeps a registry of every DataLoader iterator's worker pids and, at the first `iter()` on the main thread,
+installs a SIGCHLD handler that raises its RuntimeError when a registered worker died. A Python signal handler runs
+on the main thread at the next point where the interpreter looks for pending signals (a call's entry or return, a
+loop's back edge), so that error lands in whatever the main thread runs then: seen in a worker-death test's own
+loop, and, with a handler of ODB's that raised the same way (tried and not kept), in `threading.Thread.start` (whose
+cleanup then failed with a KeyError), in a new thread and in a collator (wrapped in a `CollateError`); in a
+trainer it would be its step or a checkpoint being written. A raise just after a Python `__enter__` took a lock
+leaves the lock held (a `threading.Condition`'s, as `multiprocessing.Queue.put` takes it: a later `put` on that
+queue, such as torch's shutdown of the iterator, then blocks for good). ODB's watch names a death within seconds
+without any handler (NOTE [ A rank watches its workers ] in watch.py), so the signal is narrowed to the one place
+that needs it:
+
+- `detach` takes the workers of ODB's DataLoader iterators out of torch's registry (an empty entry stays, which
+  torch's shutdown of the iterator removes): torch's handler no longer raises for them, and still raises for the
+  workers of any other DataLoader of the process;
+- `install` puts ODB's handler around torch's, once per process, on the main thread. It finds a worker of the
+  direct read under way (`reading`, `reader_thread=False`) that ended with an error, calls torch's handler, wakes
+  the kicker, a daemon thread (`odb-sigchld`, started by the process's first direct read, a forked child's own
+  included) that sends SIGCHLD to the main thread again every `KICK_S` for as long as that read goes on, and
+  raises `WorkerExited` only if the main thread waits in a pipe read (`Connection._recv`) or a selector's
+  `select`. The read waits in those for the rest of a message (the half message a worker killed mid-write leaves
+  ends only when a handler raises) or for the start of one; neither frame holds a lock that a raise would leave
+  held (`multiprocessing.Queue.get` releases its own in a `finally`). Met anywhere else in the read (unpickling,
+  torch's bookkeeping, sending indices), the death is left for a later signal: once the read waits, the next kick
+  breaks it, and the raise lands in torch's iterator, which the epoch abandons; a read that ends first is followed
+  by the next one's own look at the workers, which raises in ODB's code. A raise that lands in a finalizer's wait
+  run inside the read (an abandoned iterator's shutdown) is dropped by the interpreter: the kicks go on. No raise
+  once torch stops the read's workers (its `_shutdown`, inside the epoch's last read), where it terminates a
+  worker slow to stop. Once the read ended, neither the handler's record nor the kicker holds torch's iterator,
+  whose release stops the surviving workers;
+- anything outside a direct read waits for the watch: a direct read polls the workers' sentinels before it reads,
+  and a reader thread's consumer looks at the workers whenever it waits for a chunk, naming a death after 1 s of
+  silence. A worker that dies while the trainer steps is the error of a later `next()`: the next one that reads.
+
+`reading` sets the flag, then looks at the workers once more before the read blocks: a death whose signal was
+handled between the sentinel poll and the flag would otherwise go unseen. That look (`waitid` with `WNOWAIT`, ~1 µs
+per worker on this project's machine) neither reaps a worker nor reads the report pipe, so the handler may make it
+whatever of the watch's code it interrupted; it is made before torch's handler runs, in case a handler before
+torch's reaps children.
+
+What is lost, and what else may see it: between `iter()` and `detach` torch's handler still raises for a worker that
+dies at its start. torch's handler also broke a wait in its own shutdown of an iterator (`Event.set()` on a lock a
+worker was killed holding, when the kill came during the wait); for ODB's workers nothing breaks it now (a worker killed
+holding that lock before the shutdown began was never covered). Handlers installed before torch's get the kicker's extra
+SIGCHLDs, with no child to wait for. Without the two registry functions (a torch that renamed them), `detach` does
+nothing and torch's handler raises as before; `SampleStream.named_failure` then still names the worker where the
+loader's `next()` meets the error.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import selectors
+import signal
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+from types import FrameType
+from typing import Any
+
+from torch.utils.data import DataLoader
+from torch.utils.data._utils import signal_handling
+
+__all__ = ["CHILD_START_METHODS", "KICK_S", "WorkerExited", "detach", "direct_reads_rescued", "install", "reading"]
+
+CHILD_START_METHODS = frozenset({"fork", "spawn"})  # start methods whose workers are the rank's own children
+KICK_S = 0.05  # how often the kicker signals the main thread while a read whose worker died goes on
+KICKER_THREAD = "odb-sigchld"
+# where the main thread waits inside a read's pipe: the only frames a raise may interrupt (NOTE above)
+_WAITS = frozenset(method.__code__ for method in (Connection._recv, selectors.PollSelector.select,
+                                                   selectors.SelectSelector.select))
+
+
+class WorkerExited(Exception):
+    """ODB's handler found a worker ended with an error while the main thread read directly; the read turns it into
+    a `WorkerDiedError` naming the worker."""
+
+    def __init__(self, pid: int, process: BaseProcess) -> None:
+        super().__init__(f"DataLoader worker (pid {pid}) ended while the rank read from it")
+        self.pid, self.process = pid, process
+
+
+Workers = Mapping[int, BaseProcess]  # the processes an `iter()` started, by pid
+
+_previous: Any = None  # the handler ODB's wraps (torch's), called after ODB's look
+_installed = False
+_reading: tuple[Workers, Iterator[Any]] | None = None  # the workers and torch iterator of the direct read under way
+_declined: tuple[Workers, Iterator[Any]] | None = None  # the read the handler last found a death in and left be
+_kick_in, _kick_out = -1, -1  # the kicker's pipe: the handler writes a byte to wake it
+
+
+def detach(chunks: Iterator[Any]) -> None:
+    """Take the workers of torch's DataLoader iterator `chunks` out of torch's SIGCHLD check (NOTE above)."""
+    remove = getattr(signal_handling, "_remove_worker_pids", None)
+    register = getattr(signal_handling, "_set_worker_pids", None)
+    if remove is None or register is None:
+        return
+    try:
+        remove(id(chunks))
+    except ValueError:  # not registered: no workers, or detached already
+        return
+    register(id(chunks), ())  # torch's shutdown removes the entry and fails if there is none
+
+
+def install() -> None:
+    """Put ODB's SIGCHLD handler around the current one: once per process, from the main thread only."""
+    global _previous, _installed
+    if _installed or threading.current_thread() is not threading.main_thread() or not hasattr(os, "waitid"):
+        return
+    torchs = getattr(signal_handling, "_set_SIGCHLD_handler", None)
+    if torchs is not None:
+        torchs()  # torch's first (done already where an `iter()` with workers ran on the main thread), ODB's around it
+    current = signal.getsignal(signal.SIGCHLD)
+    _previous = current if callable(current) else None
+    signal.signal(signal.SIGCHLD, _on_child_signal)
+    _installed = True
+
+
+def direct_reads_rescued(loader: DataLoader) -> bool:
+    """Whether a direct read of `loader`'s workers on the main thread is broken by ODB's handler when one dies: its
+    workers are the rank's children (fork, spawn) and ODB's handler is the one installed (someone who replaced it
+    sends the reads through the reader thread). Called after `iter(loader)`, when the start method is settled."""
+    context = loader.multiprocessing_context
+    method = context.get_start_method() if context is not None else multiprocessing.get_start_method(allow_none=True)
+    return method in CHILD_START_METHODS and signal.getsignal(signal.SIGCHLD) is _on_child_signal
+
+
+def reading(workers: Workers, chunks: Iterator[Any]) -> Any:
+    """`next(chunks)` on the main thread, during which ODB's handler raises `WorkerExited` for a dead worker of
+    `workers` (NOTE [ A dead worker's signal ])."""
+    global _reading, _declined, _kick_in, _kick_out
+    if _kick_out < 0:  # the first direct read of the process starts the kicker
+        _kick_in, _kick_out = os.pipe()
+        os.set_blocking(_kick_out, False)
+        threading.Thread(target=_kick, args=(threading.get_ident(),), name=KICKER_THREAD, daemon=True).start()
+    outer, mine = _reading, (workers, chunks)
+    _reading = mine
+    try:
+        dead = _exited(workers)  # a death whose signal was handled before the flag
+        if dead is not None:
+            raise WorkerExited(*dead)
+        return next(chunks)
+    finally:
+        _reading = outer
+        if _declined is mine:  # no reference to torch's iterator is left: freed, it stops the surviving workers
+            _declined = None
+
+
+def _exited(workers: Workers) -> tuple[int, BaseProcess] | None:
+    """A worker that ended with an error, found without reaping it or reading anything: safe in a signal handler,
+    whatever of the watch's code it interrupted."""
+    for pid, process in tuple(workers.items()):
+        try:
+            info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+            code = None if info is None else info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
+        except ChildProcessError:  # reaped already: its Process kept how it ended
+            try:
+                code = process.exitcode
+            except ValueError:  # its owner closed it
+                code = None
+        if code:
+            return pid, process
+    return None
+
+
+def _on_child_signal(signum: int, frame: FrameType | None) -> None:
+    current, dead = _reading, None
+    if current is not None and not getattr(current[1], "_shutdown", False):  # torch is not stopping the workers
+        dead = _exited(current[0])
+    if _previous is not None:
+        _previous(signum, frame)  # torch's: raises for the workers of other DataLoaders
+    if dead is None:
+        return
+    global _declined
+    _declined = current  # kicked until the read ends: also where a finalizer run inside it drops the raise below
+    try:
+        os.write(_kick_out, b"k")
+    except BlockingIOError:  # the kicker has bytes to read already
+        pass
+    if frame is not None and frame.f_code in _WAITS:
+        raise WorkerExited(*dead)
+
+
+def _kick(main: int) -> None:
+    """The kicker (NOTE [ A dead worker's signal ]): SIGCHLD to the main thread every `KICK_S` while the read the
+    handler left be goes on."""
+    while True:
+        try:
+            os.read(_kick_in, 64)
+        except OSError:
+            return
+        declined = _declined
+        try:
+            while declined is not None and _reading is declined:
+                time.sleep(KICK_S)
+                if _reading is declined:
+                    signal.pthread_kill(main, signal.SIGCHLD)
+        except Exception:  # noqa: BLE001 - the main thread is gone (the process ends): wait for the next read's kick
+            pass
+        declined = None  # holds torch's iterator: let it go
+
+
+def _forget_in_child() -> None:
+    """A forked child has no kicker: its first direct read starts its own (and the parent's pipe is not its)."""
+    global _kick_in, _kick_out, _reading, _declined
+    for fd in (_kick_in, _kick_out):
+        if fd >= 0:
+            os.close(fd)
+    _kick_in, _kick_out, _reading, _declined = -1, -1, None, None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_child)
