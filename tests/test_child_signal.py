@@ -185,7 +185,7 @@ def test_a_direct_read_blocked_on_a_half_message_is_broken_by_odbs_handler(tmp_p
 
 class KillAt(Dataset):
     """Plain integers (no tensor, whose storage a reader would fetch from the dead worker's fd sharer); the worker
-    that fetches `index` SIGKILLs itself."""
+    that fetches `index` SIGKILLs itself, 0.2 s after the fetch began (the reader waits in its queue by then)."""
 
     def __init__(self, index: int) -> None:
         self.index = index
@@ -195,15 +195,16 @@ class KillAt(Dataset):
 
     def __getitem__(self, index: int) -> int:
         if index == self.index and get_worker_info() is not None:
+            time.sleep(0.2)
             os.kill(os.getpid(), signal.SIGKILL)
         return index
 
 
 @pytest.mark.timeout(60)
 def test_torchs_handler_still_raises_for_a_plain_dataloaders_dead_worker():
-    """ODB's handler wraps torch's and calls it: a plain DataLoader's read on the main thread is still broken
-    by torch's handler's error ("killed by signal") when its worker dies, maybe wrapped in the "exited unexpectedly"
-    of the read it broke, not found only by torch's own look after its 5 s poll."""
+    """ODB's handler wraps torch's and calls it: when a plain DataLoader's worker dies, torch's handler still raises
+    its error ("killed by signal"), maybe wrapped in the "exited unexpectedly" of the read it broke; torch's own look
+    after its 5 s poll would say only the latter."""
     for _ in ODBDataLoader(LengthDataset(mixed_lengths(64)), token_budget=1024, num_workers=2, window=16,
                            multiprocessing_context="fork"):
         pass

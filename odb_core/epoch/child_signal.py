@@ -30,8 +30,8 @@ that needs it:
   by the next one's own look at the workers, which raises in ODB's code. A raise that lands in a finalizer's wait
   run inside the read (an abandoned iterator's shutdown) is dropped by the interpreter: the kicks go on. No raise
   once torch stops the read's workers (its `_shutdown`, inside the epoch's last read), where it terminates a
-  worker slow to stop. Once the read ended, neither the handler's record nor the kicker holds torch's iterator,
-  whose release stops the surviving workers;
+  worker slow to stop. The handler's record of a read and the kicker hold a token of the read, never torch's
+  iterator, whose release stops the surviving workers;
 - anything outside a direct read waits for the watch: a direct read polls the workers' sentinels before it reads,
   and a reader thread's consumer looks at the workers whenever it waits for a chunk, naming a death after 1 s of
   silence. A worker that dies while the trainer steps is the error of a later `next()`: the next one that reads.
@@ -48,11 +48,14 @@ worker was killed holding, when the kill came during the wait); for ODB's worker
 holding that lock before the shutdown began was never covered). Handlers installed before torch's get the kicker's extra
 SIGCHLDs, with no child to wait for. Without the two registry functions (a torch that renamed them), `detach` does
 nothing and torch's handler raises as before; `SampleStream.named_failure` then still names the worker where the
-loader's `next()` meets the error.
+loader's `next()` meets the error. The kernel may deliver the worker's SIGCHLD to another thread of the rank (Linux does
+so only where the main thread has a signal pending already): the main thread's read is then not interrupted, no handler
+runs until it is, and nothing kicks, as with torch's own handler.
 """
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import selectors
@@ -91,8 +94,8 @@ Workers = Mapping[int, BaseProcess]  # the processes an `iter()` started, by pid
 
 _previous: Any = None  # the handler ODB's wraps (torch's), called after ODB's look
 _installed = False
-_reading: tuple[Workers, Iterator[Any]] | None = None  # the workers and torch iterator of the direct read under way
-_declined: tuple[Workers, Iterator[Any]] | None = None  # the read the handler last found a death in and left be
+_reading: tuple[Workers, Iterator[Any], object] | None = None  # the direct read under way: workers, iterator, token
+_declined: object | None = None  # the token of the read the handler last found a death in (never the iterator)
 _kick_in, _kick_out = -1, -1  # the kicker's pipe: the handler writes a byte to wake it
 
 
@@ -137,10 +140,17 @@ def reading(workers: Workers, chunks: Iterator[Any]) -> Any:
     `workers` (NOTE [ A dead worker's signal ])."""
     global _reading, _declined, _kick_in, _kick_out
     if _kick_out < 0:  # the first direct read of the process starts the kicker
-        _kick_in, _kick_out = os.pipe()
-        os.set_blocking(_kick_out, False)
-        threading.Thread(target=_kick, args=(threading.get_ident(),), name=KICKER_THREAD, daemon=True).start()
-    outer, mine = _reading, (workers, chunks)
+        kick_in, kick_out = os.pipe()
+        os.set_blocking(kick_out, False)
+        try:
+            threading.Thread(target=_kick, args=(threading.get_ident(), kick_in), name=KICKER_THREAD,
+                             daemon=True).start()
+        except BaseException:
+            os.close(kick_in)
+            os.close(kick_out)
+            raise
+        _kick_in, _kick_out = kick_in, kick_out
+    outer, mine = _reading, (workers, chunks, object())
     _reading = mine
     try:
         dead = _exited(workers)  # a death whose signal was handled before the flag
@@ -149,7 +159,7 @@ def reading(workers: Workers, chunks: Iterator[Any]) -> Any:
         return next(chunks)
     finally:
         _reading = outer
-        if _declined is mine:  # no reference to torch's iterator is left: freed, it stops the surviving workers
+        if _declined is mine[2]:
             _declined = None
 
 
@@ -171,49 +181,55 @@ def _exited(workers: Workers) -> tuple[int, BaseProcess] | None:
 
 
 def _on_child_signal(signum: int, frame: FrameType | None) -> None:
+    global _declined
     current, dead = _reading, None
     if current is not None and not getattr(current[1], "_shutdown", False):  # torch is not stopping the workers
         dead = _exited(current[0])
+    if dead is not None:  # kicked until the read ends: also where torch's raise below, or ours, is dropped
+        _declined = current[2]
+        try:
+            os.write(_kick_out, b"k")
+        except BlockingIOError:  # the kicker has bytes to read already
+            pass
     if _previous is not None:
         _previous(signum, frame)  # torch's: raises for the workers of other DataLoaders
-    if dead is None:
-        return
-    global _declined
-    _declined = current  # kicked until the read ends: also where a finalizer run inside it drops the raise below
-    try:
-        os.write(_kick_out, b"k")
-    except BlockingIOError:  # the kicker has bytes to read already
-        pass
-    if frame is not None and frame.f_code in _WAITS:
+    if dead is not None and frame is not None and frame.f_code in _WAITS:
         raise WorkerExited(*dead)
 
 
-def _kick(main: int) -> None:
+def _kick(main: int, wake: int) -> None:
     """The kicker (NOTE [ A dead worker's signal ]): SIGCHLD to the main thread every `KICK_S` while the read the
-    handler left be goes on."""
+    handler left be goes on. It holds that read's token, never its iterator."""
     while True:
         try:
-            os.read(_kick_in, 64)
+            os.read(wake, 64)
         except OSError:
             return
         declined = _declined
         try:
-            while declined is not None and _reading is declined:
+            while declined is not None and _reads(declined):
                 time.sleep(KICK_S)
-                if _reading is declined:
+                if _reads(declined):
                     signal.pthread_kill(main, signal.SIGCHLD)
         except Exception:  # noqa: BLE001 - the main thread is gone (the process ends): wait for the next read's kick
             pass
-        declined = None  # holds torch's iterator: let it go
+
+
+def _reads(token: object) -> bool:
+    """Whether the direct read with `token` still goes on."""
+    current = _reading
+    return current is not None and current[2] is token
 
 
 def _forget_in_child() -> None:
     """A forked child has no kicker: its first direct read starts its own (and the parent's pipe is not its)."""
     global _kick_in, _kick_out, _reading, _declined
-    for fd in (_kick_in, _kick_out):
-        if fd >= 0:
-            os.close(fd)
+    inherited = (_kick_in, _kick_out)
     _kick_in, _kick_out, _reading, _declined = -1, -1, None, None
+    for fd in inherited:
+        if fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
 
 if hasattr(os, "register_at_fork"):

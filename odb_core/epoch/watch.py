@@ -135,7 +135,9 @@ class WorkerWatch:
         chunks = iter(loader)
         detach(chunks)  # NOTE [ A dead worker's signal ] in child_signal.py
         install()
-        self.candidates = {p.pid: p for p in multiprocessing.active_children() if p.pid not in before}
+        known = {getattr(worker, "pid", None) for worker in getattr(chunks, "_workers", ())}  # torch's list: exact
+        self.candidates = {p.pid: p for p in multiprocessing.active_children()
+                           if p.pid not in before and (not known or p.pid in known)}
         self._started = loader
         return chunks
 
