@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader, Dataset, get_worker_info
 from conftest import LengthDataset
 from dist_cases import is_alive, mixed_lengths, wait_until
 from odb_core import ODBDataLoader, WorkerDiedError
-from odb_core.epoch.child_signal import KICK_S, WorkerExited, direct_reads_rescued, install, reading
+from odb_core.epoch.child_signal import KICK_S, WorkerExited, direct_reads_rescued, reading
 from odb_core.resume.round_log import RoundLog
 from test_faults import SLACK_S, Baseline, HalfSentDataset, PidsDataset, assert_no_leftovers, blocked_in_a_pipe_write
 
@@ -80,8 +80,8 @@ def test_a_worker_killed_while_the_caller_runs_its_own_code_is_an_error_at_a_lat
 def test_a_worker_killed_while_the_loader_logs_a_step_lets_that_step_through(tmp_path, monkeypatch):
     """The kill lands in the loader's own bookkeeping after a step came (the round log): that step reaches the
     caller whole (before, torch's error was raised inside the log and the step was lost), and a later `next()`
-    raises the `WorkerDiedError`. (Where ODB cannot detach its workers from torch's handler, the conversion of
-    torch's error there is `test_faults.py::test_without_detach_a_worker_death_met_in_the_loaders_...`.)"""
+    raises the `WorkerDiedError`. (Where ODB's handler is not installed, the conversion of torch's error there is
+    `test_faults.py::test_without_odbs_handler_a_worker_death_met_in_the_loaders_...`.)"""
     baseline = Baseline.now()
     consume, killed = RoundLog.consume, []
 
@@ -137,7 +137,7 @@ def main_thread_reads_a_pipe(tid: int) -> bool:
 def test_a_direct_read_blocked_on_a_half_message_is_broken_by_odbs_handler(tmp_path, context):
     """With `reader_thread=False` the main thread reads its workers' pipe itself. A worker stopped halfway through
     writing a chunk larger than the pipe leaves the read blocked on the rest; SIGKILLed then, only a signal handler
-    that raises can end that read: ODB's, since its workers are out of torch's registry. The error is the
+    that raises can end that read: ODB's, which drops torch's error about its workers. The error is the
     `WorkerDiedError` within seconds, with ODB's `WorkerExited` among its causes, and no worker is left."""
     if not wait_channels_shown():
         pytest.skip("/proc does not show wait channels here")
@@ -252,7 +252,9 @@ def test_a_death_met_outside_the_reads_wait_is_raised_once_the_read_waits_in_its
     the read runs other code (here 0.5 s of taking and releasing a lock) leaves that code alone, and the kicker's
     SIGCHLD every `KICK_S` breaks the read once it waits for the rest of a message. The lock is free after, and
     nothing of ODB's holds the iterator any more (freed, torch's stops its surviving workers)."""
-    install()  # as the watch does when it starts workers on the main thread (done already by earlier tests)
+    for _ in ODBDataLoader(LengthDataset(mixed_lengths(32)), token_budget=1024, num_workers=1, window=16,
+                           multiprocessing_context="fork"):
+        pass  # workers started on the main thread: torch's handler, and ODB's around it (done by earlier tests too)
     assert direct_reads_rescued(DataLoader([0], num_workers=1, multiprocessing_context="fork")), \
         "ODB's SIGCHLD handler is not the one installed"
     child = multiprocessing.get_context("fork").Process(target=time.sleep, args=(60,))

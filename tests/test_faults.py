@@ -26,7 +26,7 @@ from dist_cases import (EXIT_CODE_OF_DEAD_RANK, REPO_ROOT, TESTS_DIR, Case, Kill
                         child_env, child_pids, is_alive, mixed_lengths, run_job, wait_until)
 from odb_core import DatasetFetchError, ODBDataLoader, PeerError, WorkerDiedError
 from odb_core.epoch.pipeline import EpochRun
-from odb_core.epoch import watch
+from odb_core.epoch import child_signal, watch
 from odb_core.epoch.watch import READER_THREAD
 from odb_core.resume.round_log import RoundLog
 
@@ -301,14 +301,20 @@ class PidsDataset(LengthDataset):
 
 
 @pytest.mark.timeout(60)
-def test_without_detach_a_worker_death_met_in_the_loaders_bookkeeping_is_a_worker_died_error(tmp_path, monkeypatch):
-    """Where ODB cannot take its workers out of torch's registry (a torch without `_remove_worker_pids`:
-    NOTE [ A dead worker's signal ] in child_signal.py), torch's SIGCHLD handler raises its error at the entry of
-    whatever Python call the main thread makes next, so it can meet the loader in the bookkeeping after a step
-    came (the round log, the wait advice) rather than in a read: there too the caller gets a `WorkerDiedError`
-    naming the worker. Here the round log, at the first step taken, kills a worker and waits: torch's handler
-    raises in that wait, and its error is the one named (a stand-in raised after the wait would fail the test)."""
-    monkeypatch.setattr(watch, "detach", lambda chunks: None)
+def test_without_odbs_handler_a_worker_death_met_in_the_loaders_bookkeeping_is_a_worker_died_error(tmp_path,
+                                                                                                  monkeypatch):
+    """Where ODB's SIGCHLD handler is not installed (workers started off the main thread, torch's handler installed
+    by another DataLoader: NOTE [ A dead worker's signal ] in child_signal.py), torch's handler raises its error at
+    the entry of whatever Python call the main thread makes next, so it can meet the loader in the bookkeeping
+    after a step came (the round log, the wait advice) rather than in a read: there too the caller gets a
+    `WorkerDiedError` naming the worker. Here the round log, at the first step taken, kills a worker and waits:
+    torch's handler raises in that wait, and its error is the one named (a stand-in raised after the wait would
+    fail the test)."""
+    monkeypatch.setattr(watch, "install", lambda: None)
+    current = signal.getsignal(signal.SIGCHLD)
+    swapped = current is child_signal._on_child_signal  # installed by an earlier test: torch's alone, for this test
+    if swapped:
+        signal.signal(signal.SIGCHLD, child_signal._previous)
     baseline = Baseline.now()
     consume, killed = RoundLog.consume, []
 
@@ -334,6 +340,8 @@ def test_without_detach_a_worker_death_met_in_the_loaders_bookkeeping_is_a_worke
         del caught  # its traceback holds the epoch's frames, and through them the workers
     finally:
         loader.close()
+        if swapped:
+            signal.signal(signal.SIGCHLD, current)
     del loader
     assert_no_leftovers(baseline)
 

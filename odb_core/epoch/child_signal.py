@@ -14,9 +14,10 @@ queue, such as torch's shutdown of the iterator, then blocks for good). ODB's wa
 without any handler (NOTE [ A rank watches its workers ] in watch.py), so the signal is narrowed to the one place
 that needs it:
 
-- `detach` takes the workers of ODB's DataLoader iterators out of torch's registry (an empty entry stays, which
-  torch's shutdown of the iterator removes): torch's handler no longer raises for them, and still raises for the
-  workers of any other DataLoader of the process;
+- `track` keeps the pids of the workers of ODB's current `iter()`s. torch's handler stays registered for them
+  (ODB uses no private part of torch to change that), but ODB's handler calls it and drops its error where a
+  worker of ODB's ended with an error and is not reaped yet (torch looks at unreaped children only, so the error
+  may be about that worker); any other error of torch's, about another DataLoader's worker, goes on as before;
 - `install` puts ODB's handler around torch's, once per process, on the main thread. It finds a worker of the
   direct read under way (`reading`, `reader_thread=False`) that ended with an error, calls torch's handler, wakes
   the kicker, a daemon thread (`odb-sigchld`, started by the process's first direct read, a forked child's own
@@ -28,9 +29,9 @@ that needs it:
   torch's bookkeeping, sending indices), the death is left for a later signal: once the read waits, the next kick
   breaks it, and the raise lands in torch's iterator, which the epoch abandons; a read that ends first is followed
   by the next one's own look at the workers, which raises in ODB's code. A raise that lands in a finalizer's wait
-  run inside the read (an abandoned iterator's shutdown) is dropped by the interpreter: the kicks go on. No raise
-  once torch stops the read's workers (its `_shutdown`, inside the epoch's last read), where it terminates a
-  worker slow to stop. The handler's record of a read and the kicker hold a token of the read, never torch's
+  run inside the read (an abandoned iterator's shutdown) is dropped by the interpreter: the kicks go on. A worker
+  torch terminates when it is slow to stop at the epoch's end is no death: torch's workers exit with code 0 on
+  their parent's SIGTERM. The handler's record of a read and the kicker hold a token of the read, never torch's
   iterator, whose release stops the surviving workers;
 - anything outside a direct read waits for the watch: a direct read polls the workers' sentinels before it reads,
   and a reader thread's consumer looks at the workers whenever it waits for a chunk, naming a death after 1 s of
@@ -42,15 +43,18 @@ per worker on this project's machine) neither reaps a worker nor reads the repor
 whatever of the watch's code it interrupted; it is made before torch's handler runs, in case a handler before
 torch's reaps children.
 
-What is lost, and what else may see it: between `iter()` and `detach` torch's handler still raises for a worker that
-dies at its start. torch's handler also broke a wait in its own shutdown of an iterator (`Event.set()` on a lock a
-worker was killed holding, when the kill came during the wait); for ODB's workers nothing breaks it now (a worker killed
-holding that lock before the shutdown began was never covered). Handlers installed before torch's get the kicker's extra
-SIGCHLDs, with no child to wait for. Without the two registry functions (a torch that renamed them), `detach` does
-nothing and torch's handler raises as before; `SampleStream.named_failure` then still names the worker where the
-loader's `next()` meets the error. The kernel may deliver the worker's SIGCHLD to another thread of the rank (Linux does
-so only where the main thread has a signal pending already): the main thread's read is then not interrupted, no handler
-runs until it is, and nothing kicks, as with torch's own handler.
+What is lost, and what else may see it: where no `iter()` of ODB's ran on the main thread (`prefetch_steps > 0`) ODB's
+handler is not installed, and torch's, installed by another DataLoader, raises for ODB's workers as before;
+`SampleStream.named_failure` then still names the worker where the loader's `next()` meets the error. A thread that
+reaps an ODB worker between torch's look and ODB's (the watch of a `prefetch_steps` producer) lets torch's error
+through. Where both an ODB worker and another DataLoader's died, torch's error for the other is dropped too (that
+DataLoader's own 5 s poll still finds it), and a handler installed before torch's misses that signal. torch's handler
+also broke a wait in its own shutdown of an iterator (`Event.set()` on a lock a worker was killed holding, when the kill
+came during the wait); for ODB's workers nothing breaks it now (a worker killed holding that lock before the shutdown
+began was never covered). Handlers installed before torch's get the kicker's extra SIGCHLDs, with no child to wait for.
+The kernel may deliver the worker's SIGCHLD to another thread of the rank (Linux does so only where the main thread has
+a signal pending already): the main thread's read is then not interrupted, no handler runs until it is, and nothing
+kicks, as with torch's own handler.
 """
 
 from __future__ import annotations
@@ -69,9 +73,8 @@ from types import FrameType
 from typing import Any
 
 from torch.utils.data import DataLoader
-from torch.utils.data._utils import signal_handling
 
-__all__ = ["CHILD_START_METHODS", "KICK_S", "WorkerExited", "detach", "direct_reads_rescued", "install", "reading"]
+__all__ = ["CHILD_START_METHODS", "KICK_S", "WorkerExited", "direct_reads_rescued", "install", "reading", "track"]
 
 CHILD_START_METHODS = frozenset({"fork", "spawn"})  # start methods whose workers are the rank's own children
 KICK_S = 0.05  # how often the kicker signals the main thread while a read whose worker died goes on
@@ -97,19 +100,15 @@ _installed = False
 _reading: tuple[Workers, Iterator[Any], object] | None = None  # the direct read under way: workers, iterator, token
 _declined: object | None = None  # the token of the read the handler last found a death in (never the iterator)
 _kick_in, _kick_out = -1, -1  # the kicker's pipe: the handler writes a byte to wake it
+_tracked: dict[int, BaseProcess] = {}  # the workers of ODB's current `iter()`s, of every stream, by pid
 
 
-def detach(chunks: Iterator[Any]) -> None:
-    """Take the workers of torch's DataLoader iterator `chunks` out of torch's SIGCHLD check (NOTE above)."""
-    remove = getattr(signal_handling, "_remove_worker_pids", None)
-    register = getattr(signal_handling, "_set_worker_pids", None)
-    if remove is None or register is None:
-        return
-    try:
-        remove(id(chunks))
-    except ValueError:  # not registered: no workers, or detached already
-        return
-    register(id(chunks), ())  # torch's shutdown removes the entry and fails if there is none
+def track(gone: Workers, started: Workers) -> None:
+    """The workers an `iter()` of ODB's started replace those of the one before (`gone`): torch's errors about a dead
+    one of them are ODB's to report (NOTE [ A dead worker's signal ])."""
+    for pid in gone:
+        _tracked.pop(pid, None)
+    _tracked.update(started)
 
 
 def install() -> None:
@@ -117,9 +116,6 @@ def install() -> None:
     global _previous, _installed
     if _installed or threading.current_thread() is not threading.main_thread() or not hasattr(os, "waitid"):
         return
-    torchs = getattr(signal_handling, "_set_SIGCHLD_handler", None)
-    if torchs is not None:
-        torchs()  # torch's first (done already where an `iter()` with workers ran on the main thread), ODB's around it
     current = signal.getsignal(signal.SIGCHLD)
     _previous = current if callable(current) else None
     signal.signal(signal.SIGCHLD, _on_child_signal)
@@ -168,8 +164,7 @@ def _exited(workers: Workers) -> tuple[int, BaseProcess] | None:
     whatever of the watch's code it interrupted."""
     for pid, process in tuple(workers.items()):
         try:
-            info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-            code = None if info is None else info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
+            code = _exit_code(os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT))
         except ChildProcessError:  # reaped already: its Process kept how it ended
             try:
                 code = process.exitcode
@@ -180,10 +175,27 @@ def _exited(workers: Workers) -> tuple[int, BaseProcess] | None:
     return None
 
 
+def _unreaped_death() -> bool:
+    """Whether a worker of ODB's ended with an error and is not reaped yet: what torch's handler looks for (it waits
+    with `WNOWAIT` too), so its error may be about that worker."""
+    for pid in tuple(_tracked):
+        try:
+            if _exit_code(os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)):
+                return True
+        except ChildProcessError:
+            pass
+    return False
+
+
+def _exit_code(info: Any) -> int | None:
+    """A `waitid` result as an exit code (negative: the signal that ended the child); None while it runs."""
+    return None if info is None else info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
+
+
 def _on_child_signal(signum: int, frame: FrameType | None) -> None:
     global _declined
     current, dead = _reading, None
-    if current is not None and not getattr(current[1], "_shutdown", False):  # torch is not stopping the workers
+    if current is not None:
         dead = _exited(current[0])
     if dead is not None:  # kicked until the read ends: also where torch's raise below, or ours, is dropped
         _declined = current[2]
@@ -191,8 +203,12 @@ def _on_child_signal(signum: int, frame: FrameType | None) -> None:
             os.write(_kick_out, b"k")
         except BlockingIOError:  # the kicker has bytes to read already
             pass
-    if _previous is not None:
-        _previous(signum, frame)  # torch's: raises for the workers of other DataLoaders
+    try:
+        if _previous is not None:
+            _previous(signum, frame)  # torch's, which raises for any DataLoader's dead worker
+    except RuntimeError:
+        if not _unreaped_death():  # another DataLoader's worker: torch's error is the caller's
+            raise
     if dead is not None and frame is not None and frame.f_code in _WAITS:
         raise WorkerExited(*dead)
 

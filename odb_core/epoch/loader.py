@@ -315,7 +315,7 @@ class _EpochIterator(Iterator[ODBBatch]):
 
     def __next__(self) -> ODBBatch:
         asked = time.perf_counter()
-        try:  # the bookkeeping too: torch's SIGCHLD error (workers not detached) becomes a WorkerDiedError
+        try:  # the bookkeeping too: torch's SIGCHLD error (no handler of ODB's) becomes a WorkerDiedError
             batch = next(self.source)
             assert batch.info is not None
             self.waits.took(batch.info.local_samples, asked, time.perf_counter())  # NOTE [ Which lever ]

@@ -200,7 +200,7 @@ class SampleStream:
     def named_failure(self, exc: BaseException) -> BaseException:
         """torch's error for a dead worker, which its SIGCHLD handler raises wherever the main thread runs (ODB's
         planning, a wait for the collating thread, or the collator, which wraps it in a `CollateError`) where ODB
-        could not detach its workers from that handler (NOTE [ A dead worker's signal ] in child_signal.py), as the
+        has no handler of its own around it (NOTE [ A dead worker's signal ] in child_signal.py), as the
         `WorkerDiedError` naming that worker; anything else as it is. For the thread that reads the workers, after
         its epoch failed (NOTE [ A rank watches its workers ])."""
         if self._watch is None or RuntimeError not in (type(exc), type(exc.__cause__)):

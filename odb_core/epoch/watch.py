@@ -51,7 +51,7 @@ from typing import Any, NoReturn
 from torch.utils.data import DataLoader
 
 from odb_core.data.worker_files import FileInbox
-from odb_core.epoch.child_signal import WorkerExited, detach, install, reading
+from odb_core.epoch.child_signal import WorkerExited, install, reading, track
 from odb_core.epoch.lifeline import Lifeline, WorkerStarted, rank_alive
 from odb_core.epoch.prefetch import Exhausted, Failed, Produced
 from odb_core.epoch.reader_thread import POLL_S, READER_THREAD, ReaderThread
@@ -133,11 +133,10 @@ class WorkerWatch:
                                          self.inbox.ends if self.inbox is not None else (), self._region_bytes)
         before = {p.pid for p in multiprocessing.active_children()}
         chunks = iter(loader)
-        detach(chunks)  # NOTE [ A dead worker's signal ] in child_signal.py
+        started = {p.pid: p for p in multiprocessing.active_children() if p.pid not in before}
+        track(self.candidates, started)  # NOTE [ A dead worker's signal ] in child_signal.py
         install()
-        known = {getattr(worker, "pid", None) for worker in getattr(chunks, "_workers", ())}  # torch's list: exact
-        self.candidates = {p.pid: p for p in multiprocessing.active_children()
-                           if p.pid not in before and (not known or p.pid in known)}
+        self.candidates = started
         self._started = loader
         return chunks
 

@@ -8,12 +8,13 @@ consumer's are dropped, so the log holds O(rounds in flight) entries.
 
 NOTE [ A step is logged whole ]
 A signal handler may raise at almost any point of Python code on the main thread (Python's own on Ctrl-C; torch's
-SIGCHLD handler for another DataLoader's worker, or where ODB cannot detach its own: NOTE [ A dead worker's signal ] in
-child_signal.py), so `consume` can be cut anywhere. It therefore builds the new position first and commits it with one
-assignment (`_Held`: the position and how many entries of the round's emitted list belong to it); cut before that, its
-committed position is as it was, and `state_dict()` saves the previous step's position, never a mix of the two steps.
-Cut after it (before `next()` returns), the step counts as taken though the caller never received it, and a state saved
-then resumes after that step: a failing epoch, whose position is kept only for a save after the failure.
+SIGCHLD handler for another DataLoader's worker, or for ODB's own where ODB's handler is not installed:
+NOTE [ A dead worker's signal ] in child_signal.py), so `consume` can be cut anywhere. It therefore builds the new
+position first and commits it with one assignment (`_Held`: the position and how many entries of the round's emitted
+list belong to it); cut before that, its committed position is as it was, and `state_dict()` saves the previous step's
+position, never a mix of the two steps. Cut after it (before `next()` returns), the step counts as taken though the
+caller never received it, and a state saved then resumes after that step: a failing epoch, whose position is kept only
+for a save after the failure.
 """
 
 from __future__ import annotations
