@@ -88,6 +88,24 @@ BAD_SAMPLES = [
                  id="str_input_ids"),
     pytest.param({"input_ids": torch.arange(8), "labels": [1.0] * 8}, "'labels' must hold integer token ids",
                  id="float_labels"),
+    pytest.param({"input_ids": torch.arange(8), "labels": torch.arange(10)}, "'labels' has 10 entries but "
+                 "'input_ids' has 8", id="labels_longer_than_ids"),
+    pytest.param({"input_ids": torch.arange(8), "labels": torch.arange(7)}, "'labels' has 7 entries but "
+                 "'input_ids' has 8", id="labels_shifted_in_advance"),
+    pytest.param({"input_ids": list(range(8)), "labels": list(range(6))}, "'labels' has 6 entries",
+                 id="labels_list_shorter"),
+    pytest.param({"input_ids": torch.arange(8), "labels": torch.arange(8), "attention_mask": torch.ones(9)},
+                 "'attention_mask' has 9 entries but 'input_ids' has 8", id="attention_mask_misaligned"),
+    pytest.param({"input_ids": torch.arange(8), "position_ids": np.arange(3)}, "'position_ids' has 3 entries",
+                 id="position_ids_misaligned"),
+    pytest.param({"input_ids": torch.arange(8), "image_grid_thw": torch.tensor([1, 2])},
+                 r"'image_grid_thw' must hold \(t, h, w\) integer triples", id="grid_not_triples"),
+    pytest.param({"input_ids": torch.arange(8), "image_grid_thw": torch.tensor([[1.0, 2.0, 2.0]])},
+                 r"'image_grid_thw' must hold \(t, h, w\) integer triples", id="grid_floats"),
+    pytest.param({"input_ids": torch.arange(8), "image_grid_thw": "1x2x2"}, "a str cannot be read as one",
+                 id="grid_str"),
+    pytest.param({"input_ids": torch.arange(8), "pixel_values": "img.png"}, "patches cannot be counted",
+                 id="pixel_values_str"),
     pytest.param((torch.arange(8), torch.arange(8)), "expected a mapping", id="tuple_sample"),
     pytest.param(torch.arange(8), "expected a mapping", id="tensor_sample"),
 ]
@@ -377,8 +395,9 @@ TENSORS = st.builds(lambda dtype, shape: torch.zeros(shape, dtype=dtype),
 
 @settings(max_examples=400, deadline=None)
 @given(ids=st.one_of(TENSORS, st.none(), st.just([1, 2])), labels=st.one_of(TENSORS, st.none(), st.just("absent")),
-       vision=st.sampled_from([None, "pixel_values", "image_grid_thw"]))
-def test_the_inline_tensor_check_answers_as_the_general_checks_do(ids, labels, vision):
+       vision=st.sampled_from([None, "pixel_values", "image_grid_thw"]),
+       mask=st.one_of(TENSORS, st.just("absent")))
+def test_the_inline_tensor_check_answers_as_the_general_checks_do(ids, labels, vision, mask):
     # inspect_sample answers a text sample of tensors inline; a length_fn sends it through the general checks,
     # which run before length_fn is called: both must accept the same samples, with equal facts, and refuse the
     # rest with the same message
@@ -386,6 +405,8 @@ def test_the_inline_tensor_check_answers_as_the_general_checks_do(ids, labels, v
     from odb_core.data.sample import inspect_sample
 
     sample = {"input_ids": ids} if labels == "absent" else {"input_ids": ids, "labels": labels}
+    if not isinstance(mask, str):  # an aligned field beside them: checked inline too (NOTE [ Fields aligned ... ])
+        sample["attention_mask"] = mask
     if vision == "pixel_values":
         sample[vision] = torch.zeros(4, 3)
     elif vision == "image_grid_thw":

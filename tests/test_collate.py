@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from odb_core.data.collate import PadCollator
+from odb_core.data.collate import CollateError, PadCollator, run_collate
 
 ROWS = [[5, 6, 7], [8], [9, 10, 11, 12]]
 LABELS = [[-100, 6, 7], [8], [-100, -100, 11, 12]]
@@ -83,19 +83,14 @@ def test_stacking_equal_ends_gives_what_pad_sequence_gives(dtypes, middle):
     tensors = [torch.as_tensor(row, dtype=torch.long) if isinstance(row, list) else row for row in rows]
     lengths = torch.tensor([len(row) for row in rows])
 
-    def outcome(make):
-        try:
-            return make()
-        except RuntimeError:  # -100 does not fit uint8 labels: refused, not wrapped around
-            return "refused"
+    def padded(pad):  # where the pad value does not fit the first row's dtype (-100 in uint8 labels), pad_sequence
+        try:  # refuses, and PadCollator widens the rows to int64 instead of refusing or wrapping around
+            return torch.nn.utils.rnn.pad_sequence(tensors, batch_first=True, padding_value=pad)
+        except RuntimeError:
+            return torch.nn.utils.rnn.pad_sequence([t.long() for t in tensors], batch_first=True, padding_value=pad)
 
-    batch = outcome(lambda: PadCollator()([{"input_ids": row, "labels": row} for row in rows]))
-    expected = {key: outcome(lambda pad=pad: torch.nn.utils.rnn.pad_sequence(tensors, batch_first=True,
-                                                                              padding_value=pad))
-                for key, pad in (("input_ids", 0), ("labels", -100))}
-    if "refused" in expected.values():
-        assert batch == "refused"
-        return
+    batch = PadCollator()([{"input_ids": row, "labels": row} for row in rows])
+    expected = {key: padded(pad) for key, pad in (("input_ids", 0), ("labels", -100))}
     expected["attention_mask"] = (torch.arange(4) < lengths[:, None]).long()
     assert batch.keys() == expected.keys()
     for key, value in expected.items():
@@ -111,3 +106,25 @@ def test_equal_length_ids_of_two_integer_dtypes_stack_like_one_dtype_even_with_a
     assert batch["input_ids"].dtype == torch.int16
     assert torch.equal(batch["input_ids"], torch.tensor([[1, 2, 3], [4, 5, 6], [7, 8, 9]], dtype=torch.int16))
     assert torch.equal(batch["attention_mask"], torch.ones(3, 3, dtype=torch.long))
+
+
+def test_a_field_missing_from_one_sample_is_named_by_that_sample_s_index():
+    ids = torch.arange(4)
+    with pytest.raises(CollateError, match=r"could not batch sample 11 \(of samples \[10, 11, 12\]\): field "
+                                           r"'labels' is missing from it"):
+        run_collate(PadCollator(), [{"input_ids": ids, "labels": ids}, {"input_ids": ids},
+                                    {"input_ids": ids, "labels": ids}], [10, 11, 12])
+
+
+def test_multi_axis_rows_of_the_ids_length_are_not_widened_along_their_last_axis():
+    # (3, L) position ids with L = 4 > 3: pad_sequence stacks them as (B, 3, 4); before, the padding of a field
+    # "shorter than input_ids" then widened the last axis to (B, 3, 5) with a column of zeros
+    rows = [torch.arange(4).repeat(3, 1), torch.arange(4).repeat(3, 1) + 1]
+    batch = PadCollator()([{"input_ids": torch.arange(4), "position_ids": r} for r in rows])
+    assert torch.equal(batch["position_ids"], torch.stack(rows))
+
+
+def test_the_attention_mask_is_made_on_the_ids_device():
+    for lengths in ((4, 4), (4, 2)):  # stacked, padded
+        batch = PadCollator()([{"input_ids": torch.arange(n, device="meta")} for n in lengths])
+        assert batch["attention_mask"].device == batch["input_ids"].device == torch.device("meta")

@@ -7,6 +7,7 @@ is what the first step waited for. Before `min_window`, the first step came afte
 
 from __future__ import annotations
 
+import collections
 import json
 import math
 import tracemalloc
@@ -21,7 +22,8 @@ from batch_record import LengthStream
 from conftest import CountingDataset, LengthDataset, saved_midway
 from odb_core import Item, ODBConfig, ODBDataLoader, run_virtual_ranks, simulate_epoch
 from odb_core.data.sample import compact_ids
-from odb_core.data.sendable import pack_sample, payload_bytes
+from odb_core.data.payload import payload_bytes
+from odb_core.data.sendable import pack_sample
 from odb_core.planning.round_sizes import round_target
 from odb_core.resume.fields import digest_of
 from odb_core.settings.config import fingerprint
@@ -276,6 +278,35 @@ def test_a_byte_bound_makes_rounds_smaller_and_keeps_every_sample_once_on_every_
         per_round[info.round] = per_round.get(info.round, 0) + info.global_samples
     assert max(per_round.values()) <= 2 * 11  # both ranks' buffers: 10 samples' bytes, and the one reaching it
     assert len(per_round) >= n // 22
+
+
+class NestedPixelSamples(PixelSamples):
+    """`PixelSamples` with the pixels one level down, as a processor's `BatchFeature` under a key, beside a list of
+    per-image tensors."""
+
+    def __getitem__(self, index: int) -> dict:
+        sample = super().__getitem__(index)
+        pixels = sample.pop("pixel_values")
+        return {**sample, "images": collections.UserDict({"pixel_values": pixels[: self.rows // 2]}),
+                "crops": [torch.from_numpy(pixels[self.rows // 2:])]}
+
+
+def test_tensors_in_nested_mappings_and_lists_count_against_max_buffer_bytes():
+    """Before, `payload_bytes` looked only at a sample's top-level values: a tensor under a nested mapping or in a
+    list of tensors weighed nothing, and a byte bound of 10 samples admitted the whole window of 300."""
+    top, nested = PixelSamples(300, 64 * 1024), NestedPixelSamples(300, 64 * 1024)
+    assert payload_bytes(nested[3]) == payload_bytes(top[3]) > 64 * 1024
+    assert payload_bytes({"a": {"b": {"c": [torch.zeros(4)]}}}) == 16  # three levels down
+    assert payload_bytes({"ids": [1, 2.5, True], "names": ["x", None], "rows": [[1, 2], [3]]}) == 6 * 8
+    rounds = {}
+    for name, dataset in (("top", top), ("nested", nested)):
+        loader = ODBDataLoader(dataset, token_budget=512, max_buffer_bytes=10 * 64 * 1024, min_window=None,
+                               prefetch_steps=0)
+        infos = [batch.info for batch in loader]
+        loader.close()
+        assert sorted(i for info in infos for i in info.indices) == list(range(300))
+        rounds[name] = len({info.round for info in infos})
+    assert rounds["nested"] == rounds["top"] >= 300 // 11
 
 
 def test_a_sample_weighs_the_same_read_through_the_workers_or_re_read_by_index():

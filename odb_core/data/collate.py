@@ -31,10 +31,22 @@ def _as_long(value: Any) -> torch.Tensor:
     return torch.as_tensor(np.asarray(value), dtype=torch.long)
 
 
-def _text_only_default(key: str, sample: Mapping[str, Any]) -> torch.Tensor:
+class FieldError(KeyError):
+    """A field of one sample of a group that `PadCollator` cannot batch; `position` is the sample's place in the
+    group, which `run_collate` turns into its dataset index."""
+
+    def __init__(self, position: int, cause: str) -> None:
+        super().__init__(cause)
+        self.position, self.cause = position, cause
+
+    def __str__(self) -> str:
+        return self.cause
+
+
+def _text_only_default(key: str, sample: Mapping[str, Any], position: int) -> torch.Tensor:
     if key == "mm_token_type_ids":
         return torch.zeros(len(sample["input_ids"]), dtype=torch.long)
-    raise KeyError(f"field {key!r} is missing from some samples of the group (present in others)")
+    raise FieldError(position, f"field {key!r} is missing from it (present in other samples of the group)")
 
 
 class PadCollator:
@@ -78,7 +90,7 @@ class PadCollator:
                 batch[key] = stacked if stacked is not None else self._pad_field(ids, longest, self.pad_token_id,
                                                                                   stack=False)
                 continue
-            values = [s[key] if key in s else _text_only_default(key, s) for s in samples]
+            values = [s[key] if key in s else _text_only_default(key, s, i) for i, s in enumerate(samples)]
             if key in SEQUENCE_PAD:
                 # ids not stacked (unequal lengths, or not tensors): the other fields skip the stack attempt, a
                 # failed `torch.stack` costs ~15 µs; the padding path stacks equal-width rows of one dtype itself
@@ -86,9 +98,10 @@ class PadCollator:
             else:
                 batch[key] = default_collate(values)
         if "attention_mask" not in batch:
-            batch["attention_mask"] = (torch.ones(len(samples), longest, dtype=torch.long) if stacked is not None
-                                       else torch.from_numpy((np.arange(longest) < np.asarray(lengths)[:, None])
-                                                             .astype(np.int64)))
+            mask = (torch.ones(len(samples), longest, dtype=torch.long) if stacked is not None
+                    else torch.from_numpy((np.arange(longest) < np.asarray(lengths)[:, None]).astype(np.int64)))
+            device = batch["input_ids"].device  # the ids' device: a dataset that gives tensors on one
+            batch["attention_mask"] = mask if device.type == "cpu" else mask.to(device)
         return batch
 
     def _concatenated(self, parts: list[torch.Tensor]) -> torch.Tensor:
@@ -144,9 +157,12 @@ def _pad_rows(values: list[Any], length: int, value: int, *, stack: bool = True)
         except (RuntimeError, TypeError):
             arrays = None
         if arrays is not None and same_dtype:
-            return _rows_into_array(arrays, width, value, arrays[0].dtype)
+            return _rows_into_array(arrays, width, value, _holding(arrays[0].dtype, value))
+    if not _fits(rows[0].dtype, value):  # -100 in uint8 labels: widen
+        rows = [r.long() for r in rows]
     padded = pad_sequence(rows, batch_first=True, padding_value=value)
-    if padded.shape[1] < length:  # a field shorter than input_ids in every row
+    if padded.ndim == 2 and padded.shape[1] < length:  # a 1-D field shorter than input_ids in every row (rows of
+        # several axes are padded along their first, as `pad_sequence` does; their last is not the sequence's)
         padded = torch.nn.functional.pad(padded, (0, length - padded.shape[1]), value=value)
     return padded
 
@@ -177,6 +193,26 @@ def _stacked(values: list[Any]) -> torch.Tensor | None:
     return out if out.dtype == first.dtype else None
 
 
+def _fits(dtype: torch.dtype, value: int) -> bool:
+    """Whether an integer (or bool) `dtype` holds the pad value; other dtypes are left as they are."""
+    if dtype == torch.bool:
+        return value in (0, 1)
+    try:
+        info = torch.iinfo(dtype)
+    except TypeError:
+        return True
+    return info.min <= value <= info.max
+
+
+def _holding(dtype: np.dtype, value: int) -> np.dtype:
+    """`dtype`, or int64 where an integer `dtype` cannot hold the pad value (uint8 labels padded with -100)."""
+    if dtype.kind in "iu":
+        info = np.iinfo(dtype)
+        if not info.min <= value <= info.max:
+            return np.dtype(np.int64)
+    return dtype
+
+
 def _rows_into_array(rows: Sequence[Any], width: int, value: int, dtype: Any) -> torch.Tensor:
     """1-D rows (lists or arrays) copied into one array of `width` columns filled with `value`."""
     out = np.full((len(rows), width), value, dtype=dtype)
@@ -189,6 +225,10 @@ def run_collate(collate_fn: CollateFn, samples: list[Any], indices: Sequence[int
     """Call the collator and check that it returned a mapping; errors name the samples' dataset indices."""
     try:
         batch = collate_fn(samples)
+    except FieldError as exc:  # PadCollator's, about one sample: name it
+        index = indices[exc.position] if 0 <= exc.position < len(indices) else exc.position
+        raise CollateError(f"collate_fn could not batch sample {index} (of samples {list(indices)}): "
+                           f"{exc.cause}") from exc
     except Exception as exc:
         raise CollateError(f"collate_fn raised {type(exc).__name__} on samples {list(indices)}: {exc}") from exc
     if not isinstance(batch, Mapping):

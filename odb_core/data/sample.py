@@ -40,15 +40,37 @@ def sequence_length(value: Any) -> int | None:
 
 
 def count_patches(sample: Mapping[str, Any]) -> int:
-    """Vision patches of a sample: `image_grid_thw` products if present, else rows of `pixel_values`."""
+    """Vision patches of a sample: `image_grid_thw` products if present, else rows of `pixel_values` (summed over
+    the images where it is a list or tuple of per-image arrays). Raises ValueError or TypeError where either field
+    cannot say (`inspect_sample` names the sample)."""
     grid = sample.get("image_grid_thw")
     if grid is not None:
-        grid = torch.as_tensor(grid).reshape(-1, 3)
+        try:
+            grid = torch.as_tensor(grid)
+        except (TypeError, ValueError, RuntimeError) as exc:
+            raise ValueError(f"'image_grid_thw' must hold (t, h, w) integer triples; a {type(grid).__name__} "
+                             f"cannot be read as one ({exc})") from exc
+        if grid.is_floating_point() or grid.is_complex() or grid.dtype == torch.bool or grid.numel() % 3:
+            raise ValueError(f"'image_grid_thw' must hold (t, h, w) integer triples, got {grid.dtype} of shape "
+                             f"{tuple(grid.shape)}")
+        grid = grid.reshape(-1, 3).long()
+        if grid.numel() and int(grid.min()) < 0:
+            raise ValueError("'image_grid_thw' has a negative size")
         return int(grid.prod(dim=1).sum())
     pixels = sample.get("pixel_values")
-    if pixels is not None and hasattr(pixels, "shape") and len(pixels.shape) >= 1:
-        return int(pixels.shape[0])
-    return 0
+    if pixels is None:
+        return 0
+    if isinstance(pixels, list | tuple):
+        return sum(_rows(image) for image in pixels)
+    return _rows(pixels)
+
+
+def _rows(pixels: Any) -> int:
+    shape = getattr(pixels, "shape", None)
+    if shape is None:
+        raise TypeError(f"'pixel_values' must be a tensor or array (or a list of them, one per image), got "
+                        f"{type(pixels).__name__}, whose patches cannot be counted")
+    return int(shape[0]) if len(shape) >= 1 else 0
 
 
 INTEGER_DTYPES = frozenset({torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8})  # one lookup, hot path
@@ -119,7 +141,9 @@ def inspect_sample(index: int, sample: Any, length_fn: LengthFn | None) -> Item:
             and sample.get("image_grid_thw") is None and sample.get("pixel_values") is None):
         shape = ids.shape
         if (len(shape) == 1 and shape[0] > 0 and ids.dtype in INTEGER_DTYPES
-                and (labels is _ABSENT or (labels.ndim == 1 and labels.dtype in INTEGER_DTYPES))):
+                and (labels is _ABSENT or (labels.shape == shape and labels.dtype in INTEGER_DTYPES))):
+            if len(sample) > (1 if labels is _ABSENT else 2):  # other fields: the aligned ones' lengths
+                _check_aligned(index, sample, shape[0])
             return _new_item(Item, (index, shape[0], 0, 0, False))
     if "input_ids" not in sample:
         raise SampleError(index, f"has no 'input_ids' (keys: {sorted(sample)})")
@@ -128,6 +152,7 @@ def inspect_sample(index: int, sample: Any, length_fn: LengthFn | None) -> Item:
         raise SampleError(index, "'input_ids' is empty")
     if "labels" in sample:
         _checked_length(index, "labels", sample["labels"])
+    _check_aligned(index, sample, n_input)
     length = n_input
     if length_fn is not None:
         try:
@@ -136,7 +161,35 @@ def inspect_sample(index: int, sample: Any, length_fn: LengthFn | None) -> Item:
             raise SampleError(index, f"length_fn raised {type(exc).__name__}: {exc}") from exc
         if not isinstance(length, int | np.integer) or isinstance(length, bool) or length <= 0:
             raise SampleError(index, f"length_fn returned {length!r}; it must return a positive int")
-    return Item(index, int(length), count_patches(sample))
+    try:
+        patches = count_patches(sample)
+    except (ValueError, TypeError, RuntimeError) as exc:
+        raise SampleError(index, str(exc)) from exc
+    return Item(index, int(length), patches)
+
+
+ALIGNED_FIELDS = ("labels", "attention_mask", "position_ids", "token_type_ids", "mm_token_type_ids")
+
+
+def _check_aligned(index: int, sample: Mapping[str, Any], n_input: int) -> None:
+    """NOTE [ Fields aligned with the ids ]
+    `labels`, `attention_mask`, 1-D `position_ids`, `token_type_ids` and `mm_token_type_ids` hold one entry per
+    token of `input_ids` (a causal LM shifts its labels itself). A row of another length is a pipeline's bug
+    (labels built before image-token expansion or truncation, or shifted in advance): padded as it was, it trained
+    on misaligned or missing targets without a word, or failed in the model with a shape error naming no sample.
+    So it is a `SampleError` naming the field and both lengths. A field of two or more axes (multi-axis position
+    ids) is left to the collator."""
+    for key in ALIGNED_FIELDS:
+        value = sample.get(key)
+        if value is None:
+            continue
+        if type(value) is list and value and isinstance(value[0], list | tuple):  # per-axis rows
+            continue
+        n = sequence_length(value)
+        if n is not None and n != n_input:
+            raise SampleError(index, f"'{key}' has {n} entries but 'input_ids' has {n_input}; every sequence field "
+                                     "holds one entry per token of 'input_ids' (build labels after truncation and "
+                                     "image-token expansion; the model shifts them itself)")
 
 
 _ABSENT = object()

@@ -139,9 +139,9 @@ def share_large(sample: Any, keep: list[torch.UntypedStorage] | None = None) -> 
     """Worker side, after `pack_sample`: the tensors it left (over the pipe limit, or not at the top level) moved
     into shared memory now, in the calling thread, or an `Unsendable` naming the field when that fails (NOTE [
     Shared memory runs out ]). Walks mappings (dicts, HF's `BatchFeature`) and lists or tuples that hold tensors,
-    lists or mappings (not lists of ids), down to `_SHARE_DEPTH` levels. The storages the tensors leave are
+    lists or mappings (not lists of ids), down to `SHARE_DEPTH` levels. The storages the tensors leave are
     appended to `keep`, for a caller whose other threads may still read them (NOTE [ Sharing beside processing ])."""
-    for path, tensor in _unshared(sample, "", _SHARE_DEPTH):
+    for path, tensor in _unshared(sample, "", SHARE_DEPTH):
         try:
             left = move_to_shared(tensor)
         except RuntimeError as exc:
@@ -197,7 +197,7 @@ def lane_may_move(sample: Any) -> bool:
     """Whether the share lane takes `sample` (after `pack_sample`): it holds a tensor to move into shared memory,
     and each such tensor spans its whole storage (a slice of a preloaded tensor is moved in line; NOTE [ Sharing
     beside processing ])."""
-    tensors = [tensor for _, tensor in _unshared(sample, "", _SHARE_DEPTH)]
+    tensors = [tensor for _, tensor in _unshared(sample, "", SHARE_DEPTH)]
     return bool(tensors) and all(tensor.storage_offset() == 0 and tensor.untyped_storage().nbytes()
                                  == tensor.numel() * tensor.element_size() for tensor in tensors)
 
@@ -205,11 +205,11 @@ def lane_may_move(sample: Any) -> bool:
 def unshared_storages(sample: Any) -> set[int]:
     """The addresses of the storages of `sample`'s tensors not in shared memory yet (top level included): what a
     move on the share lane could swap."""
-    return {tensor.untyped_storage().data_ptr() for _, tensor in _unshared(sample, "", _SHARE_DEPTH)
+    return {tensor.untyped_storage().data_ptr() for _, tensor in _unshared(sample, "", SHARE_DEPTH)
             if tensor.untyped_storage().nbytes()}  # empty storages all sit at address 0 and are never moved
 
 
-_SHARE_DEPTH = 4  # levels of nesting `share_large` looks into; torch's reducer still shares anything deeper
+SHARE_DEPTH = 4  # levels of nesting `share_large` looks into; torch's reducer still shares anything deeper
 _NO_TENSOR = frozenset({PackedTensor, int, float, str, bool, bytes, type(None), np.ndarray})  # exact types
 
 
@@ -319,32 +319,3 @@ def sendable(sample: Any) -> Any:
     return Unsendable(f"{failure}, so its DataLoader worker cannot send it to the rank; keep objects that cannot be "
                       "pickled (locks, open files, generators, lambdas) out of the samples, or read with "
                       "num_workers=0")
-
-
-def payload_bytes(sample: Any) -> int:
-    """The bytes of a sample's payloads: tensors and arrays (packed or not) among a mapping's values, and the elements
-    of a list or tuple value, a number or bool (Python's or numpy's) counting 8 bytes: what `max_buffer_bytes` counts
-    (NOTE [ Round sizes ]). A list of ids weighs what the int64 array it may become weighs (`compact_ids`, NOTE [
-    Arrow ids read as arrays ]), so a sample measures the same read through the workers or re-read by index on
-    resume. Text's ids weigh a few kB, a VLM sample's `pixel_values` megabytes; strings count nothing."""
-    if not isinstance(sample, Mapping):
-        return 0
-    total = 0
-    for value in sample.values():
-        if isinstance(value, list | tuple) and type(value) is not PackedTensor:
-            total += sum(_array_bytes(v) for v in value)
-        else:
-            total += _array_bytes(value)
-    return total
-
-
-def _array_bytes(value: Any) -> int:
-    if isinstance(value, torch.Tensor):
-        return value.numel() * value.element_size()
-    if type(value) is PackedTensor:
-        return value.array.nbytes
-    if isinstance(value, np.ndarray):
-        return value.nbytes
-    if isinstance(value, int | float | np.number | np.bool_):  # bools too: a list of them may become int64
-        return 8  # a list of numpy integers is compacted into int64 like one of ints (resume re-reads the list)
-    return 0

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from odb_core.data.sample import LengthFn, inspect_sample
-from odb_core.data.sendable import payload_bytes
+from odb_core.data.payload import payload_bytes
 from odb_core.epoch.stream import SampleStream
 from odb_core.planning.budget import Item
 from odb_core.planning.nodes import NodePlanning

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from odb_core.data.sample import LengthFn, count_patches, inspect_sample
-from odb_core.data.sendable import payload_bytes
+from odb_core.data.payload import payload_bytes
 from odb_core.data.sources import DatasetFetchError
 from odb_core.epoch.plan_ahead import WaitParts
 from odb_core.epoch.stream import Chunk, ReadChunk, read_chunk

@@ -30,7 +30,8 @@ from typing import Any
 
 from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
-from odb_core.data.sendable import payload_bytes, raise_open_files, unpack_sample
+from odb_core.data.payload import payload_bytes
+from odb_core.data.sendable import raise_open_files, unpack_sample
 from odb_core.data.worker_files import FileInbox
 from odb_core.data.worker_region import region_size
 from odb_core.data.sources import (ChunkSampler, DatasetFetchError, Handover, IndexedDataset, IndexedIterable,

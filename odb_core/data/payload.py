@@ -1,0 +1,67 @@
+"""The bytes a buffered sample holds: what `max_buffer_bytes` counts (NOTE [ Round sizes ])."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from odb_core.data.sendable import SHARE_DEPTH, PackedTensor
+
+
+def payload_bytes(sample: Any) -> int:
+    """The bytes of a sample's payloads: tensors and arrays (packed or not) among a mapping's values, and the elements
+    of a list or tuple value, a number or bool (Python's or numpy's) counting 8 bytes: what `max_buffer_bytes` counts
+    (NOTE [ Round sizes ]). A list of ids weighs what the int64 array it may become weighs (`compact_ids`, NOTE [
+    Arrow ids read as arrays ]), so a sample measures the same read through the workers or re-read by index on
+    resume. Text's ids weigh a few kB, a VLM sample's `pixel_values` megabytes; strings count nothing. Nested
+    mappings (HF's `BatchFeature` under a key) and lists or tuples of tensors are counted as deep as `share_large`
+    walks them (`SHARE_DEPTH` levels): before, a tensor one level down weighed nothing, and the byte bound
+    admitted a window of such images."""
+    if not isinstance(sample, Mapping):
+        return 0
+    return _nested_bytes(sample.values(), SHARE_DEPTH)
+
+
+def _nested_bytes(values: Iterable[Any], depth: int) -> int:
+    total = 0
+    for value in values:
+        kind = type(value)
+        if kind is torch.Tensor or kind is PackedTensor or kind is np.ndarray:  # the common cases first
+            total += _array_bytes(value)
+        elif isinstance(value, list | tuple):
+            if value and type(value[0]) in _SCALARS and _all_numbers(value):  # ids as a list: one C-level sum
+                total += 8 * len(value)
+            else:
+                total += _nested_bytes(value, depth - 1) if depth > 1 else sum(_array_bytes(v) for v in value)
+        elif isinstance(value, Mapping):
+            total += _nested_bytes(value.values(), depth - 1) if depth > 1 else 0
+        else:
+            total += _array_bytes(value)
+    return total
+
+
+_SCALARS = frozenset({int, float, bool})
+
+
+def _all_numbers(values: list | tuple) -> bool:
+    """Whether every element is a number that `_array_bytes` weighs 8 bytes (a Python or numpy int, float or bool),
+    by one sum in C: a string or None raises, a tensor or array makes the sum one."""
+    try:
+        return isinstance(sum(values), int | float | np.integer | np.floating)
+    except Exception:  # noqa: BLE001 - whatever the sum refuses is not a list of numbers
+        return False
+
+
+def _array_bytes(value: Any) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if type(value) is PackedTensor:
+        return value.array.nbytes
+    if isinstance(value, np.ndarray):
+        return value.nbytes
+    if isinstance(value, int | float | np.number | np.bool_):  # bools too: a list of them may become int64
+        return 8  # a list of numpy integers is compacted into int64 like one of ints (resume re-reads the list)
+    return 0
