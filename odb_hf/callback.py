@@ -15,6 +15,7 @@ import weakref
 from typing import Any
 
 from transformers import Trainer, TrainerCallback
+from transformers.trainer_utils import IntervalStrategy, SaveStrategy
 
 from odb_core.settings.console import announce
 from odb_core.settings.settings import ODBSettings, combine, read_settings
@@ -34,6 +35,26 @@ def _served_another() -> ODBSetupError:
     """A callback keeps one Trainer's run, plan and position: a second Trainer is refused."""
     return ODBSetupError("this ODBCallback already served another Trainer, whose run it keeps; pass a new "
                          "ODBCallback(...) to each Trainer")
+
+
+def _stop_at_the_end(args: Any, state: Any, control: Any) -> None:
+    """NOTE [ The run's last step ]
+    The Trainer ends a run at `max_steps`, and there (`DefaultFlowCallback`) it also saves a checkpoint under a
+    "steps" save strategy and evaluates under a "steps" eval strategy unless this step already did. On an estimated
+    epoch length `max_steps` is only the bound, so ODB ends the run itself when its last epoch ran out (or at a
+    fractional epoch's end): it asks for the same final save and evaluation, which before were silently skipped
+    (no last checkpoint, no last eval). Where the Trainer's own `max_steps` ends the run (an exact length, a
+    step-based run), its flow has asked already, and nothing is asked twice; nor for a step saved or evaluated
+    by the schedule already."""
+    control.should_training_stop = True
+    step = state.global_step
+    if step >= state.max_steps:
+        return
+    if args.save_strategy == SaveStrategy.STEPS and not (state.save_steps and step % state.save_steps == 0):
+        control.should_save = True
+    if (args.eval_strategy == IntervalStrategy.STEPS and not (state.eval_steps and step % state.eval_steps == 0)
+            and args.eval_delay <= step):
+        control.should_evaluate = True
 
 
 class ODBCallback(TrainerCallback):
@@ -154,7 +175,7 @@ class ODBCallback(TrainerCallback):
         state.epoch = run.view.progress(run.meter.last, global_step=state.global_step, max_steps=state.max_steps)
         fractional = run.view.plan.stop_epoch is not None and args.num_train_epochs % 1  # epoch-based runs only
         if fractional and state.epoch >= args.num_train_epochs:
-            control.should_training_stop = True
+            _stop_at_the_end(args, state, control)
 
     @_when_on
     def on_epoch_end(self, args, state, control, **kwargs):
@@ -170,7 +191,7 @@ class ODBCallback(TrainerCallback):
             return  # a stop asked for by a callback, or a fractional last epoch: the epoch is left on purpose
         state.epoch = view.end_epoch()  # whole, whatever the estimate said its length was; raises on an overflow
         if view.done():
-            control.should_training_stop = True
+            _stop_at_the_end(args, state, control)
 
     @_when_on
     def on_save(self, args, state, control, **kwargs):

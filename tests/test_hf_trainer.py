@@ -467,3 +467,27 @@ def test_resuming_from_a_checkpoint_without_odb_state_names_the_missing_file_and
     with pytest.raises(ODBSetupError, match=r"odb_loader_rank0.json is missing: the checkpoint was not written by an "
                                             r"ODB run with this world size.*pass ignore_data_skip=True"):
         resumed.train(resume_from_checkpoint=str(checkpoint))
+
+
+@pytest.mark.parametrize("exact", [False, True])
+def test_the_run_s_last_step_is_saved_and_evaluated_as_the_trainer_does_at_max_steps(chat_data, tmp_path, exact):
+    """On an estimated epoch length (`exact_schedule=False`) `max_steps` is only a bound and ODB ends the run: the
+    Trainer's end-of-run checkpoint ("steps" save strategy) and evaluation ("steps" eval strategy) were skipped
+    without a word (NOTE [ The run's last step ] in odb_hf/callback.py). Each happens once, at the last step, as
+    where the Trainer's own max_steps ends the run (an exact length)."""
+    evaluated = []
+
+    class Evaluations(TrainerCallback):
+        def on_evaluate(self, args, state, control, **kwargs):
+            evaluated.append(state.global_step)
+
+    trainer = Trainer(model=hf_support.tiny_llama(), train_dataset=hf_support.ListDataset(chat_data.train[:40]),
+                      eval_dataset=hf_support.ListDataset(chat_data.eval[:4]), data_collator=COLLATE,
+                      args=make_args(tmp_path, save_strategy="steps", save_steps=1000, eval_strategy="steps",
+                                     eval_steps=1000),
+                      callbacks=[ODBCallback(token_budget=256, exact_schedule=exact), Evaluations()])
+    trainer.train()
+    last = trainer.state.global_step
+    assert trainer.odb.run.view.plan.exact is exact and (last < trainer.state.max_steps) is not exact
+    assert evaluated == [last]
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == [f"checkpoint-{last}"]
