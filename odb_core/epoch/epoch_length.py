@@ -32,7 +32,10 @@ batch. So the first Trainer epoch of a resumed run maps to epoch e + 1 (`epoch_c
 does alike (all ranks saved after the same step, and an epoch ends at the same step on every rank, G2): the
 resumed run continues with the batches of epoch e + 1, as the uninterrupted one did. At the run's last step,
 e + 1 is `stop_epoch`: the resumed run takes no batch (transformers logs that it found none) and ends at the
-same `global_step`, its epoch count whole.
+same `global_step`, its epoch count whole. A state taken at an epoch's last step whose end came in a round of no
+steps is not marked so (NOTE [ Which last step is complete ] in odb_core/resume/round_log.py): the first resumed
+epoch then replays to its end and yields nothing, and the view goes on into e + 1 in the same Trainer epoch, every
+rank alike (the state is the same on each), instead of handing the Trainer an epoch without a batch.
 """
 
 from __future__ import annotations
@@ -143,6 +146,7 @@ class EpochView:
         if not self.finished:  # the Trainer stopped the epoch on request (should_epoch_stop)
             self.loader.leave_epoch()
         trainer_epoch = self._trainer_epoch if self._trainer_epoch is not None else self.loader.epoch
+        first_resumed = self._offset is None and self.resumed
         if self._offset is None:  # a restored loader knows its epoch; otherwise the Trainer's count is used
             first = self.loader.epoch + int(self.loader.epoch_consumed)  # NOTE [ Resuming at an epoch's end ]
             self._offset = first - trainer_epoch if self.resumed else 0
@@ -152,12 +156,21 @@ class EpochView:
             return iter(())
         self.finished = False
         self._running = iter(self.loader)
-        return self._follow(self._running)
+        return self._follow(self._running, epoch if first_resumed else None)
 
-    def _follow(self, source: Iterator[ODBBatch]) -> Iterator[Any]:
+    def _follow(self, source: Iterator[ODBBatch], resumed_epoch: int | None = None) -> Iterator[Any]:
         items = step_windows(source) if self.loader.config.step_target is not None else source
+        taken = False
         for item in items:  # not `yield from`: closing this generator must not close the epoch (end_epoch does)
+            taken = True
             yield item
+        following = None if resumed_epoch is None or taken else resumed_epoch + 1  # an unmarked end (NOTE above)
+        if following is not None and (self.plan.stop_epoch is None or following < self.plan.stop_epoch):
+            self._offset += 1
+            self.loader.set_epoch(following)
+            self._running = iter(self.loader)
+            yield from self._follow(self._running)
+            return
         self.finished = True
 
     def progress(self, info: StepInfo, *, global_step: int, max_steps: int) -> float:

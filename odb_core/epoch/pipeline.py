@@ -242,7 +242,7 @@ class EpochRun(Iterator[ODBBatch]):
         if planned.abandoned:
             self.exchanging = False
             self.report = self._report(abandoned=True)
-            self.log.end_epoch(self.engine.steps_done, metrics.snapshot())
+            self.log.end_epoch(self.engine.steps_done, metrics.snapshot(), abandoned=True)
             return
         if self.skip_below > self.engine.steps_done:  # the saved round was replayed: NOTE [ Exact resume ]
             raise StateError(f"state.position.steps_consumed={self.skip_below} is past the end of the saved round, "

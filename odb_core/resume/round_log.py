@@ -15,6 +15,17 @@ list belong to it); cut before that, its committed position is as it was, and `s
 position, never a mix of the two steps. Cut after it (before `next()` returns), the step counts as taken though the
 caller never received it, and a state saved then resumes after that step: a failing epoch, whose position is kept only
 for a save after the failure.
+
+NOTE [ Which last step is complete ]
+A position after an epoch's last step is saved as complete (`epoch_complete`: the resumed loader's `iter()` yields
+nothing and runs no collective) only where the step's own round planned the epoch's end. An epoch may also end in a
+round that plans no step (pooled quota rounds whose pool cannot fill a band; a join epoch whose last samples went
+out the round before): the last step's round did not know it, and when the empty round's end reaches this log
+depends on threads (`plan_ahead`, `prefetch_steps`) and on the other ranks. Taken from whenever it arrived, ranks
+saved after the same step disagreed (some complete, some not), and the resume refused them as saved after different
+steps. Now such a position is incomplete on every rank alike: a resume replays the last round to the empty one,
+whose collective every rank runs, and the epoch yields nothing more (the HF adapter's view then moves on to the next
+epoch: NOTE [ Resuming at an epoch's end ] in odb_core/epoch/epoch_length.py).
 """
 
 from __future__ import annotations
@@ -44,7 +55,8 @@ class RoundLog:
     def __init__(self, resumed: SavedPosition | None) -> None:
         self._lock = threading.Lock()
         self._starts: dict[int, tuple[RoundStart, Metrics]] = {}
-        self._final: tuple[int, Metrics] | None = None
+        self._final: tuple[int, Metrics, int] | None = None  # steps, metrics, the round the epoch ended in
+        self._last_round = -1
         self._owned: dict[int, tuple[int, ...]] = {}  # step -> own indices emitted by any rank (global planning)
         emitted = list(resumed.point.round_emitted) if resumed is not None else []
         self._held = _Held(resumed, emitted, len(emitted))  # NOTE [ A step is logged whole ]
@@ -53,6 +65,7 @@ class RoundLog:
     def begin_round(self, start: RoundStart, metrics: Metrics) -> None:
         with self._lock:
             self._starts[start.round] = (start, dict(metrics))
+            self._last_round = max(self._last_round, start.round)
 
     def record_owned(self, first_step: int, owned_by_step: tuple[tuple[int, ...], ...]) -> None:
         """Global planning: the indices of this rank's samples that each step of the round emits on any rank
@@ -60,10 +73,11 @@ class RoundLog:
         with self._lock:
             self._owned.update((first_step + k, owned) for k, owned in enumerate(owned_by_step))
 
-    def end_epoch(self, steps: int, metrics: Metrics) -> None:
-        """The epoch has `steps` steps; `metrics` are the counters after its last one."""
+    def end_epoch(self, steps: int, metrics: Metrics, *, abandoned: bool = False) -> None:
+        """The epoch has `steps` steps; `metrics` are the counters after its last one (NOTE [ Which last step is
+        complete ]; an epoch a consumer left ends at whatever step it stands, as before that NOTE)."""
         with self._lock:
-            self._final = (steps, dict(metrics))
+            self._final = (steps, dict(metrics), -1 if abandoned else self._last_round)
 
     # -- consumer ------------------------------------------------------------------------------------------
     def consume(self, info: StepInfo) -> None:
@@ -76,9 +90,10 @@ class RoundLog:
             emitted, count = (held.emitted, held.count) if same_round else ([], 0)
             del emitted[count:]  # what a cut `consume` left past the committed entries
             emitted.extend(self._owned.get(info.step, info.indices))
-            complete = self._final is not None and info.step + 1 == self._final[0]
+            final = self._final  # only the round that planned the end knows it at its steps' release
+            complete = final is not None and info.step + 1 == final[0] and final[2] in (info.round, -1)
             if complete:
-                metrics = self._final[1]
+                metrics = final[1]
             point = ResumePoint(start=start, steps_consumed=info.step + 1)
             window_open = 0 if info.ends_window else info.window_index + 1
             position = SavedPosition(point=point, complete=complete, metrics=metrics, window_open=window_open)
