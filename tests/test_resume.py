@@ -99,6 +99,50 @@ def test_estimate_steps_is_exact_when_the_sample_covers_the_epoch():
     assert len(loader) == estimate == sum(1 for _ in loader)
 
 
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_reading_another_epoch_s_order_between_iter_and_the_first_step_leaves_the_open_epoch_s_order(num_workers):
+    """`estimate_steps` (and `plan_epochs_exactly`, a state's shard check) sets the sampler's epoch to read that
+    epoch's order; the open epoch's order was drawn at its first chunk, so an estimate between `iter()` and the
+    first step gave epoch 0 epoch 1's order under epoch 0's labels (G7)."""
+    dataset = LengthDataset(lognormal_lengths(60, 1.0, 64, seed=1, hi=250))
+
+    def epoch_steps(estimate_between: bool, epoch: int = 0) -> list[tuple[int, ...]]:
+        loader = ODBDataLoader(dataset, token_budget=512, window=16, shuffle=True, num_workers=num_workers)
+        loader.set_epoch(epoch)
+        try:
+            running = iter(loader)
+            if estimate_between:
+                loader.estimate_steps(sample_size=16)  # the next epoch's: 1
+            return [tuple(batch.info.indices) for batch in running]
+        finally:
+            loader.close()
+
+    plain = epoch_steps(False)
+    assert epoch_steps(True) == plain != epoch_steps(False, epoch=1)
+
+
+def test_an_estimate_for_the_trainer_is_the_same_after_a_resume_in_a_later_epoch():
+    """The HF adapter's estimated schedule (`exact_schedule=False`) came from the resumed epoch's sample, so a
+    resumed run planned another total and bound than the run it continued: the LR jumped at the resume."""
+    from odb_core.epoch.epoch_length import plan_epoch_length
+
+    dataset = LengthDataset(lognormal_lengths(300, 1.0, 64, seed=3, hi=250))
+    options = dict(token_budget=256, window=32, shuffle=True)
+    plan = dict(max_steps=0, num_train_epochs=3, slack=0.25, sample_size=64, exact=False)
+    fresh = ODBDataLoader(dataset, **options)
+    first = plan_epoch_length(fresh, **plan)
+    fresh.set_epoch(1)
+    running = iter(fresh)
+    for _ in range(5):
+        next(running)
+    state = json.loads(json.dumps(fresh.state_dict()))
+    fresh.close()
+    resumed = ODBDataLoader(dataset, **options)
+    resumed.load_state_dict(state)
+    assert resumed.epoch == 1 and plan_epoch_length(resumed, **plan) == first
+    resumed.close()
+
+
 @pytest.mark.parametrize("num_workers,prefetch_steps,taken", [(0, 0, 5), (2, 0, 5), (0, 2, 5), (0, 2, 0)])
 def test_a_loader_closed_inside_an_epoch_keeps_where_its_consumer_stood(num_workers, prefetch_steps, taken):
     """`close()` before an epoch's end (a preemption handler, a `finally:`), then `state_dict()`: the state is the
@@ -191,3 +235,28 @@ def test_a_resume_whose_re_read_fails_names_the_sample_and_keeps_the_position(nu
         iter(resumed)
     assert json.loads(json.dumps(resumed.state_dict())) == state  # the loaded position is still the one to run
     assert got + [_record(b) for b in resumed] == reference  # the retry resumes it exactly
+
+
+def test_a_cut_state_file_is_a_state_error_naming_it_and_a_saved_one_loads(tmp_path):
+    """`save_loader_state` syncs the file before its rename (and the folder after); a file cut anyway (an empty one
+    after a crash, a partial copy) was a bare JSONDecodeError naming neither the file nor what to do."""
+    from odb_core.resume.checkpoints import load_loader_state, loader_state_path, save_loader_state
+    from odb_core.resume.fields import StateError
+
+    dataset = LengthDataset([16] * 40)
+    loader = ODBDataLoader(dataset, token_budget=64)
+    running = iter(loader)
+    next(running)
+    path = save_loader_state(loader, tmp_path, rank=0)
+    expected = [batch.info.indices for batch in running]
+    loader.close()
+    again = ODBDataLoader(dataset, token_budget=64)
+    load_loader_state(again, tmp_path, 0, missing="-")
+    assert [batch.info.indices for batch in again] == expected
+    again.close()
+    whole = open(path).read()
+    for cut in ("", whole[: len(whole) // 2]):
+        with open(loader_state_path(tmp_path, 0), "w") as handle:
+            handle.write(cut)
+        with pytest.raises(StateError, match=rf"{path} is not a whole loader state .*resume from an earlier"):
+            load_loader_state(ODBDataLoader(dataset, token_budget=64), tmp_path, 0, missing="-")

@@ -89,10 +89,10 @@ class ChunkSampler(Sampler[list[int]]):
         self.order: list[int] = []  # this epoch's indices: lets a non-join report name the never-read ones
 
     def __iter__(self) -> Iterator[list[int]]:
+        """The order is drawn at `iter()`: a `set_epoch` before the first chunk must not change it (G7)."""
         self.order = [int(i) for i in self.sampler]
         indices = iter(self.order[self.start :])
-        while batch := list(itertools.islice(indices, self.chunk)):
-            yield batch
+        return iter(lambda: list(itertools.islice(indices, self.chunk)), [])
 
     def __len__(self) -> int:
         return math.ceil(max(len(self.sampler) - self.start, 0) / self.chunk)  # type: ignore[arg-type]

@@ -94,7 +94,9 @@ def plan_epoch_length(loader: ODBDataLoader, *, max_steps: int, num_train_epochs
             return EpochLength(length=max(max(unit), 1), estimate=max(plan.micro_batches[ahead]), exact=True,
                                planned_steps=_planned(plan.optimizer_steps, num_train_epochs), stop_epoch=stop_epoch)
     try:
-        estimate = loader.estimate_steps(sample_size=sample_size)
+        # from epoch 0 whatever the resume point: a resumed run plans the same schedule and bound as the run it
+        # continues (before, the resumed epoch's own sample gave another estimate: the LR jumped at the resume)
+        estimate = loader.estimate_steps(sample_size=sample_size, epoch=0)
     except TypeError as exc:
         raise TypeError(f"an epoch-based run needs an epoch length, but {exc}; set max_steps > 0") from exc
     per_epoch = _estimated_optimizer_steps(loader, estimate)

@@ -235,12 +235,12 @@ class ODBDataLoader:
                              patch_budget=self.config.max_patches or 0)
 
     # -- length ---------------------------------------------------------------------------------------------
-    def estimate_steps(self, sample_size: int = 512) -> int:
-        """Estimate the next epoch's step count, the same on every rank, and make `len()` return it. Every rank
-        must call this at the same point (one all_gather of one int; `odb_core.epoch.estimate`). Exact at W=1 when
-        `sample_size` covers the epoch."""
+    def estimate_steps(self, sample_size: int = 512, epoch: int | None = None) -> int:
+        """Estimate the step count of `epoch` (the next one by default), the same on every rank, and make `len()`
+        return it. Every rank must call this at the same point (one all_gather of one int;
+        `odb_core.epoch.estimate`). Exact at W=1 when `sample_size` covers the epoch."""
         self._quiet_epoch()
-        self._length = estimate_steps(self._stream, self.config, epoch=self._cursor.epoch,
+        self._length = estimate_steps(self._stream, self.config, epoch=self._cursor.epoch if epoch is None else epoch,
                                       length_fn=self._ctx.length_fn, transport=self.transport,
                                       sample_size=sample_size, per_node=self.layout.aware_per_node)
         return self._length

@@ -3,8 +3,9 @@
 A checkpoint folder written by a trainer (the HF Trainer's `checkpoint-N/` through odb_hf, or a user's own loop's)
 gets `odb_loader_rank{r}.json` from every rank r: the `state_dict()` of that rank's loader (an `ODBDataLoader`, or
 any object with `state_dict`/`load_state_dict`). The file is
-written atomically (a temporary file, then `os.replace`), so a process killed while saving leaves the previous
-file or the new one, never a cut one. Reading it back in a new process gives the exact data position (G8).
+written atomically (a temporary file, synced, then `os.replace`, and the folder synced), so a process killed while
+saving, or a machine that crashes after it, leaves the previous file or the new one, never a cut one; a file cut
+anyway (a copy) is a `StateError` naming it. Reading it back in a new process gives the exact data position (G8).
 
 NOTE [ Indexed CPU devices in torch.load ]
 Multi-process CPU runs of the HF Trainer load the optimizer state with `map_location=args.device`, which is
@@ -23,6 +24,8 @@ import os
 from typing import Any, Protocol
 
 import torch
+
+from odb_core.resume.fields import StateError
 
 LOADER_STATE = "odb_loader_rank{rank}.json"
 INDEXED_CPU_PRIORITY = 99  # after torch's own cpu (10), cuda (20), mps, meta, ... restore functions
@@ -46,7 +49,10 @@ def save_loader_state(loader: Stateful, folder: str | os.PathLike, rank: int) ->
     try:
         with open(temporary, "w") as handle:
             json.dump(loader.state_dict(), handle)
+            handle.flush()
+            os.fsync(handle.fileno())  # on disk before the rename: a crash of the machine leaves no empty file
         os.replace(temporary, path)
+        _sync_folder(folder)
     finally:
         if os.path.exists(temporary):  # the dump failed: leave no half-written file behind
             os.remove(temporary)
@@ -60,7 +66,26 @@ def load_loader_state(loader: Stateful, folder: str | os.PathLike, rank: int, *,
         raise FileNotFoundError(f"{path} is missing: the checkpoint was not written by an ODB run with this world "
                                 f"size, so the data position cannot be restored; {missing}")
     with open(path) as handle:
-        loader.load_state_dict(json.load(handle))
+        try:
+            state = json.load(handle)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise StateError(f"{path} is not a whole loader state ({exc}): the file was cut or overwritten "
+                             "(a crash while it was copied or synced); resume from an earlier checkpoint") from exc
+    loader.load_state_dict(state)
+
+
+def _sync_folder(folder: str | os.PathLike) -> None:
+    """The rename itself on disk (POSIX: fsync of the folder); skipped where the folder cannot be opened so."""
+    try:
+        descriptor = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(descriptor)
+    except OSError:
+        pass
+    finally:
+        os.close(descriptor)
 
 
 def _restore_indexed_cpu(storage: Any, location: str) -> Any:
