@@ -194,3 +194,50 @@ def test_a_moved_sample_is_freed_with_its_step_not_kept_by_the_round():
     assert sample["input_ids"] == [5, 6] and flight.take((1, 1)).sample()["input_ids"] == [7]
     del sample
     assert alive() is None
+
+
+def test_a_frame_that_cannot_be_made_fails_that_exchange_on_every_rank_and_no_rank_trains_on_wrong_samples(
+        monkeypatch):
+    """NOTE [ A failed exchange keeps the lane in step ] in moves_ahead.py: rank 1's frames of its second exchange
+    cannot be made (a frame it cannot allocate). Before, it skipped that exchange's collective, its next exchange
+    paired with its peer's current one, and rank 0 trained on another chunk's samples in the rows of this one's (6
+    wrong rows in a probe) until a bare IndexError. Now every batch either rank yields holds its own samples, and
+    rank 0 gets a PeerError naming rank 1 and the cause."""
+    from odb_core.ranks import moves_ahead
+
+    local, exchanges = threading.local(), {0: 0, 1: 0}
+    exchange, make_frame = moves_ahead._exchange, moves_ahead.frame_of
+
+    def counted(lane, *args):
+        exchanges[lane.rank] += 1
+        local.rank, local.count = lane.rank, exchanges[lane.rank]
+        return exchange(lane, *args)
+
+    def failing_frame(pickled):
+        if getattr(local, "rank", None) == 1 and local.count == 2:
+            raise MemoryError("could not allocate the frame")
+        return make_frame(pickled)
+
+    monkeypatch.setattr(moves_ahead, "_exchange", counted)
+    monkeypatch.setattr(moves_ahead, "frame_of", failing_frame)
+    dataset = LengthDataset(LENGTHS)
+
+    def rank_main(rank, transport):
+        loader = ODBDataLoader(dataset, token_budget=1024, transport=transport, shuffle=True, window=48,
+                               min_window=None)
+        wrong = 0
+        try:
+            for batch in loader:
+                for row, index in enumerate(batch.info.indices):
+                    wrong += not torch.equal(batch["input_ids"][row][: LENGTHS[index]], dataset[index]["input_ids"])
+        except Exception as exc:  # noqa: BLE001 - the error is what is checked
+            return wrong, exc
+        finally:
+            loader.close()
+        return wrong, None
+
+    (wrong0, error0), (wrong1, error1) = run_virtual_ranks(rank_main, 2, timeout_s=60)
+    assert wrong0 == wrong1 == 0
+    assert isinstance(error1, MemoryError)
+    assert "rank 1 could not send its samples of this exchange (MemoryError: could not allocate the frame)" \
+        in str(error0) and type(error0).__name__ == "PeerError", error0

@@ -305,3 +305,32 @@ def test_ranks_stay_in_step_when_one_leaves_with_a_round_planned_ahead(tmp_path)
         assert emitted == list(range(300)), "epoch 1 must cover every index once"
         covered |= all(steps[-1]["planned_ahead_at_break"] for steps in first)
     assert covered, "no break came right after a round's last step on both ranks"
+
+
+def test_a_planning_thread_that_cannot_start_leaves_the_round_to_the_next_next(monkeypatch, caplog):
+    """Before, the job was marked pending before its thread started: where `Thread.start` failed (a process at its
+    thread limit) that `next()` raised, and the next one waited for good on a job no thread ran. Now the round runs
+    in line at the next `next()`, and the epoch yields every batch of a run whose threads started."""
+    dataset = LengthDataset(lognormal_lengths(200, 1.0, 64, seed=4, hi=250))
+    options = dict(token_budget=256, window=32, shuffle=True)
+
+    def steps() -> list[tuple[int, ...]]:
+        loader = ODBDataLoader(dataset, **options)
+        try:
+            return [tuple(batch.info.indices) for batch in loader]
+        finally:
+            loader.close()
+
+    expected = steps()
+    start, refused = threading.Thread.start, []
+
+    def start_or_refuse(thread):
+        if thread.name == PLAN_THREAD and len(refused) < 2:
+            refused.append(thread.name)
+            raise RuntimeError("can't start new thread")
+        return start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", start_or_refuse)
+    with caplog.at_level("WARNING", logger="odb_core.epoch.plan_ahead"):
+        assert steps() == expected
+    assert len(refused) == 2 and "could not start (can't start new thread)" in caplog.text

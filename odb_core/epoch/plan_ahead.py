@@ -92,11 +92,20 @@ class PlanAhead(Generic[T]):
         return self._future is not None
 
     def start(self, produce: Callable[[], T]) -> None:
+        """Run `produce` on a thread of its own; where no thread can start (a process at its thread limit), no job
+        is pending and the next `next()` runs in line (before, the job stayed pending unrun: that `next()` raised
+        and the one after waited for good)."""
         future: Future[T] = Future()
-        self._future = future
-        self._thread = threading.Thread(target=self._run, args=(produce, future), name=PLAN_THREAD, daemon=True)
-        _RUNNING.add(self._thread)
-        self._thread.start()
+        thread = threading.Thread(target=self._run, args=(produce, future), name=PLAN_THREAD, daemon=True)
+        _RUNNING.add(thread)
+        try:
+            thread.start()
+        except RuntimeError as exc:
+            _RUNNING.discard(thread)
+            logger.warning("ODB: the thread that plans the next round ahead could not start (%s); the round runs "
+                           "in the next next() instead", exc)
+            return
+        self._future, self._thread = future, thread
 
     def _run(self, produce: Callable[[], T], future: Future[T]) -> None:
         started = time.perf_counter()

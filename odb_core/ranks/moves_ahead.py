@@ -60,7 +60,7 @@ from odb_core.planning.pooled import PooledRound
 from odb_core.ranks.moves import (Pickled, decode_samples, frame_of, frame_size, incoming, outgoing, pickle_samples,
                                   unsendable)
 from odb_core.ranks.shared_handles import HandleRoutes, from_handles, to_handles
-from odb_core.ranks.sync import Transport
+from odb_core.ranks.sync import PeerError, Transport
 
 FACT_FIELDS = 3  # per moved sample: supervised tokens, has labels (0/1), input tokens (with a length_fn; else 0)
 
@@ -191,19 +191,27 @@ def _exchange(lane: Transport, pickled: list[Pickled | None], keep: list[torch.U
     """On the lane's thread: write the frames, exchange them, decode what came (opening the handles' files), and
     where handles travel, meet the lane's ranks before `keep` is let go."""
     try:
-        flush_borrowed()  # the halves of lent spans given back here since: the peers' workers reuse them
-        frames: list[bytes | np.ndarray] = [b"" if p is None else frame_of(p) for p in pickled]
+        failure: BaseException | None = None
+        try:
+            flush_borrowed()  # the halves of lent spans given back here since: the peers' workers reuse them
+            frames: list[bytes | np.ndarray] = [b"" if p is None else frame_of(p) for p in pickled]
+        except Exception as exc:  # noqa: BLE001 - NOTE [ A failed exchange keeps the lane in step ]
+            failure = exc
+            cause = f"rank {lane.rank} could not send its samples of this exchange ({type(exc).__name__}: {exc})"
+            frames = [b"" if dest == lane.rank else _ABORT + cause.encode() for dest in range(lane.world_size)]
         received = lane.all_to_all_bytes(frames)
         del frames, pickled
         samples: Received = {}
-        failure: BaseException | None = None
         try:
             for owner, chunk in enumerate(received):
                 if owner != lane.rank and len(chunk):
+                    if bytes(memoryview(chunk)[: len(_ABORT)]) == _ABORT:
+                        raise PeerError(f"ODB: {bytes(memoryview(chunk)[len(_ABORT):]).decode(errors='replace')}; "
+                                        "this round's moved samples cannot arrive (that rank's own error says why)")
                     samples[owner] = [from_handles(unpack_sample(s)) for s in decode_samples(chunk)]
                     received[owner] = b""  # its arrays hold the chunk now, and free it with their samples
         except BaseException as exc:  # noqa: BLE001 - raised below, once the ranks have met
-            failure = exc
+            failure = failure or exc
         if meet:  # even after a failure here, so that every lane stays in step
             try:
                 lane.all_gather([0])  # every rank has opened the files of the handles it received
@@ -215,6 +223,16 @@ def _exchange(lane: Transport, pickled: list[Pickled | None], keep: list[torch.U
         return samples
     finally:
         keep.clear()  # also on failure: a traceback kept by the future must not keep the storages
+
+
+# NOTE [ A failed exchange keeps the lane in step ]
+# The lane's exchanges pair up by order: a rank whose exchange k failed before its collective (a frame it could not
+# allocate) and went on to exchange k + 1 paired that with its peers' k, so they decoded the next chunk's samples as
+# this one's and trained on wrong samples without a word, until a bare IndexError. So a rank whose frames fail still
+# takes part in the collective, sending each peer `_ABORT` and the cause instead of a frame: exchange k fails on
+# every rank (a `PeerError` naming the rank and the cause on the others, its own error there), and the exchanges
+# after it stay paired. A frame's header starts with its buffer count, never -1.
+_ABORT = np.array([-1], dtype="<i8").tobytes() + b"odb-abort:"
 
 
 class OverlappedMoves:
