@@ -113,9 +113,28 @@ def _default(name: str) -> Any:
     return next(f.default for f in fields(TrainingArguments) if f.name == name)
 
 
+def _check_data_parallel_only(trainer: Trainer) -> None:
+    """Tensor, context or sequence parallelism (`TrainingArguments.parallelism_config`, a model loaded with a
+    `tp_plan`): the ranks of one such group must see the same batch, and ODB gives every rank batches of its own
+    (its shard, its plan); transformers also divides the step's token count by the non-data-parallel size, which
+    ODB's count does not. Refused, as the DeepSpeed adapter refuses sequence parallelism."""
+    config = getattr(trainer.args, "parallelism_config", None)
+    sizes = {"tensor": getattr(trainer.model, "tp_size", None) or 1}
+    if config is not None:
+        sizes.update(tensor=max(sizes["tensor"], config.tp_size or 1), context=config.cp_size or 1,
+                     sequence=config.sp_size or 1)
+    used = {name: size for name, size in sizes.items() if size > 1}
+    if used:
+        described = ", ".join(f"{name} parallel size {size}" for name, size in used.items())
+        raise ODBSetupError(f"ODB supports data parallelism only, and this run uses {described}: the ranks of one "
+                            "such group must train on the same batch, while ODB gives every rank batches of its "
+                            "own; train without it, or without ODB")
+
+
 def _check_arguments(trainer: Trainer) -> None:
     """Refuse TrainingArguments that conflict with ODB; warn about those it makes meaningless."""
     args = trainer.args
+    _check_data_parallel_only(trainer)
     if getattr(args, "train_sampling_strategy", "random") == "group_by_length":
         raise ODBSetupError("train_sampling_strategy='group_by_length' conflicts with ODB, which groups samples "
                             "by observed length itself; use 'random' (shuffle) or 'sequential'")

@@ -47,6 +47,11 @@ def check_divided(trainer: Trainer, override: type | None, loss: torch.Tensor, n
         name = model_name(trainer)
         whose, fix = f"{name}'s loss", (f"set {name}.accepts_loss_kwargs = False (ODB then computes the exact "
                                         "loss from the logits), or make its loss divide by num_items_in_batch")
+    if share == 0.0 and loss.requires_grad:  # N is not in the loss's graph: divided by a number, or not at all
+        untracked = (". If it does divide, but by num_items_in_batch.item(), float() or int(), divide by the "
+                     "tensor itself: ODB checks the division through its gradient")
+    else:
+        untracked = ""
     raise ODBSetupError(f"{whose} is not divided by num_items_in_batch (share {share:.2f} of the loss, 1.00 "
                         "expected), e.g. a mean per micro-batch or per sequence: with ODB's variable batches the "
-                        f"step's gradient would not be the per-token mean; {fix}")
+                        f"step's gradient would not be the per-token mean; {fix}{untracked}")

@@ -174,6 +174,24 @@ def test_a_loss_that_ignores_num_items_in_batch_is_refused_naming_whose_it_is(ch
         train_frozen(tmp_path, model, chat_data.train[:24], **kwargs)
 
 
+def divided_by_a_number(outputs, labels, num_items_in_batch=None):
+    """The summed token loss divided by N as a Python number: exact, but N is not in the graph."""
+    logits = outputs["logits"]
+    total = torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), labels[:, 1:], ignore_index=-100,
+                                              reduction="sum")
+    return total / num_items_in_batch.item()
+
+
+def test_a_loss_divided_by_the_count_as_a_number_is_told_to_divide_by_the_tensor(chat_data, tmp_path):
+    """ODB checks the division through N's gradient, which `.item()` cuts: before, the refusal said only that the
+    loss was "e.g. a mean per micro-batch", which it is not."""
+    with pytest.raises(ODBSetupError, match=r"compute_loss_func is not divided .* If it does divide, but by "
+                                            r"num_items_in_batch\.item\(\), float\(\) or int\(\), divide by the "
+                                            r"tensor itself"):
+        train_frozen(tmp_path, hf_support.tiny_llama(dtype=torch.float64), chat_data.train[:24],
+                     compute_loss_func=divided_by_a_number)
+
+
 def test_a_per_sequence_model_declared_without_loss_kwargs_gets_the_exact_token_mean(chat_data, tmp_path):
     """The fix the refusal names: accepts_loss_kwargs = False, then ODB computes the loss from the logits."""
     samples, model = chat_data.train[:24], PerSequenceMean(hf_support.tiny_llama(dtype=torch.float64))

@@ -491,3 +491,27 @@ def test_the_run_s_last_step_is_saved_and_evaluated_as_the_trainer_does_at_max_s
     assert trainer.odb.run.view.plan.exact is exact and (last < trainer.state.max_steps) is not exact
     assert evaluated == [last]
     assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == [f"checkpoint-{last}"]
+
+
+@pytest.mark.parametrize("config,model_tp,named", [
+    (dict(tp_size=2), None, "tensor parallel size 2"), (dict(cp_size=2), None, "context parallel size 2"),
+    (dict(sp_size=4, sp_backend="deepspeed"), None, "sequence parallel size 4"), (None, 2, "tensor parallel size 2"),
+    (dict(dp_shard_size=2), None, None), (None, None, None)])
+def test_tensor_context_and_sequence_parallelism_are_refused_naming_the_size(config, model_tp, named):
+    """The ranks of a TP/CP/SP group must see one batch; ODB gives each rank its own, and transformers divides the
+    token count by the non-data-parallel size. Before, nothing refused it under the HF Trainer (the DeepSpeed
+    adapter refuses sequence parallelism). Checked on the arguments and model the Trainer holds: a real TP run
+    needs several processes whose accelerator setup this machine's single CPU process cannot build."""
+    from types import SimpleNamespace
+
+    from accelerate import ParallelismConfig
+
+    from odb_hf.checks import _check_data_parallel_only
+
+    trainer = SimpleNamespace(args=SimpleNamespace(parallelism_config=config and ParallelismConfig(**config)),
+                              model=SimpleNamespace(tp_size=model_tp))
+    if named is None:
+        _check_data_parallel_only(trainer)
+    else:
+        with pytest.raises(ODBSetupError, match=rf"data parallelism only, and this run uses {named}"):
+            _check_data_parallel_only(trainer)

@@ -81,3 +81,4 @@ def test_the_trainer_s_view_of_a_resumed_epoch_that_had_ended_goes_on_into_the_n
 
     for (full, _), (again, done) in zip(ranks, run_virtual_ranks(resumed, WORLD, timeout_s=120)):
         assert again == [full[1], full[2]] and done
+

@@ -184,3 +184,22 @@ def test_a_version_2_state_whose_consumed_step_is_past_its_round_is_refused_at_t
         return True
 
     assert run_virtual_ranks(resume, 2, timeout_s=30) == [True, True]
+
+
+def test_a_rank_given_another_rank_s_state_is_told_to_load_its_own():
+    """A checkpoint that keeps one rank's state for all (DeepSpeed's `client_state` outside ZeRO-3) used to be
+    refused with "exact resume needs the same world size, rank, ..." and no word on what to do."""
+
+    def rank_main(rank, transport):
+        loader = ODBDataLoader(LengthDataset([40] * 60), transport=transport, token_budget=256)
+        running = iter(loader)
+        next(running)
+        state = json.loads(json.dumps(loader.state_dict()))
+        loader.close()
+        return state
+
+    states = run_virtual_ranks(rank_main, 2, timeout_s=120)
+    with pytest.raises(ValueError, match=r"saved with rank=0 but this loader has 1; .*every rank loads the state "
+                                         r"its own rank saved .*save_loader_state"):
+        run_virtual_ranks(lambda rank, t: ODBDataLoader(LengthDataset([40] * 60), transport=t, token_budget=256).load_state_dict(states[0])
+                          if rank == 1 else None, 2, timeout_s=60)

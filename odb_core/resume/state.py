@@ -262,8 +262,12 @@ class LoaderState:
             checks.append(("sampler", source_to_dict(self.source), source_to_dict(loader.source)))
         for key, saved, mine in checks:
             if saved != mine:
+                each = ("; every rank loads the state its own rank saved (a checkpoint that keeps one rank's state, "
+                        "as DeepSpeed's client_state does outside ZeRO-3, cannot resume the others: save each "
+                        "rank's with odb_core.resume.checkpoints.save_loader_state)") if key == "rank" else ""
                 raise ValueError(f"loader state was saved with {key}={saved!r} but this loader has {mine!r}; "
-                                 "exact resume needs the same world size, rank, dataset, sampler and batching config")
+                                 "exact resume needs the same world size, rank, dataset, sampler and batching config"
+                                 + each)
 
 
 def describe_layout(per_node: int | None, world: int) -> str:
