@@ -64,8 +64,10 @@ class DataPosition:
         if self.resume_from is None:
             return False
         try:
-            load_loader_state(loader, self.resume_from, loader.transport.rank, missing="pass ignore_data_skip=True "
-                              "to restart the checkpoint's epoch from its beginning instead")
+            load_loader_state(loader, self.resume_from, loader.transport.rank, missing=(
+                "if the run stopped while it saved this checkpoint (the Trainer writes its own files first, then "
+                "ODB's), resume from the checkpoint before it; otherwise pass ignore_data_skip=True to restart the "
+                "checkpoint's epoch from its beginning instead"))
         except FileNotFoundError as exc:
             raise ODBSetupError(str(exc)) from exc
         return True

@@ -465,7 +465,9 @@ def test_resuming_from_a_checkpoint_without_odb_state_names_the_missing_file_and
     checkpoint = tmp_path / "plain" / "checkpoint-1"
     resumed = make_trainer(tmp_path / "odb", chat_data.train[:8], [ODBCallback(token_budget=512)], max_steps=2)
     with pytest.raises(ODBSetupError, match=r"odb_loader_rank0.json is missing: the checkpoint was not written by an "
-                                            r"ODB run with this world size.*pass ignore_data_skip=True"):
+                                            r"ODB run with this world size.*stopped while it saved this "
+                                            r"checkpoint .*resume from the checkpoint before it; otherwise pass "
+                                            r"ignore_data_skip=True"):
         resumed.train(resume_from_checkpoint=str(checkpoint))
 
 

@@ -75,9 +75,10 @@ def test_a_state_is_refused_at_another_layout_naming_both():
 
 
 @pytest.mark.parametrize(("saved", "new"), [(2, 4), (2, 1), (4, 2)])
-def test_merged_states_resume_elastically_at_another_layout_emitting_each_sample_once(saved, new):
+def test_merged_states_resume_elastically_at_another_layout_emitting_each_sample_once(saved, new, caplog):
     """2 x 2 to one node, to 4 nodes of 1, and one node to 2 x 2: the remaining samples are planned on the new
-    layout (NOTE [ Elastic resume ])."""
+    layout (NOTE [ Elastic resume ]), which rank 0 says (before, a resume at the same world size went elastic
+    without a word)."""
     ranks = run_virtual("map-join", save_after=2, nproc_per_node=saved)
     merged = merge_states([r["state"] for r in ranks])
     before = [i for r in ranks for step in r["steps"][:2] for i in step]
@@ -87,7 +88,9 @@ def test_merged_states_resume_elastically_at_another_layout_emitting_each_sample
         loader.load_state_dict(merged)
         return [list(batch.info.indices) for batch in loader]
 
-    after = run_virtual_ranks(resume, WORLD, timeout_s=60)
+    with caplog.at_level("WARNING", logger="odb_core.resume.resume"):
+        after = run_virtual_ranks(resume, WORLD, timeout_s=60)
+    assert caplog.text.count("another node layout") == 1 and "planned anew (an elastic resume)" in caplog.text
     assert len({len(steps) for steps in after}) == 1
     resumed = [i for rank_steps in after for step in rank_steps for i in step]
     assert Counter(before + resumed) == Counter(i for r in ranks for i in r["read"])

@@ -151,8 +151,9 @@ def test_elastic_resume_refuses_what_it_cannot_honour():
     with pytest.raises(ElasticResumeError, match="merge_states"):
         make(accumulation_steps=2).load_state_dict(states[0])  # one rank's state at another world size
     merged = merge_states(later)
-    with pytest.raises(ValueError, match="token_budget"):
-        make(accumulation_steps=2, token_budget=2048).load_state_dict(merged)
+    with pytest.raises(ValueError, match=r"saved with token_budget=\d+ \(this loader: 2048\); resume needs the same "
+                                         r"batching config: build the loader with the saved values$"):
+        make(accumulation_steps=2, token_budget=2048).load_state_dict(merged)  # before, both whole configs
     with pytest.raises(ElasticResumeError, match="same dataset"):
         make(accumulation_steps=2, dataset=LengthDataset([10] * (N - 1))).load_state_dict(merged)
     custom = make(accumulation_steps=2, shuffle=False, sampler=torch.utils.data.SequentialSampler(DATASET))

@@ -33,6 +33,7 @@ Costs: the state holds O(window) ints per rank; an elastic load recomputes every
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -43,6 +44,7 @@ from odb_core.resume.source_state import RECOMPUTABLE, RemainderPart, RemainderS
 from odb_core.resume.state import MERGED_FORMAT, STATE_VERSION, LoaderIdentity, LoaderState, SavedPosition
 
 __all__ = ["ElasticResumeError", "MergedState", "merge_states", "remainder_plan"]
+logger = logging.getLogger(__name__)
 ELASTIC_VERSIONS = (2, STATE_VERSION)
 
 
@@ -130,9 +132,12 @@ def _check_ranks(states: Sequence[LoaderState], world_size: int) -> None:
 def check_elastic(merged: MergedState, loader: LoaderIdentity) -> None:
     """Refuse a merged state that another world size cannot continue: other config, dataset, or source kind."""
     first = merged.states[0]
-    if _batching(first.config) != _batching(loader.config):
-        raise ValueError(f"loader states were saved with config={dict(first.config)!r} but this loader has "
-                         f"{dict(loader.config)!r}; resume needs the same batching config")
+    saved_config, my_config = _batching(first.config), _batching(loader.config)
+    if saved_config != my_config:
+        differing = sorted(k for k in saved_config.keys() | my_config.keys() if saved_config.get(k) != my_config.get(k))
+        named = ", ".join(f"{k}={saved_config.get(k)!r} (this loader: {my_config.get(k)!r})" for k in differing)
+        raise ValueError(f"loader states were saved with {named}; resume needs the same batching config: build the "
+                         "loader with the saved values")
     saved, mine = first.source, loader.source
     change = f"from world size {merged.world_size} to {loader.world_size}"
     if not isinstance(saved, ShardedSource) or not isinstance(mine, ShardedSource):
@@ -217,6 +222,11 @@ def restore(state: Any, me: LoaderIdentity, shard_order: Callable[[LoaderState],
         merged = MergedState.from_dict(state)
         if merged.world_size != me.world_size or _layout(merged.states[0].config) != _layout(me.config):
             check_elastic(merged, me)
+            if merged.world_size == me.world_size and me.rank == 0:  # the layout alone changed: said, not silent
+                logger.warning("ODB: the merged state was saved at world size %d with another node layout "
+                               "(nproc_per_node %s, this run %s): the epoch's remaining samples are planned anew "
+                               "(an elastic resume), not replayed batch for batch", merged.world_size,
+                               _layout(merged.states[0].config), _layout(me.config))
             epoch = merged.states[0].progress()[0]
             plan = remainder_plan(merged.states, me.world_size)
             if plan is not None:
