@@ -517,3 +517,23 @@ def test_tensor_context_and_sequence_parallelism_are_refused_naming_the_size(con
     else:
         with pytest.raises(ODBSetupError, match=rf"data parallelism only, and this run uses {named}"):
             _check_data_parallel_only(trainer)
+
+
+def test_a_model_without_loss_kwargs_gets_an_integer_token_count_after_the_first_step(chat_data, tmp_path):
+    """The first optimizer step's count is a float leaf that records gradients (the check that a loss divides by
+    it); ODB's own loss for a model without loss kwargs is not checked, and before, it got that float32 leaf at every
+    step (a count past 2^24 tokens rounds in float32)."""
+    seen = []
+
+    class Recording(Trainer):
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            seen.append((num_items_in_batch.dtype, num_items_in_batch.requires_grad))
+            return super().training_step(model, inputs, num_items_in_batch)
+
+    model = hf_support.tiny_llama()
+    model.accepts_loss_kwargs = False
+    trainer = make_trainer(tmp_path, chat_data.train[:32], [ODBCallback(token_budget=256)], trainer_class=Recording,
+                           model=model, gradient_accumulation_steps=2)
+    trainer.train()
+    assert len(seen) > 4 and seen[:2] == [(torch.float32, True)] * 2
+    assert set(seen[2:]) == {(torch.int64, False)}
