@@ -66,8 +66,8 @@ class DataPosition:
         try:
             load_loader_state(loader, self.resume_from, loader.transport.rank, missing=(
                 "if the run stopped while it saved this checkpoint (the Trainer writes its own files first, then "
-                "ODB's), resume from the checkpoint before it; otherwise pass ignore_data_skip=True to restart the "
-                "checkpoint's epoch from its beginning instead"))
+                "ODB's), resume from the checkpoint before it, if one is left; otherwise pass "
+                "ignore_data_skip=True to restart the checkpoint's epoch from its beginning instead"))
         except FileNotFoundError as exc:
             raise ODBSetupError(str(exc)) from exc
         return True

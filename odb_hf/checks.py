@@ -119,10 +119,14 @@ def _check_data_parallel_only(trainer: Trainer) -> None:
     (its shard, its plan); transformers also divides the step's token count by the non-data-parallel size, which
     ODB's count does not. Refused, as the DeepSpeed adapter refuses sequence parallelism."""
     config = getattr(trainer.args, "parallelism_config", None)
-    sizes = {"tensor": getattr(trainer.model, "tp_size", None) or 1}
+    sizes = {"tensor": getattr(trainer.model, "tp_size", None) or 1, "context": 1, "sequence": 1}
     if config is not None:
         sizes.update(tensor=max(sizes["tensor"], config.tp_size or 1), context=config.cp_size or 1,
                      sequence=config.sp_size or 1)
+    for name, method in (("tensor", "get_tp_size"), ("context", "get_cp_size"), ("sequence", "get_sp_size")):
+        get = getattr(trainer, method, None)  # the Trainer's own reading: the accelerator's config (`accelerate
+        if callable(get):  # launch --parallelism_config_*`, an accelerate config file), DeepSpeed's AutoTP
+            sizes[name] = max(sizes[name], int(get() or 1))
     used = {name: size for name, size in sizes.items() if size > 1}
     if used:
         described = ", ".join(f"{name} parallel size {size}" for name, size in used.items())

@@ -128,3 +128,17 @@ def test_the_attention_mask_is_made_on_the_ids_device():
     for lengths in ((4, 4), (4, 2)):  # stacked, padded
         batch = PadCollator()([{"input_ids": torch.arange(n, device="meta")} for n in lengths])
         assert batch["attention_mask"].device == batch["input_ids"].device == torch.device("meta")
+
+
+def test_a_collator_that_builds_its_own_samples_around_pad_collator_gets_no_wrong_index():
+    """A user's collator that reorders (or flattens pairs) before PadCollator: the failing sample's place in its
+    list is not one in ODB's group, so no index is named from it; the group is."""
+    ids = torch.arange(4)
+
+    def reversed_copies(samples):
+        return PadCollator()([dict(s) for s in reversed(samples)])
+
+    with pytest.raises(CollateError, match=r"raised FieldError on samples \[10, 11, 12\]: field 'labels' is missing "
+                                           r"from it .*\(one of the samples its collator built from these\)"):
+        run_collate(reversed_copies, [{"input_ids": ids}, {"input_ids": ids, "labels": ids},
+                                      {"input_ids": ids, "labels": ids}], [10, 11, 12])

@@ -155,7 +155,7 @@ def test_step_based_run_crosses_odb_epochs_until_max_steps(chat_data, tmp_path):
 
 
 def test_epoch_longer_than_the_planned_bound_raises_instead_of_being_cut(chat_data, tmp_path, monkeypatch):
-    monkeypatch.setattr(ODBDataLoader, "estimate_steps", lambda self, sample_size=512: 1)
+    monkeypatch.setattr(ODBDataLoader, "estimate_steps", lambda self, sample_size=512, epoch=None: 1)
     trainer = make_trainer(tmp_path, chat_data.train[:32], [ODBCallback(token_budget=256, length_slack=0.0,
                                                                         exact_schedule=False)])
     with pytest.raises(RuntimeError, match="more than the 1 steps"):
@@ -466,8 +466,8 @@ def test_resuming_from_a_checkpoint_without_odb_state_names_the_missing_file_and
     resumed = make_trainer(tmp_path / "odb", chat_data.train[:8], [ODBCallback(token_budget=512)], max_steps=2)
     with pytest.raises(ODBSetupError, match=r"odb_loader_rank0.json is missing: the checkpoint was not written by an "
                                             r"ODB run with this world size.*stopped while it saved this "
-                                            r"checkpoint .*resume from the checkpoint before it; otherwise pass "
-                                            r"ignore_data_skip=True"):
+                                            r"checkpoint .*resume from the checkpoint before it, if one is "
+                                            r"left; otherwise pass ignore_data_skip=True"):
         resumed.train(resume_from_checkpoint=str(checkpoint))
 
 
@@ -517,6 +517,16 @@ def test_tensor_context_and_sequence_parallelism_are_refused_naming_the_size(con
     else:
         with pytest.raises(ODBSetupError, match=rf"data parallelism only, and this run uses {named}"):
             _check_data_parallel_only(trainer)
+    # what the Trainer reads from its accelerator (`accelerate launch --parallelism_config_cp_size 2`, with no
+    # parallelism_config in the arguments) or DeepSpeed's AutoTP, through its own get_*_size methods
+    trainer.get_cp_size = lambda: 2
+    with pytest.raises(ODBSetupError, match=r"context parallel size 2"):
+        _check_data_parallel_only(trainer)
+
+
+def test_a_plain_trainer_s_own_parallel_sizes_are_one(chat_data, tmp_path):
+    trainer = make_trainer(tmp_path, chat_data.train[:8], [ODBCallback(token_budget=256)])
+    assert (trainer.get_tp_size(), trainer.get_cp_size(), trainer.get_sp_size()) == (1, 1, 1)
 
 
 def test_a_model_without_loss_kwargs_gets_an_integer_token_count_after_the_first_step(chat_data, tmp_path):

@@ -1,13 +1,15 @@
-"""ODB's heartbeat keys belong to one attempt of a job (`liveness._attempt`): torchrun's agent store outlives an
-attempt under `--max-restarts`, and a `failed` key an earlier attempt wrote must not fail the next one's healthy
-ranks. A real TCPStore (as the agent's) and the real heartbeat, one process."""
+"""ODB's heartbeat keys belong to one run of a transport: torchrun's agent store outlives an attempt under
+`--max-restarts`, and a `failed` key an earlier attempt wrote must not fail the next one's healthy ranks. Rank 0
+draws the token and `GlooTransport` broadcasts it (each node's agent counts its own restarts, so the environment's
+restart count may differ between nodes). A real TCPStore (as the agent's) and the real heartbeat; the Gloo tests of
+test_faults.py run the broadcast token (a rank frozen, found by its peer's heartbeat)."""
 
 from __future__ import annotations
 
+import itertools
 import socket
 from datetime import timedelta
 
-import pytest
 import torch.distributed as dist
 
 from odb_core.ranks import liveness
@@ -20,24 +22,53 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-@pytest.mark.parametrize("restart", ["0", "1"])
-def test_a_failed_key_of_an_earlier_attempt_is_not_read_by_the_next(monkeypatch, restart):
+def test_a_failed_key_of_an_earlier_attempt_is_not_read_by_the_next(monkeypatch):
     port = free_port()
     agent = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=10), wait_for_workers=False)
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(port))
-    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
-    serial = next(liveness._SERIAL) + 1  # the next transport's number, the same in either attempt
-    agent.set(f"odb/liveness/job.0/{serial}/failed", "rank 1 stopped answering ODB's heartbeat (attempt 0)")
-    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", restart)
-    heart = Liveness(rank=0, world_size=2, timeout_s=5.0)
-    try:
-        assert heart.prefix == f"odb/liveness/job.{restart}/{serial}"
-        heart.beat_once(1, {})
-        seen = heart.failure
-    finally:
-        heart.stop(5.0)
-    if restart == "0":  # the attempt that wrote it reads it: the key is where the heartbeat looks
-        assert "attempt 0" in str(seen)
-    else:
-        assert seen is None  # before, the same key was read by attempt 1: a PeerError on a healthy job
+    serial = 10_000  # a transport number, the same in either run: only the token tells the runs apart
+    agent.set(f"odb/liveness/aaa/{serial}/failed", "rank 1 stopped answering ODB's heartbeat (attempt 0)")
+    seen = {}
+    for attempt in ("aaa", "bbb"):
+        monkeypatch.setattr(liveness, "_SERIAL", itertools.count(serial))
+        heart = Liveness(rank=0, world_size=2, timeout_s=5.0, attempt=attempt)
+        try:
+            assert heart.prefix == f"odb/liveness/{attempt}/{serial}"
+            heart.beat_once(1, {})
+            seen[attempt] = heart.failure
+        finally:
+            heart.stop(5.0)
+    assert "attempt 0" in str(seen["aaa"])  # the run that wrote it reads it: the key is where the heartbeat looks
+    assert seen["bbb"] is None  # another run's token: before, every run's keys were odb/liveness/<serial>
+
+
+def _gloo_rank(rank: int, port: int, out) -> None:
+    import os
+    import time
+
+    from odb_core.ranks.sync import GlooTransport
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    dist.init_process_group("gloo", rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{port}")
+    transport = GlooTransport(timeout_s=30.0, liveness_timeout_s=1.0)
+    time.sleep(3.0)  # three liveness timeouts of beats: a peer watched under another prefix would be "silent"
+    out.put((rank, transport.liveness.prefix, repr(transport.liveness.failure)))
+    transport.close()
+    dist.destroy_process_group()
+
+
+def test_gloo_ranks_share_one_token_and_see_each_other_s_beats():
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    out, port = context.Queue(), free_port()
+    ranks = [context.Process(target=_gloo_rank, args=(rank, port, out)) for rank in range(2)]
+    for process in ranks:
+        process.start()
+    results = sorted(out.get(timeout=120) for _ in ranks)
+    for process in ranks:
+        process.join(30)
+    (_, prefix0, failure0), (_, prefix1, failure1) = results
+    assert prefix0 == prefix1 and not prefix0.startswith("odb/liveness/-/")
+    assert failure0 == failure1 == "None"

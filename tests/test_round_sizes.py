@@ -297,7 +297,8 @@ def test_tensors_in_nested_mappings_and_lists_count_against_max_buffer_bytes():
     top, nested = PixelSamples(300, 64 * 1024), NestedPixelSamples(300, 64 * 1024)
     assert payload_bytes(nested[3]) == payload_bytes(top[3]) > 64 * 1024
     assert payload_bytes({"a": {"b": {"c": [torch.zeros(4)]}}}) == 16  # three levels down
-    assert payload_bytes({"ids": [1, 2.5, True], "names": ["x", None], "rows": [[1, 2], [3]]}) == 6 * 8
+    # numbers weigh 8 bytes at the top level and in a top-level list only, as before (a saved fill replays as it was)
+    assert payload_bytes({"ids": [1, 2.5, True], "names": ["x", None], "rows": [[1, 2], [3]], "meta": {"n": 1}}) == 24
     rounds = {}
     for name, dataset in (("top", top), ("nested", nested)):
         loader = ODBDataLoader(dataset, token_budget=512, max_buffer_bytes=10 * 64 * 1024, min_window=None,

@@ -35,9 +35,9 @@ class FieldError(KeyError):
     """A field of one sample of a group that `PadCollator` cannot batch; `position` is the sample's place in the
     group, which `run_collate` turns into its dataset index."""
 
-    def __init__(self, position: int, cause: str) -> None:
+    def __init__(self, position: int, cause: str, sample: Any = None) -> None:
         super().__init__(cause)
-        self.position, self.cause = position, cause
+        self.position, self.cause, self.sample = position, cause, sample
 
     def __str__(self) -> str:
         return self.cause
@@ -46,7 +46,7 @@ class FieldError(KeyError):
 def _text_only_default(key: str, sample: Mapping[str, Any], position: int) -> torch.Tensor:
     if key == "mm_token_type_ids":
         return torch.zeros(len(sample["input_ids"]), dtype=torch.long)
-    raise FieldError(position, f"field {key!r} is missing from it (present in other samples of the group)")
+    raise FieldError(position, f"field {key!r} is missing from it (present in other samples of the group)", sample)
 
 
 class PadCollator:
@@ -225,9 +225,14 @@ def run_collate(collate_fn: CollateFn, samples: list[Any], indices: Sequence[int
     """Call the collator and check that it returned a mapping; errors name the samples' dataset indices."""
     try:
         batch = collate_fn(samples)
-    except FieldError as exc:  # PadCollator's, about one sample: name it
-        index = indices[exc.position] if 0 <= exc.position < len(indices) else exc.position
-        raise CollateError(f"collate_fn could not batch sample {index} (of samples {list(indices)}): "
+    except FieldError as exc:  # PadCollator's, about one sample: named where it is known which of ours it is
+        position = next((k for k, sample in enumerate(samples) if sample is exc.sample), None)
+        if position is None and takes_id_arrays(collate_fn) and 0 <= exc.position < len(indices):
+            position = exc.position  # PadCollator itself, or a wrapper over it that keeps the samples' order
+        if position is None:  # a collator of the user's that reorders or builds its own samples around it
+            raise CollateError(f"collate_fn raised FieldError on samples {list(indices)}: {exc.cause} (one of "
+                               "the samples its collator built from these)") from exc
+        raise CollateError(f"collate_fn could not batch sample {indices[position]} (of samples {list(indices)}): "
                            f"{exc.cause}") from exc
     except Exception as exc:
         raise CollateError(f"collate_fn raised {type(exc).__name__} on samples {list(indices)}: {exc}") from exc

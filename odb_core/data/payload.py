@@ -16,39 +16,46 @@ def payload_bytes(sample: Any) -> int:
     of a list or tuple value, a number or bool (Python's or numpy's) counting 8 bytes: what `max_buffer_bytes` counts
     (NOTE [ Round sizes ]). A list of ids weighs what the int64 array it may become weighs (`compact_ids`, NOTE [
     Arrow ids read as arrays ]), so a sample measures the same read through the workers or re-read by index on
-    resume. Text's ids weigh a few kB, a VLM sample's `pixel_values` megabytes; strings count nothing. Nested
-    mappings (HF's `BatchFeature` under a key) and lists or tuples of tensors are counted as deep as `share_large`
-    walks them (`SHARE_DEPTH` levels): before, a tensor one level down weighed nothing, and the byte bound
-    admitted a window of such images."""
+    resume. Text's ids weigh a few kB, a VLM sample's `pixel_values` megabytes; strings count nothing. Tensors and
+    arrays in nested mappings (HF's `BatchFeature` under a key) and lists or tuples count too, as deep as
+    `share_large` walks them (`SHARE_DEPTH` levels): before, they weighed nothing, and the byte bound admitted a
+    window of such images. Numbers deeper than a top-level list still count nothing, as before, so a sample without
+    nested tensors or arrays weighs what it did (a saved fill replays as it was)."""
     if not isinstance(sample, Mapping):
         return 0
-    return _nested_bytes(sample.values(), SHARE_DEPTH)
+    return _nested_bytes(sample.values(), SHARE_DEPTH, level=0)
 
 
-def _nested_bytes(values: Iterable[Any], depth: int) -> int:
+def _nested_bytes(values: Iterable[Any], depth: int, level: int) -> int:
+    """`level` 0: a sample's values; 1: the elements of a top-level list or tuple; 2: anything deeper. A number or
+    bool weighs 8 bytes at levels 0 and 1 (a top-level list of numbers at once, by one sum), nothing deeper, as
+    before nested tensors counted; tensors and arrays weigh their bytes at every level."""
     total = 0
     for value in values:
         kind = type(value)
         if kind is torch.Tensor or kind is PackedTensor or kind is np.ndarray:  # the common cases first
             total += _array_bytes(value)
         elif isinstance(value, list | tuple):
-            if value and type(value[0]) in _SCALARS and _all_numbers(value):  # ids as a list: one C-level sum
+            if level == 0 and value and _all_numbers(value):  # ids as a list: one C-level sum
                 total += 8 * len(value)
-            else:
-                total += _nested_bytes(value, depth - 1) if depth > 1 else sum(_array_bytes(v) for v in value)
+            elif depth > 1:
+                total += _nested_bytes(value, depth - 1, 1 if level == 0 else 2)
         elif isinstance(value, Mapping):
-            total += _nested_bytes(value.values(), depth - 1) if depth > 1 else 0
-        else:
+            total += _nested_bytes(value.values(), depth - 1, 2) if depth > 1 else 0
+        elif level <= 1 or not isinstance(value, _NUMBERS):
             total += _array_bytes(value)
     return total
 
 
-_SCALARS = frozenset({int, float, bool})
+_NUMBERS = (int, float, np.number, np.bool_)
 
 
 def _all_numbers(values: list | tuple) -> bool:
     """Whether every element is a number that `_array_bytes` weighs 8 bytes (a Python or numpy int, float or bool),
-    by one sum in C: a string or None raises, a tensor or array makes the sum one."""
+    by one sum in C: a string or None raises, a tensor or array makes the sum one (not tried: only a list whose
+    first element is a number is summed)."""
+    if not isinstance(values[0], _NUMBERS) or isinstance(values[0], complex | np.complexfloating):
+        return False
     try:
         return isinstance(sum(values), int | float | np.integer | np.floating)
     except Exception:  # noqa: BLE001 - whatever the sum refuses is not a list of numbers

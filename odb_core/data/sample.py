@@ -50,6 +50,8 @@ def count_patches(sample: Mapping[str, Any]) -> int:
         except (TypeError, ValueError, RuntimeError) as exc:
             raise ValueError(f"'image_grid_thw' must hold (t, h, w) integer triples; a {type(grid).__name__} "
                              f"cannot be read as one ({exc})") from exc
+        if grid.numel() == 0:  # a text-only row of a mixed dataset ([] from HF datasets reads as float32)
+            return 0
         if grid.is_floating_point() or grid.is_complex() or grid.dtype == torch.bool or grid.numel() % 3:
             raise ValueError(f"'image_grid_thw' must hold (t, h, w) integer triples, got {grid.dtype} of shape "
                              f"{tuple(grid.shape)}")
@@ -67,10 +69,12 @@ def count_patches(sample: Mapping[str, Any]) -> int:
 
 def _rows(pixels: Any) -> int:
     shape = getattr(pixels, "shape", None)
-    if shape is None:
-        raise TypeError(f"'pixel_values' must be a tensor or array (or a list of them, one per image), got "
-                        f"{type(pixels).__name__}, whose patches cannot be counted")
-    return int(shape[0]) if len(shape) >= 1 else 0
+    if shape is not None:
+        return int(shape[0]) if len(shape) >= 1 else 0
+    if isinstance(pixels, list | tuple):  # nested Python lists (HF datasets without a torch format): not counted,
+        return 0  # as before; max_patches applies to tensors and arrays
+    raise TypeError(f"'pixel_values' must be a tensor or array (or a list of them, one per image), got "
+                    f"{type(pixels).__name__}, whose patches cannot be counted")
 
 
 INTEGER_DTYPES = frozenset({torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8})  # one lookup, hot path
@@ -143,7 +147,10 @@ def inspect_sample(index: int, sample: Any, length_fn: LengthFn | None) -> Item:
         if (len(shape) == 1 and shape[0] > 0 and ids.dtype in INTEGER_DTYPES
                 and (labels is _ABSENT or (labels.shape == shape and labels.dtype in INTEGER_DTYPES))):
             if len(sample) > (1 if labels is _ABSENT else 2):  # other fields: the aligned ones' lengths
-                _check_aligned(index, sample, shape[0])
+                for key, value in sample.items():
+                    if key in _ALIGNED and (type(value) is not torch.Tensor or value.shape != shape):
+                        _check_aligned(index, sample, shape[0])  # another kind, or a length to name
+                        break
             return _new_item(Item, (index, shape[0], 0, 0, False))
     if "input_ids" not in sample:
         raise SampleError(index, f"has no 'input_ids' (keys: {sorted(sample)})")
@@ -169,6 +176,7 @@ def inspect_sample(index: int, sample: Any, length_fn: LengthFn | None) -> Item:
 
 
 ALIGNED_FIELDS = ("labels", "attention_mask", "position_ids", "token_type_ids", "mm_token_type_ids")
+_ALIGNED = frozenset(ALIGNED_FIELDS)
 
 
 def _check_aligned(index: int, sample: Mapping[str, Any], n_input: int) -> None:
@@ -183,13 +191,15 @@ def _check_aligned(index: int, sample: Mapping[str, Any], n_input: int) -> None:
         value = sample.get(key)
         if value is None:
             continue
-        if type(value) is list and value and isinstance(value[0], list | tuple):  # per-axis rows
+        if isinstance(value, list | tuple) and value and hasattr(value[0], "__len__"):  # per-axis rows
             continue
         n = sequence_length(value)
         if n is not None and n != n_input:
             raise SampleError(index, f"'{key}' has {n} entries but 'input_ids' has {n_input}; every sequence field "
                                      "holds one entry per token of 'input_ids' (build labels after truncation and "
-                                     "image-token expansion; the model shifts them itself)")
+                                     "image-token expansion; the model shifts them itself; an encoder-decoder "
+                                     "model's labels are the decoder's, but ODB's loss and counts are a causal "
+                                     "LM's)")
 
 
 _ABSENT = object()

@@ -187,8 +187,10 @@ class EpochView:
         taken since the epoch began (the Trainer's own guess for a stream: its steps over max_steps). The epoch's
         last step (`took_last_step`) makes it whole, `info.epoch + 1`; before it the fraction stays below
         `done / (done + 1)`, since one micro-batch at least is left. So the count never goes back, reaches every
-        whole number exactly at that epoch's last step, and a run that stops inside an epoch ends below the next
-        whole number. A run resumed inside an epoch of unknown length measures from its resume step."""
+        whole number at that epoch's last step, and a run that stops inside an epoch ends below the next
+        whole number (where the epoch ends in a round of no steps, its last step is known only at the epoch's end,
+        NOTE [ Which last step is complete ]: the count stays below the whole number until `end_epoch` makes it
+        whole). A run resumed inside an epoch of unknown length measures from its resume step."""
         done = info.step + 1
         if self.loader.took_last_step:
             return float(info.epoch + 1)

@@ -136,8 +136,8 @@ class ODBDataLoader:
 
     @property
     def took_last_step(self) -> bool:
-        """The consumer of the running epoch took its last step: the next `next()` raises StopIteration. Known as
-        soon as that step is taken (the epoch's step count reaches the `RoundLog` before its last steps do)."""
+        """The consumer of the running epoch took its last step: the next `next()` raises StopIteration. Known from
+        that step where its round planned the end, else at that StopIteration (NOTE [ Which last step is complete ])."""
         return self._current is not None and self._current.log.complete
 
     def set_epoch(self, epoch: int) -> None:

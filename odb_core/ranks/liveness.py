@@ -41,22 +41,18 @@ logger = logging.getLogger(__name__)
 _SERIAL = itertools.count()  # the n-th transport of this process: the same n on every rank (collective order)
 
 
-def _attempt() -> str:
-    """The job's attempt, the same on its every rank: under torchrun's restarts (`--max-restarts`) the workers use
-    the agent's store, which outlives an attempt, so a key of a failed attempt (`failed`, a rank's beat count) must
-    not be read by the next one (before, attempt 1's first beat found attempt 0's `failed` key and raised
-    `PeerError` on healthy ranks). Empty outside torchrun, where each launch has a store of its own."""
-    run, restart = os.environ.get("TORCHELASTIC_RUN_ID"), os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    return f"{run}.{restart}" if run is not None or restart is not None else "-"
-
-
 class Liveness:
     """The heartbeat of one rank for one transport; `failure` is set once a peer is found silent."""
 
-    def __init__(self, rank: int, world_size: int, timeout_s: float) -> None:
+    def __init__(self, rank: int, world_size: int, timeout_s: float, attempt: str = "-") -> None:
+        """`attempt`: a token every rank of this transport shares and no earlier run on the same store had (rank 0
+        draws it, `GlooTransport` broadcasts it). Under torchrun's restarts the agent's store outlives an attempt,
+        so keys of a failed attempt (`failed`, a rank's beat count) must not be read by the next: before, attempt
+        1's first beat found attempt 0's `failed` key and raised `PeerError` on healthy ranks. (The restart count
+        in the environment is not that token: each node's agent counts its own restarts.)"""
         self.rank, self.world_size, self.timeout_s = rank, world_size, timeout_s
         self._failure: Exception | None = None
-        self.prefix = f"odb/liveness/{_attempt()}/{next(_SERIAL)}"
+        self.prefix = f"odb/liveness/{attempt}/{next(_SERIAL)}"
         self._store = self._connect()
         self._stop = threading.Event()
         self.last_beat = time.monotonic()  # when the beat thread last completed a beat (NOTE [ A frozen store host ])

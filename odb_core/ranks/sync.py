@@ -34,6 +34,7 @@ from __future__ import annotations
 import atexit
 import logging
 import queue
+import secrets
 import threading
 import time
 import weakref
@@ -211,8 +212,8 @@ class GlooTransport(Transport):
     """A dedicated Gloo group over the initialized default group; every op is bounded by `timeout_s`, and by the
     heartbeat's `liveness_timeout_s` when a peer goes silent (NOTE [ Liveness ]).
 
-    Construction is a collective (`dist.new_group`): every rank must build its loader in the same order, on the
-    main thread. A dead peer makes the next collective raise `PeerError` at once (its sockets close), a frozen one
+    Construction is a collective (`dist.new_group`, then a broadcast of the heartbeat's token): every rank must
+    build its loader in the same order, on the main thread. A dead peer makes the next collective raise `PeerError` at once (its sockets close), a frozen one
     within `liveness_timeout_s`, one that is alive but never takes part within `timeout_s`.
     """
 
@@ -223,7 +224,9 @@ class GlooTransport(Transport):
         self.timeout_s = timeout_s
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
-        self.liveness = Liveness(self.rank, self.world_size, liveness_timeout_s)
+        token = torch.tensor([secrets.randbits(62) if self.rank == 0 else 0], dtype=torch.int64)
+        dist.broadcast(token, src=0, group=self.group)  # this run's heartbeat keys: the same on every rank
+        self.liveness = Liveness(self.rank, self.world_size, liveness_timeout_s, attempt=f"{int(token):x}")
         self._courier = _Courier()
         _OPEN.add(self)
 

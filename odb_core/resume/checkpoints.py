@@ -18,6 +18,7 @@ functions (this one answers None for them). Registered once per process, on resu
 
 from __future__ import annotations
 
+import errno
 import functools
 import json
 import os
@@ -50,7 +51,7 @@ def save_loader_state(loader: Stateful, folder: str | os.PathLike, rank: int) ->
         with open(temporary, "w") as handle:
             json.dump(loader.state_dict(), handle)
             handle.flush()
-            os.fsync(handle.fileno())  # on disk before the rename: a crash of the machine leaves no empty file
+            _sync(handle.fileno())  # on disk before the rename: a crash of the machine leaves no empty file
         os.replace(temporary, path)
         _sync_folder(folder)
     finally:
@@ -72,6 +73,15 @@ def load_loader_state(loader: Stateful, folder: str | os.PathLike, rank: int, *,
             raise StateError(f"{path} is not a whole loader state ({exc}): the file was cut or overwritten "
                              "(a crash while it was copied or synced); resume from an earlier checkpoint") from exc
     loader.load_state_dict(state)
+
+
+def _sync(descriptor: int) -> None:
+    """fsync, except where the file system does not do it (some network and FUSE mounts): the save goes on."""
+    try:
+        os.fsync(descriptor)
+    except OSError as exc:
+        if exc.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EROFS):
+            raise
 
 
 def _sync_folder(folder: str | os.PathLike) -> None:
