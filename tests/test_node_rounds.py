@@ -63,12 +63,16 @@ def test_virtual_nodes_resume_exactly_at_the_same_layout(name):
         assert r["resumed"] == r["steps"][3:]
 
 
-def test_a_state_is_refused_at_another_layout_naming_both():
-    ranks = run_virtual("map-join", save_after=2)
+@pytest.mark.parametrize(("name", "advice"), [("map-join", r"resume elastically on this one: load .*merge_states"),
+                                               ("stream-join", r"or nothing else: this run's data \(a stream")])
+def test_a_state_is_refused_at_another_layout_naming_both(name, advice):
+    """A stream's state cannot resume elastically either: before, its refusal advised merge_states, whose result
+    was then refused ("cannot resume from world size 4 to 4")."""
+    ranks = run_virtual(name, save_after=2)
 
     def load(rank: int, transport) -> None:
-        loader = scenario_loader("map-join", rank, transport, nproc_per_node=1)
-        with pytest.raises(ValueError, match=r"2 nodes of 2 ranks.*4 nodes of 1 rank"):
+        loader = scenario_loader(name, rank, transport, nproc_per_node=1)
+        with pytest.raises(ValueError, match=r"2 nodes of 2 ranks.*4 nodes of 1 rank.*" + advice):
             loader.load_state_dict(ranks[rank]["state"])
 
     run_virtual_ranks(load, WORLD, timeout_s=60)

@@ -32,7 +32,8 @@ from typing import Any
 
 from odb_core.resume.fields import (ElasticResumeError, StateError, at_least, digest_of, int_list, no_leftovers,
                                     pop_field)
-from odb_core.resume.source_state import RemainderSource, Source, StreamSource, source_from_dict, source_to_dict
+from odb_core.resume.source_state import (RemainderSource, ShardedSource, Source, StreamSource, source_from_dict,
+                                          source_to_dict)
 
 STATE_VERSION = 3
 READABLE_VERSIONS = (1, 2, 3)
@@ -255,7 +256,7 @@ class LoaderState:
                 f"reads it in {mine.parts}: a stream that splits itself over workers (an HF datasets stream with "
                 f"shards) has an order fixed by num_workers, so resume with num_workers="
                 f"{saved.parts if saved.parts > 1 else '0 or 1'}")
-        _check_same_layout(self.config, loader.config, self.world_size)
+        _check_same_layout(self.config, loader.config, self.world_size, isinstance(saved, ShardedSource))
         _check_same_config(self.config, loader.config)
         checks = [("rank", self.rank, loader.rank)]
         if self.source is not None:
@@ -277,14 +278,17 @@ def describe_layout(per_node: int | None, world: int) -> str:
     return f"{world // per_node} nodes of {per_node} rank{'s' * (per_node > 1)}"
 
 
-def _check_same_layout(saved: Mapping[str, Any], mine: Mapping[str, Any], world: int) -> None:
-    """Refuse a state whose node layout (node-aware rounds) is not this loader's, naming both."""
+def _check_same_layout(saved: Mapping[str, Any], mine: Mapping[str, Any], world: int, elastic: bool) -> None:
+    """Refuse a state whose node layout (node-aware rounds) is not this loader's, naming both; `elastic`: the saved
+    source's order can be recomputed on another layout (a map-style dataset with ODB's own sampler)."""
     if saved.get("nproc_per_node") != mine.get("nproc_per_node"):
+        other = ("resume elastically on this one: load odb_core.resume.resume.merge_states(every rank's state) on "
+                 "every rank" if elastic else "nothing else: this run's data (a stream, or a sampler of its own) "
+                 "has no order an elastic resume could recompute on another layout")
         raise ValueError(f"loader state was saved with {describe_layout(saved.get('nproc_per_node'), world)}, this "
                          f"loader runs {describe_layout(mine.get('nproc_per_node'), world)}: an exact resume replays "
                          "the saved round on the same nodes. Launch on the saved layout (ODBConfig.nproc_per_node, or "
-                         "the launcher's LOCAL_WORLD_SIZE), or resume elastically on this one: load "
-                         "odb_core.resume.resume.merge_states(every rank's state) on every rank")
+                         f"the launcher's LOCAL_WORLD_SIZE), or {other}")
 
 
 def _check_same_config(saved: Mapping[str, Any], mine: Mapping[str, Any]) -> None:
