@@ -55,10 +55,10 @@ def count_patches(sample: Mapping[str, Any]) -> int:
         if grid.is_floating_point() or grid.is_complex() or grid.dtype == torch.bool or grid.numel() % 3:
             raise ValueError(f"'image_grid_thw' must hold (t, h, w) integer triples, got {grid.dtype} of shape "
                              f"{tuple(grid.shape)}")
-        grid = grid.reshape(-1, 3).long()
-        if grid.numel() and int(grid.min()) < 0:
+        rows = grid.reshape(-1, 3).tolist()  # a few triples: Python's arithmetic beats tiny tensor ops
+        if any(size < 0 for row in rows for size in row):
             raise ValueError("'image_grid_thw' has a negative size")
-        return int(grid.prod(dim=1).sum())
+        return sum(t * h * w for t, h, w in rows)
     pixels = sample.get("pixel_values")
     if pixels is None:
         return 0
@@ -147,8 +147,9 @@ def inspect_sample(index: int, sample: Any, length_fn: LengthFn | None) -> Item:
         if (len(shape) == 1 and shape[0] > 0 and ids.dtype in INTEGER_DTYPES
                 and (labels is _ABSENT or (labels.shape == shape and labels.dtype in INTEGER_DTYPES))):
             if len(sample) > (1 if labels is _ABSENT else 2):  # other fields: the aligned ones' lengths
-                for key, value in sample.items():
-                    if key in _ALIGNED and (type(value) is not torch.Tensor or value.shape != shape):
+                for key in _BESIDE_LABELS:
+                    value = sample.get(key)
+                    if value is not None and (type(value) is not torch.Tensor or value.shape != shape):
                         _check_aligned(index, sample, shape[0])  # another kind, or a length to name
                         break
             return _new_item(Item, (index, shape[0], 0, 0, False))
@@ -176,7 +177,7 @@ def inspect_sample(index: int, sample: Any, length_fn: LengthFn | None) -> Item:
 
 
 ALIGNED_FIELDS = ("labels", "attention_mask", "position_ids", "token_type_ids", "mm_token_type_ids")
-_ALIGNED = frozenset(ALIGNED_FIELDS)
+_BESIDE_LABELS = ALIGNED_FIELDS[1:]
 
 
 def _check_aligned(index: int, sample: Mapping[str, Any], n_input: int) -> None:
@@ -191,9 +192,14 @@ def _check_aligned(index: int, sample: Mapping[str, Any], n_input: int) -> None:
         value = sample.get(key)
         if value is None:
             continue
-        if isinstance(value, list | tuple) and value and hasattr(value[0], "__len__"):  # per-axis rows
+        kind = type(value)
+        if kind is torch.Tensor or kind is np.ndarray:  # the common cases: one shape look
+            shape = value.shape
+            n = shape[0] if len(shape) == 1 else None
+        elif isinstance(value, list | tuple) and value and hasattr(value[0], "__len__"):  # per-axis rows
             continue
-        n = sequence_length(value)
+        else:
+            n = sequence_length(value)
         if n is not None and n != n_input:
             raise SampleError(index, f"'{key}' has {n} entries but 'input_ids' has {n_input}; every sequence field "
                                      "holds one entry per token of 'input_ids' (build labels after truncation and "
