@@ -14,8 +14,8 @@ from odb_core.data.sendable import SHARE_DEPTH, PackedTensor
 def payload_bytes(sample: Any) -> int:
     """The bytes of a sample's payloads: tensors and arrays (packed or not) among a mapping's values, and the elements
     of a list or tuple value, a number or bool (Python's or numpy's) counting 8 bytes: what `max_buffer_bytes` counts
-    (NOTE [ Round sizes ]). A list of ids weighs what the int64 array it may become weighs (`compact_ids`, NOTE [
-    Arrow ids read as arrays ]), so a sample measures the same read through the workers or re-read by index on
+    (NOTE [ Round sizes ]). A list of ids weighs what the int64 array it may become weighs (`compact_ids`,
+    NOTE [ Arrow ids read as arrays ]), so a sample measures the same read through the workers or re-read by index on
     resume. Text's ids weigh a few kB, a VLM sample's `pixel_values` megabytes; strings count nothing. Tensors and
     arrays in nested mappings (HF's `BatchFeature` under a key) and lists or tuples count too, as deep as
     `share_large` walks them (`SHARE_DEPTH` levels): before, they weighed nothing, and the byte bound admitted a
