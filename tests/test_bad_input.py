@@ -100,8 +100,8 @@ BAD_SAMPLES = [
                  id="position_ids_misaligned"),
     pytest.param({"input_ids": torch.arange(8), "image_grid_thw": torch.tensor([1, 2])},
                  r"'image_grid_thw' must hold \(t, h, w\) integer triples", id="grid_not_triples"),
-    pytest.param({"input_ids": torch.arange(8), "image_grid_thw": torch.tensor([[1.0, 2.0, 2.0]])},
-                 r"'image_grid_thw' must hold \(t, h, w\) integer triples", id="grid_floats"),
+    pytest.param({"input_ids": torch.arange(8), "image_grid_thw": torch.tensor([[1.0, 2.5, 2.0]])},
+                 r"'image_grid_thw' must hold \(t, h, w\) integer triples", id="grid_fractions"),
     pytest.param({"input_ids": torch.arange(8), "image_grid_thw": "1x2x2"}, "a str cannot be read as one",
                  id="grid_str"),
     pytest.param({"input_ids": torch.arange(8), "pixel_values": "img.png"}, "patches cannot be counted",
@@ -472,3 +472,16 @@ def test_getitems_is_used_in_chunks_and_gives_the_batches_of_single_reads():
     batches = [list(ODBDataLoader(d, token_budget=96, shuffle=True, prefetch_steps=0)) for d in (chunked, single)]
     assert [b.info.indices for b in batches[0]] == [b.info.indices for b in batches[1]]
     assert 0 < chunked.calls <= 200 // 64 + 1  # one call per in-process chunk of 64
+
+
+def test_vision_layouts_accepted_before_are_still_accepted_with_their_patches():
+    """The checks of 2026-12-07 refuse what cannot be counted; what was counted before still is: a grid of whole
+    numbers stored as floats, an empty grid (a text row of a mixed table), and a list of per-image pixels that
+    holds something without a shape (counted as the tensors among it, as the rest was before: 0)."""
+    from odb_core.data.sample import inspect_sample
+
+    ids = torch.arange(8)
+    assert inspect_sample(1, {"input_ids": ids, "image_grid_thw": torch.tensor([[1.0, 2.0, 2.0]])}, None).patches == 4
+    assert inspect_sample(1, {"input_ids": ids, "image_grid_thw": []}, None).patches == 0
+    assert inspect_sample(1, {"input_ids": ids, "pixel_values": [torch.zeros(5, 3), None, "a.png"]}, None).patches == 5
+    assert inspect_sample(1, {"input_ids": ids, "pixel_values": [[0.5, 0.5], [0.5, 0.5]]}, None).patches == 0

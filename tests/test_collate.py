@@ -142,3 +142,16 @@ def test_a_collator_that_builds_its_own_samples_around_pad_collator_gets_no_wron
                                            r"from it .*\(one of the samples its collator built from these\)"):
         run_collate(reversed_copies, [{"input_ids": ids}, {"input_ids": ids, "labels": ids},
                                       {"input_ids": ids, "labels": ids}], [10, 11, 12])
+
+
+def test_a_sample_the_collator_added_is_not_named_by_an_index_of_the_group():
+    """An IDLE step has no indices; a user's collator that adds a sample of its own (found by identity at a place
+    past the group) used to fail inside the error's own handling with a bare IndexError."""
+    ids = torch.arange(4)
+    extra = {"input_ids": ids}
+
+    def with_one_of_mine(samples):
+        return PadCollator()(list(samples) + [extra])
+
+    with pytest.raises(CollateError, match=r"raised FieldError on samples \[\]: field 'labels' is missing"):
+        run_collate(with_one_of_mine, [{"input_ids": ids, "labels": ids}], [])

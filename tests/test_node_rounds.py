@@ -64,7 +64,8 @@ def test_virtual_nodes_resume_exactly_at_the_same_layout(name):
 
 
 @pytest.mark.parametrize(("name", "advice"), [("map-join", r"resume elastically on this one: load .*merge_states"),
-                                               ("stream-join", r"or nothing else: this run's data \(a stream")])
+                                               ("stream-join", r"or nothing else: an elastic resume, which plans the rest on "
+                                                               r"another layout, needs a map-style dataset")])
 def test_a_state_is_refused_at_another_layout_naming_both(name, advice):
     """A stream's state cannot resume elastically either: before, its refusal advised merge_states, whose result
     was then refused ("cannot resume from world size 4 to 4")."""

@@ -299,6 +299,8 @@ def test_tensors_in_nested_mappings_and_lists_count_against_max_buffer_bytes():
     assert payload_bytes({"a": {"b": {"c": [torch.zeros(4)]}}}) == 16  # three levels down
     # numbers weigh 8 bytes at the top level and in a top-level list only, as before (a saved fill replays as it was)
     assert payload_bytes({"ids": [1, 2.5, True], "names": ["x", None], "rows": [[1, 2], [3]], "meta": {"n": 1}}) == 24
+    # numpy scalars and 0-d arrays in a top-level list weigh as before: 8 bytes a number, an array its own bytes
+    assert payload_bytes({"ids": [1, np.array(5, dtype=np.int8), np.int32(2)]}) == 8 + 1 + 8
     rounds = {}
     for name, dataset in (("top", top), ("nested", nested)):
         loader = ODBDataLoader(dataset, token_budget=512, max_buffer_bytes=10 * 64 * 1024, min_window=None,

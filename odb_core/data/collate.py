@@ -227,6 +227,8 @@ def run_collate(collate_fn: CollateFn, samples: list[Any], indices: Sequence[int
         batch = collate_fn(samples)
     except FieldError as exc:  # PadCollator's, about one sample: named where it is known which of ours it is
         position = next((k for k, sample in enumerate(samples) if sample is exc.sample), None)
+        if position is not None and position >= len(indices):  # one the collator added (an IDLE step has none)
+            position = None
         if position is None and takes_id_arrays(collate_fn) and 0 <= exc.position < len(indices):
             position = exc.position  # PadCollator itself, or a wrapper over it that keeps the samples' order
         if position is None:  # a collator of the user's that reorders or builds its own samples around it

@@ -52,6 +52,8 @@ def count_patches(sample: Mapping[str, Any]) -> int:
                              f"cannot be read as one ({exc})") from exc
         if grid.numel() == 0:  # a text-only row of a mixed dataset ([] from HF datasets reads as float32)
             return 0
+        if grid.is_floating_point() and grid.numel() % 3 == 0 and bool((grid == grid.round()).all()):
+            grid = grid.long()  # whole numbers stored as floats (a table column cast to float): counted as before
         if grid.is_floating_point() or grid.is_complex() or grid.dtype == torch.bool or grid.numel() % 3:
             raise ValueError(f"'image_grid_thw' must hold (t, h, w) integer triples, got {grid.dtype} of shape "
                              f"{tuple(grid.shape)}")
@@ -63,8 +65,8 @@ def count_patches(sample: Mapping[str, Any]) -> int:
     if pixels is None:
         return 0
     if isinstance(pixels, list | tuple):
-        return sum(_rows(image) for image in pixels)
-    return _rows(pixels)
+        return sum(_rows(image) for image in pixels if getattr(image, "shape", None) is not None)  # others: 0, as
+    return _rows(pixels)  # before (nested lists, PIL images, None)
 
 
 def _rows(pixels: Any) -> int:

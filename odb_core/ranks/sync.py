@@ -213,8 +213,9 @@ class GlooTransport(Transport):
     heartbeat's `liveness_timeout_s` when a peer goes silent (NOTE [ Liveness ]).
 
     Construction is a collective (`dist.new_group`, then a broadcast of the heartbeat's token): every rank must
-    build its loader in the same order, on the main thread. A dead peer makes the next collective raise `PeerError` at once (its sockets close), a frozen one
-    within `liveness_timeout_s`, one that is alive but never takes part within `timeout_s`.
+    build its loader in the same order, on the main thread. A dead peer makes the next collective raise `PeerError`
+    at once (its sockets close), a frozen one within `liveness_timeout_s`, one that is alive but never takes part
+    within `timeout_s`.
     """
 
     def __init__(self, timeout_s: float, liveness_timeout_s: float = 30.0) -> None:

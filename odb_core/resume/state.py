@@ -256,7 +256,9 @@ class LoaderState:
                 f"reads it in {mine.parts}: a stream that splits itself over workers (an HF datasets stream with "
                 f"shards) has an order fixed by num_workers, so resume with num_workers="
                 f"{saved.parts if saved.parts > 1 else '0 or 1'}")
-        _check_same_layout(self.config, loader.config, self.world_size, isinstance(saved, ShardedSource))
+        elastic = isinstance(saved, ShardedSource) and isinstance(mine, ShardedSource) and \
+            (saved.size, saved.shuffle, saved.seed) == (mine.size, mine.shuffle, mine.seed)
+        _check_same_layout(self.config, loader.config, self.world_size, elastic)
         _check_same_config(self.config, loader.config)
         checks = [("rank", self.rank, loader.rank)]
         if self.source is not None:
@@ -283,8 +285,9 @@ def _check_same_layout(saved: Mapping[str, Any], mine: Mapping[str, Any], world:
     source's order can be recomputed on another layout (a map-style dataset with ODB's own sampler)."""
     if saved.get("nproc_per_node") != mine.get("nproc_per_node"):
         other = ("resume elastically on this one: load odb_core.resume.resume.merge_states(every rank's state) on "
-                 "every rank" if elastic else "nothing else: this run's data (a stream, or a sampler of its own) "
-                 "has no order an elastic resume could recompute on another layout")
+                 "every rank" if elastic else "nothing else: an elastic resume, which plans the rest on another "
+                 "layout, needs a map-style dataset read with ODB's own sampler, the same dataset and shuffle as "
+                 "saved, and a state that records them")
         raise ValueError(f"loader state was saved with {describe_layout(saved.get('nproc_per_node'), world)}, this "
                          f"loader runs {describe_layout(mine.get('nproc_per_node'), world)}: an exact resume replays "
                          "the saved round on the same nodes. Launch on the saved layout (ODBConfig.nproc_per_node, or "
