@@ -28,7 +28,7 @@ def payload_bytes(sample: Any) -> int:
 
 def _nested_bytes(values: Iterable[Any], depth: int, level: int) -> int:
     """`level` 0: a sample's values; 1: the elements of a top-level list or tuple; 2: anything deeper. A number or
-    bool weighs 8 bytes at levels 0 and 1 (a top-level list of numbers at once, by one sum), nothing deeper, as
+    bool weighs 8 bytes at levels 0 and 1 (a top-level list of Python numbers at once), nothing deeper, as
     before nested tensors counted; tensors and arrays weigh their bytes at every level."""
     total = 0
     for value in values:
@@ -36,7 +36,7 @@ def _nested_bytes(values: Iterable[Any], depth: int, level: int) -> int:
         if kind is torch.Tensor or kind is PackedTensor or kind is np.ndarray:  # the common cases first
             total += _array_bytes(value)
         elif isinstance(value, list | tuple):
-            if level == 0 and value and _all_numbers(value):  # ids as a list: one C-level sum
+            if level == 0 and value and _all_numbers(value):  # ids as a list: one pass in C
                 total += 8 * len(value)
             elif depth > 1:
                 total += _nested_bytes(value, depth - 1, 1 if level == 0 else 2)
@@ -67,6 +67,6 @@ def _array_bytes(value: Any) -> int:
         return value.array.nbytes
     if isinstance(value, np.ndarray):
         return value.nbytes
-    if isinstance(value, int | float | np.number | np.bool_):  # bools too: a list of them may become int64
+    if isinstance(value, _NUMBERS):  # bools too: a list of them may become int64
         return 8  # a list of numpy integers is compacted into int64 like one of ints (resume re-reads the list)
     return 0

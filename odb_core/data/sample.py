@@ -73,8 +73,6 @@ def _rows(pixels: Any) -> int:
     shape = getattr(pixels, "shape", None)
     if shape is not None:
         return int(shape[0]) if len(shape) >= 1 else 0
-    if isinstance(pixels, list | tuple):  # nested Python lists (HF datasets without a torch format): not counted,
-        return 0  # as before; max_patches applies to tensors and arrays
     raise TypeError(f"'pixel_values' must be a tensor or array (or a list of them, one per image), got "
                     f"{type(pixels).__name__}, whose patches cannot be counted")
 
