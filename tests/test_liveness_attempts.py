@@ -58,17 +58,50 @@ def _gloo_rank(rank: int, port: int, out) -> None:
     dist.destroy_process_group()
 
 
-def test_gloo_ranks_share_one_token_and_see_each_other_s_beats():
+def two_gloo_ranks(target, reports: int) -> list:
+    """Run `target(rank, port, out)` in two spawned processes of one Gloo group; the first `reports` items they put."""
     import multiprocessing
 
     context = multiprocessing.get_context("spawn")
     out, port = context.Queue(), free_port()
-    ranks = [context.Process(target=_gloo_rank, args=(rank, port, out)) for rank in range(2)]
+    ranks = [context.Process(target=target, args=(rank, port, out)) for rank in range(2)]
     for process in ranks:
         process.start()
-    results = sorted(out.get(timeout=120) for _ in ranks)
+    results = [out.get(timeout=120) for _ in range(reports)]
     for process in ranks:
         process.join(30)
-    (_, prefix0, failure0), (_, prefix1, failure1) = results
+    return results
+
+
+def test_gloo_ranks_share_one_token_and_see_each_other_s_beats():
+    (_, prefix0, failure0), (_, prefix1, failure1) = sorted(two_gloo_ranks(_gloo_rank, reports=2))
     assert prefix0 == prefix1 and not prefix0.startswith("odb/liveness/-/")
     assert failure0 == failure1 == "None"
+
+
+def _rank_that_leaves_after_the_group(rank: int, port: int, out) -> None:
+    import os
+    import time
+
+    from odb_core.ranks.sync import GlooTransport, PeerError
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    dist.init_process_group("gloo", rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{port}")
+    if rank == 1:  # takes part in the group's creation, then dies before the token's broadcast
+        dist.new_group(backend="gloo", timeout=timedelta(seconds=30))
+        os._exit(0)
+    start = time.monotonic()
+    try:
+        GlooTransport(timeout_s=30.0, liveness_timeout_s=1.0)
+        out.put(("built", ""))
+    except PeerError as error:
+        out.put((f"PeerError after {time.monotonic() - start:.1f}s", str(error)))
+    except Exception as error:  # before: the broadcast's own error, its group left behind
+        out.put((type(error).__name__, str(error)))
+
+
+def test_a_peer_that_dies_before_the_token_s_broadcast_is_a_peer_error():
+    [(what, message)] = two_gloo_ranks(_rank_that_leaves_after_the_group, reports=1)
+    assert what.startswith("PeerError after"), (what, message)
+    assert float(what.split()[-1].rstrip("s")) < 30  # the peer's sockets closed: no timeout waited
+    assert "rank 0: ODB metadata token broadcast failed" in message and "a peer rank probably died" in message

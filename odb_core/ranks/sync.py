@@ -226,7 +226,12 @@ class GlooTransport(Transport):
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
         token = torch.tensor([secrets.randbits(62) if self.rank == 0 else 0], dtype=torch.int64)
-        dist.broadcast(token, src=0, group=self.group)  # this run's heartbeat keys: the same on every rank
+        try:
+            dist.broadcast(token, src=0, group=self.group)  # this run's heartbeat keys: the same on every rank
+        except Exception as exc:  # a peer that died or left after the group was made: ours is destroyed, not leaked
+            group, self.group = self.group, None
+            dist.destroy_process_group(group)
+            raise self._fail("token broadcast", exc) from exc
         self.liveness = Liveness(self.rank, self.world_size, liveness_timeout_s, attempt=f"{int(token):x}")
         self._courier = _Courier()
         _OPEN.add(self)
