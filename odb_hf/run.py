@@ -6,12 +6,13 @@ A Trainer with ODB carries one `RunState`, set by `attach.attach_odb` (the one p
   * `adapter`: who runs ODB, for the start line ("HF Trainer", "LLaMA-Factory"), fixed at attach;
   * the data position that the current `train()` resumes from (checkpoint.py), set by `start_train`;
   * `run`: the live `ODBRun` of the latest `get_train_dataloader()`, replaced by `new_run` (None before).
-Only this module writes them. `ODBTrainerMixin` (trainer.py) calls `start_train`, `new_run` and reads `run`;
-`ODBCallback` (callback.py) reads `run` in its events and calls `save_position`. Neither imports the other.
+Only this module writes them. `ODBTrainerMixin` (trainer.py) calls `start_train`, `new_run`, `close_run` and reads
+`run`; `ODBCallback` (callback.py) reads `run` in its events and calls `save_position`. Neither imports the other.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +24,8 @@ from odb_core.settings.settings import ODBSettings
 from odb_core.steps.metrics import StepMeter
 from odb_hf.arguments import build_loader
 from odb_hf.checkpoint import DataPosition, save_position
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -51,6 +54,23 @@ class RunState:
         self.adapter = adapter
         self._position = DataPosition()
         self._run: ODBRun | None = None
+
+    def close_run(self) -> None:
+        """NOTE [ A failed train() ends its loader ]
+        When `train()` raises (a bad sample, a dead peer, Ctrl-C in a notebook), the Trainer never reaches
+        `on_train_end`, where the callback closes the loader: its DataLoader workers, its reader and planning
+        threads and its Gloo group lived on until the process ended, beside the loader a second `train()` builds.
+        So the loader is closed as the error leaves `train()`, while it unwinds, which leaves the epoch without a
+        collective (NOTE [ A failed epoch is not left ] in odb_core/epoch/pipeline.py). The run stays readable: a
+        closed loader keeps its `state_dict()`, metrics and `last_report`. A failure to close is logged, and the
+        error that ended `train()` is the one raised."""
+        if self._run is None:
+            return
+        try:
+            self._run.loader.close()
+        except Exception as error:  # the error in flight is the user's cause; this one is logged beside it
+            logger.warning("ODB: closing the loader of a failed train() failed too: %s: %s",
+                           type(error).__name__, error)
 
     def end_train(self, args: TrainingArguments) -> None:
         """When `train()` returns or raises: the arguments as the user gave them (checkpoint.py)."""

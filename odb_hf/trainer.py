@@ -25,6 +25,15 @@ item it pulls is one `StepWindow` (the k micro-batches of one optimizer step); `
 backward over them in order, under the accelerator's `no_sync` for all but the last (DDP/FSDP synchronise once),
 and under DeepSpeed with the gradient-accumulation boundary only at the last (`sync_gradients`). Every
 micro-batch's loss is divided by the same N = `window_tokens`, so the step's gradient is the exact token mean.
+
+NOTE [ The samples a run trained ]
+The Trainer's closing `train_samples_per_second` divides a sample count it derives from its own batch size: in a
+step-based run (`max_steps > 0`), `max_steps x per_device_train_batch_size x gradient_accumulation_steps x W`,
+which ODB's variable steps do not have (a 5-step run of 29 samples reported 40, at the default batch size of 8).
+So where the run is ODB's, `log` puts in the samples its meter counted (every rank's, in the micro-batches this
+`train()` took) over the same `train_runtime`, in the Trainer's dict itself, which `train()` also returns as
+`TrainOutput.metrics`. An epoch-based run counted the dataset once per epoch, which ODB's count equals for whole
+epochs; after a resume ODB counts this `train()`'s samples only, as the runtime does.
 """
 
 from __future__ import annotations
@@ -106,6 +115,9 @@ class ODBTrainerMixin:
         odb.start_train(self.args, resume_from_checkpoint)
         try:
             return super().train(resume_from_checkpoint, *args, **kwargs)
+        except BaseException:
+            odb.close_run()  # NOTE [ A failed train() ends its loader ] in run.py
+            raise
         finally:
             odb.end_train(self.args)
 
@@ -199,6 +211,9 @@ class ODBTrainerMixin:
         run = _live_run(self)
         if run is not None and "loss" in logs:
             logs = {**logs, **run.meter.flush()}
+        if run is not None and "train_samples_per_second" in logs and "train_runtime" in logs:
+            samples = run.meter.seen.global_samples  # NOTE [ The samples a run trained ]
+            logs["train_samples_per_second"] = round(samples / max(logs["train_runtime"], 1e-9), 3)
         super().log(logs, *args, **kwargs)
 
 

@@ -547,3 +547,56 @@ def test_a_model_without_loss_kwargs_gets_an_integer_token_count_after_the_first
     trainer.train()
     assert len(seen) > 4 and seen[:2] == [(torch.float32, True)] * 2
     assert set(seen[2:]) == {(torch.int64, False)}
+
+
+@pytest.mark.parametrize("length", [dict(max_steps=5), dict(num_train_epochs=1)])
+def test_train_samples_per_second_counts_the_samples_odb_trained(chat_data, tmp_path, length):
+    """NOTE [ The samples a run trained ]: the Trainer derives a step-based run's samples from its batch size, which
+    ODB's steps do not have (before: max_steps x 8 samples); ODB puts in the rows its steps trained."""
+    rows = []
+
+    class Counting(Trainer):
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            rows.append(inputs["input_ids"].shape[0])
+            return super().training_step(model, inputs, num_items_in_batch)
+
+    trainer = make_trainer(tmp_path, chat_data.train[:48], [ODBCallback(token_budget=512)], trainer_class=Counting,
+                           gradient_accumulation_steps=2, **length)
+    metrics = trainer.train().metrics
+    trained = sum(rows)
+    assert trained != trainer.state.global_step * 2 * trainer.args.per_device_train_batch_size  # what HF would say
+    assert metrics["train_samples_per_second"] == pytest.approx(trained / metrics["train_runtime"], rel=1e-3)
+    assert trainer.state.log_history[-1]["train_samples_per_second"] == metrics["train_samples_per_second"]
+    if "num_train_epochs" in length:
+        assert trained == 48
+
+
+def test_a_train_that_raises_closes_its_loader_and_a_second_train_runs(chat_data, tmp_path):
+    """NOTE [ A failed train() ends its loader ]: before, the failed run's DataLoader workers and threads lived on
+    beside the second run's."""
+    import multiprocessing
+    import threading
+    import time
+
+    class Failing(TrainerCallback):
+        armed = True
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if self.armed and state.global_step == 2:
+                raise RuntimeError("a user's callback failed")
+
+    before = set(multiprocessing.active_children())
+    failing = Failing()
+    trainer = make_trainer(tmp_path, chat_data.train[:64], [ODBCallback(token_budget=256), failing],
+                           dataloader_num_workers=2)
+    with pytest.raises(RuntimeError, match="a user's callback failed"):
+        trainer.train()
+    start = time.monotonic()
+    while set(multiprocessing.active_children()) - before and time.monotonic() - start < 10:
+        time.sleep(0.05)
+    assert set(multiprocessing.active_children()) - before == set()
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("odb-") and t.name != "odb-sigchld"]
+    assert trainer.odb.run.loader.state_dict()["epoch"] == 0  # a closed loader keeps its state
+    failing.armed = False
+    trainer.train()
+    assert trainer.state.global_step > 2
