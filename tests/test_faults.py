@@ -521,3 +521,42 @@ def test_deleting_a_loader_mid_epoch_stops_its_producer_thread_and_workers(num_w
     assert producer_threads(), "the epoch should be running in a producer thread"
     del it, loader
     assert_no_leftovers(baseline)
+
+
+def _drop_loaders_on_a_gloo_rank(rank: int, port: int, out) -> None:
+    """Build, run and drop three loaders without close(), on one of two Gloo ranks; report the threads and open
+    descriptors after each (NOTE [ A dropped loader ends its threads ] in odb_core/ranks/sync.py)."""
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    dist.init_process_group("gloo", rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{port}")
+    baseline = len(os.listdir("/proc/self/fd"))
+    seen = []
+    for _ in range(3):  # global planning on one node: a world transport and a move lane, each with a courier
+        loader = ODBDataLoader(LengthDataset(mixed_lengths(200)), token_budget=1024, window=32)
+        assert sum(1 for _ in loader) > 0
+        del loader
+        gc.collect()
+        threads = sorted(t.name for t in threading.enumerate() if t.name.startswith("odb-"))
+        seen.append((threads, len(os.listdir("/proc/self/fd")) - baseline))
+    out.put((rank, seen))
+    dist.destroy_process_group()
+
+
+def test_a_loader_dropped_without_close_ends_its_threads_and_groups():
+    import multiprocessing
+
+    from dist_cases import free_port
+
+    context = multiprocessing.get_context("spawn")
+    out, port = context.Queue(), free_port()
+    ranks = [context.Process(target=_drop_loaders_on_a_gloo_rank, args=(r, port, out)) for r in range(2)]
+    for process in ranks:
+        process.start()
+    reports = dict(out.get(timeout=120) for _ in ranks)
+    for process in ranks:
+        process.join(30)
+    for rank, seen in reports.items():
+        # before: 3 more threads (two couriers and a heartbeat) and ~11 more descriptors for each dropped loader
+        assert [threads for threads, _ in seen] == [[]] * 3, (rank, seen)
+        assert max(fds for _, fds in seen) <= 3, (rank, seen)  # a descriptor or two come and go (the store's)

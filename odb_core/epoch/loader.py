@@ -1,11 +1,11 @@
 """`ODBDataLoader`: online dynamic batching around a plain DataLoader.
 
-Guarantees (see docs/guarantees.md): every rank yields the same number of steps per epoch (IDLE included); with
-`join=True` every index of the epoch's sampler output appears in exactly one non-IDLE step on exactly one rank; every
-group's cost is <= token_budget except a lone oversize sample; batches depend only on (seed, epoch, data, world size,
-config). Cost per round: one all_gather of `STATE_FIELDS` (10) ints per rank and one all_reduce of `STEP_SUM_FIELDS`
-(6) ints per step, over a dedicated Gloo group. `len()` is the last completed epoch's step count (an estimate for the
-next, which differs by the shuffle) or `estimate_steps()`' result; before either it raises TypeError (no length).
+Guarantees (docs/guarantees.md): every rank yields the same number of steps per epoch (IDLE included); with `join=True`
+every index of the epoch's sampler output appears in exactly one non-IDLE step on exactly one rank; every group's cost
+is <= token_budget except a lone oversize sample; batches depend only on (seed, epoch, data, world size, config). Cost
+per round: one all_gather of `STATE_FIELDS` (10) ints per rank and one all_reduce of `STEP_SUM_FIELDS` (6) ints per
+step, over a dedicated Gloo group. `len()`: the last completed epoch's step count (an estimate for the next) or
+`estimate_steps()`' result; before either, TypeError (no length).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from functools import partial
 from typing import Any
 
 import torch
@@ -81,14 +82,15 @@ class ODBDataLoader:
                  observer: Callable[[StepInfo], None] | None = None, **options: Any) -> None:
         split = split_keys(options, OPTIONS)  # config fields, and worker options passed on
         self.config = config = given_config(token_budget, config, split.fields)
-        worker_options = split.extras
-        self._worker_seeds = None if "generator" in worker_options else torch.Generator()
-        if self._worker_seeds is not None:
-            worker_options = {**worker_options, "generator": self._worker_seeds}
+        seeds = self._worker_seeds = None if "generator" in split.extras else torch.Generator()
+        worker_options = split.extras if seeds is None else {**split.extras, "generator": seeds}
         self.dataset = dataset
         self.transport = transport if transport is not None else default_transport(config.sync_timeout_s,
                                                                                        config.liveness_timeout_s)
-        self._owns_transport = transport is None  # close() closes it
+        self._owned_transport = self.transport if transport is None else None  # close() closes it
+        world = self.transport.world_size
+        self._new_metrics = partial(LoaderMetrics, token_budget=config.token_budget, world_size=world,
+                                    patch_budget=config.max_patches or 0)
         self.metrics = self._new_metrics()
         collate_fn = collate_fn if collate_fn is not None else PadCollator()
         stream_options = StreamOptions(sampler=sampler, shuffle=shuffle, seed=config.seed, num_workers=num_workers,
@@ -99,10 +101,9 @@ class ODBDataLoader:
                                        region_bytes=regions_of(config.worker_regions, config.max_buffer_bytes),
                                        compact_ids=length_fn is None or takes_id_arrays(length_fn),
                                        mark_ids=not takes_id_arrays(collate_fn))
-        self._stream = SampleStream(dataset, stream_options, rank=self.transport.rank,
-                                    world_size=self.transport.world_size)
+        self._stream = SampleStream(dataset, stream_options, rank=self.transport.rank, world_size=world)
         self.sampler = self._stream.sampler
-        self.layout = node_layout(config, self.transport.world_size)  # node-aware rounds: NOTE [ Node groups ]
+        self.layout = node_layout(config, world)  # node-aware rounds: NOTE [ Node groups ]
         self.transport.require_agreement(self._agreed_settings())
         map_style = self._stream.size is not None
         move_mode(config, map_style)  # refuses move='fetch' for a stream, now
@@ -230,10 +231,6 @@ class ODBDataLoader:
             return loaded.plan.indices(self.transport.rank, loaded.epoch)
         return self._stream.epoch_indices(loaded.epoch)
 
-    def _new_metrics(self) -> LoaderMetrics:
-        return LoaderMetrics(token_budget=self.config.token_budget, world_size=self.transport.world_size,
-                             patch_budget=self.config.max_patches or 0)
-
     # -- length ---------------------------------------------------------------------------------------------
     def estimate_steps(self, sample_size: int = 512, epoch: int | None = None) -> int:
         """Estimate the step count of `epoch` (the next one by default), the same on every rank, and make `len()`
@@ -289,15 +286,17 @@ class ODBDataLoader:
                 self._cursor.closed_at = current.epoch, current.plan, current.log.position, current.start_metrics
             self._stop_epoch(leave=not unwinding())  # NOTE [ A failed epoch is not left ] in pipeline.py
         finally:
-            self._stream.close_files()  # never blocks (NOTE [ A worker's files travel as descriptors ])
-            for part in (self._lane, self._nodes):  # the lane first: its thread may still end a move on its group
-                if part is not None:
-                    part.close()
-            if self._owns_transport:
-                self.transport.close()
+            self._release()
 
-    def __del__(self) -> None:
+    def _release(self) -> None:  # what the loader built beside the epoch; the lane first (a move may end on it)
+        self._stream.close_files()  # never blocks (NOTE [ A worker's files travel as descriptors ])
+        for part in (p for p in (self._lane, self._nodes, self._owned_transport) if p is not None):
+            part.close()
+
+    def __del__(self) -> None:  # NOTE [ A dropped loader ends its threads ] in odb_core/ranks/sync.py
         self._stop_epoch(leave=False)  # no collective from a finalizer
+        if getattr(self, "_ctx", None) is not None:  # __init__ ended: every part exists
+            self._release()
 
 
 class _EpochIterator(Iterator[ODBBatch]):

@@ -169,7 +169,15 @@ class _Stop:
 
 class _Courier:
     """Runs blocking collectives on a daemon thread so that the caller can stop waiting when the heartbeat finds a
-    peer silent (NOTE [ Liveness ]); the abandoned call stays on that thread until Gloo's own timeout."""
+    peer silent (NOTE [ Liveness ]); the abandoned call stays on that thread until Gloo's own timeout.
+
+    NOTE [ A dropped loader ends its threads ]
+    A loader dropped without `close()` (one built per epoch, a notebook cell run again) kept its Gloo groups, their
+    sockets and three threads (two couriers and the heartbeat) until the process ended: the courier's frame held its
+    last call, whose closure holds the transport. Now the courier drops each call once done, and a collected
+    `ODBDataLoader` stops its epoch without leaving it (no collective from a finalizer) and closes what it built,
+    as `close()` does (`tests/test_faults.py::test_a_loader_dropped_without_close_ends_its_threads_and_groups`).
+    """
 
     def __init__(self) -> None:
         self._jobs: queue.Queue = queue.Queue()
@@ -187,6 +195,7 @@ class _Courier:
             except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller
                 box.append((False, exc))
             done.set()
+            del job, call, box, done  # NOTE [ A dropped loader ends its threads ]: a call's closure holds a transport
 
     def run(self, call, failure) -> object:
         box: list = []
