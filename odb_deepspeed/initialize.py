@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader
 
 from odb_core import ODBDataLoader
 from odb_core.settings.console import announce
-from odb_core.settings.ds_section import load_ds_config, split_ds_config
+from odb_core.settings.ds_section import load_ds_config, split_ds_config, step_target_with_accumulation
 from odb_core.settings.settings import ODBSettings
 from odb_deepspeed.accounting import DeepSpeedODBLoader
 from odb_deepspeed.engine_mixin import mix_into
@@ -125,7 +125,10 @@ def _check_data(training_data: Any, collate_fn: Callable | None) -> None:
 
 
 def _build_loader(training_data: Any, section: ODBSettings, engine: Any, collate_fn: Callable | None) -> ODBDataLoader:
-    config = section.derive(accumulation_steps=engine.gradient_accumulation_steps())
+    accumulation = engine.gradient_accumulation_steps()  # derived from train_batch_size where not given
+    if section.config.step_target is not None and accumulation != 1:
+        raise ValueError(step_target_with_accumulation(section.config, accumulation))
+    config = section.derive(accumulation_steps=accumulation)
     if engine.sequence_parallel_size != 1:
         raise NotImplementedError("odb with sequence parallelism is not supported (ranks of one sequence-parallel "
                                   "group must see the same batch)")
@@ -152,6 +155,7 @@ def _check_user_loader(loader: ODBDataLoader, section: ODBSettings, accumulation
         if getattr(loader.config, key) != value:
             raise ValueError(f"odb.{key}={value!r} in the DeepSpeed config but your ODBDataLoader has "
                              f"{key}={getattr(loader.config, key)!r}; keep one of them")
-    if section.extras:  # shuffle / num_workers
-        raise ValueError("odb.shuffle / odb.num_workers only apply when odb_deepspeed builds the loader; set them "
-                         "on your ODBDataLoader")
+    builder_only = sorted(set(section.extras) & {"shuffle", "num_workers"})  # `epochs` applies to any loader
+    if builder_only:
+        raise ValueError(f"{', '.join('odb.' + key for key in builder_only)}: set on your ODBDataLoader instead (the "
+                         "section's loader options apply only when odb_deepspeed builds the loader)")

@@ -152,3 +152,32 @@ def test_odb_epochs_without_a_decaying_scheduler_is_refused_naming_the_fix():
     with pytest.raises(ValueError, match=r"has a LambdaLR scheduler, which has no total_num_steps"):
         fit_schedule(torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0), None, 2)
     assert parse_odb_section({"odb": {"enabled": True, "token_budget": 64, "epochs": 3}}).extras["epochs"] == 3
+
+
+def test_managed_gradient_accumulation_off_is_refused_before_deepspeed_starts():
+    """With it off every engine.step() is an optimizer step: each took one micro-batch's share of the window's
+    gradient, with no error (a review measured 16 optimizer steps for 8 windows at G = 2)."""
+    config = {**_config(), "managed_gradient_accumulation": False}
+    with pytest.raises(ValueError, match="managed_gradient_accumulation=false in the DeepSpeed config is not "
+                                         "supported with odb"):
+        parse_odb_section(config)
+    assert parse_odb_section({**config, "odb": {"enabled": False, "token_budget": 8}}).enabled is False
+    assert parse_odb_section({**_config(), "managed_gradient_accumulation": True}).enabled
+
+
+def test_a_step_target_beside_deepspeed_accumulation_is_refused_naming_deepspeed_s_keys():
+    with pytest.raises(ValueError, match=r"odb.samples_per_step=32 sets how many micro-batches each optimizer step "
+                                         r"holds, but DeepSpeed's gradient accumulation is 4: set "
+                                         r"gradient_accumulation_steps to 1"):
+        parse_odb_section(_config(samples_per_step=32))
+    assert parse_odb_section({**_config(tokens_per_step=4096), "gradient_accumulation_steps": 1}).enabled
+
+
+def test_odb_epochs_applies_to_a_ready_loader_and_only_the_builder_s_keys_are_refused():
+    from odb_deepspeed.initialize import _check_user_loader
+
+    loader = ODBDataLoader([{"input_ids": [1, 2, 3]}] * 4, token_budget=4096, accumulation_steps=4)
+    _check_user_loader(loader, parse_odb_section(_config(epochs=3)), 4)  # before: "odb.shuffle / odb.num_workers"
+    with pytest.raises(ValueError, match=r"^odb.shuffle: set on your ODBDataLoader instead"):
+        _check_user_loader(loader, parse_odb_section(_config(epochs=3, shuffle=True)), 4)
+    loader.close()

@@ -24,6 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from odb_core.settings.config import ODBConfig
 from odb_core.settings.settings import BOOL, COUNT, ODBSettings, SettingsSource, read_settings
 
 SECTION = "odb"
@@ -78,7 +79,35 @@ def split_ds_config(ds_config: Any) -> SplitConfig:
     section = config.pop(SECTION, None)
     if section is not None and not isinstance(section, Mapping):
         raise ValueError(f"the DeepSpeed config's 'odb' section must be an object, got {section!r}")
-    return SplitConfig(deepspeed=config, odb=read_settings(section, DEEPSPEED_SECTION) if section is not None else None)
+    settings = read_settings(section, DEEPSPEED_SECTION) if section is not None else None
+    if settings is not None and settings.enabled:
+        _check_engine_keys(config, settings)
+    return SplitConfig(deepspeed=config, odb=settings)
+
+
+def _check_engine_keys(config: Mapping[str, Any], settings: ODBSettings) -> None:
+    """DeepSpeed keys that ODB's loss weighting cannot run with, refused before DeepSpeed starts.
+      * `managed_gradient_accumulation: false` makes every `engine.step()` an optimizer step, where ODB's loop
+        (and the HF Trainer's) calls it once per micro-batch and scales each micro-batch by its whole window's
+        tokens: each optimizer step then took one micro-batch's share of the window's gradient, with no error.
+      * a step target (`samples_per_step`, `tokens_per_step`) with `gradient_accumulation_steps` > 1: the target
+        sets each step's micro-batches; before, this failed only after the engine was built, naming a key the
+        section refuses. A G derived from `train_batch_size` is caught there, with the same message."""
+    if config.get("managed_gradient_accumulation") is False:
+        raise ValueError("managed_gradient_accumulation=false in the DeepSpeed config is not supported with odb: "
+                         "odb calls engine.step() once per micro-batch and weights each by its optimizer step's "
+                         "tokens, so every micro-batch would become an optimizer step; remove the key")
+    accumulation = config.get("gradient_accumulation_steps", 1)
+    if settings.config is not None and settings.config.step_target is not None and accumulation not in (1, "auto"):
+        raise ValueError(step_target_with_accumulation(settings.config, accumulation))
+
+
+def step_target_with_accumulation(config: ODBConfig, accumulation: Any) -> str:
+    """The refusal of a step target beside DeepSpeed's gradient accumulation, naming DeepSpeed's own keys."""
+    unit, amount = config.step_target or ("samples", 0)
+    return (f"odb.{unit}_per_step={amount} sets how many micro-batches each optimizer step holds, but DeepSpeed's "
+            f"gradient accumulation is {accumulation}: set gradient_accumulation_steps to 1 in the DeepSpeed config "
+            "(and train_batch_size to train_micro_batch_size_per_gpu x the data-parallel world size, or leave it out)")
 
 
 def parse_odb_section(ds_config: Any) -> ODBSettings | None:
