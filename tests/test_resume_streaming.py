@@ -98,3 +98,30 @@ def test_a_stream_with_a_num_shards_attribute_outside_hf_datasets_is_not_split()
             return iter([{"input_ids": [i + 3] * 5} for i in range(30)])
 
     assert sorted(sample_ids(ODBDataLoader(Shardy(), token_budget=96, num_workers=2))) == list(range(30))
+
+
+def test_a_stream_split_by_node_is_read_whole_by_its_rank_and_a_wrong_split_is_refused(caplog):
+    """NOTE [ Streams already split over ranks ]: with the default shard_iterable=True, ODB kept 1/W of each rank's
+    part (40 of 80 samples at W = 2); an unsplit stream that every rank reads whole is said to train W times."""
+    from datasets.distributed import split_dataset_by_node
+
+    from odb_core import run_virtual_ranks
+
+    def split_run(rank, transport):
+        stream = split_dataset_by_node(hf_sharded_stream(80), rank=rank, world_size=transport.world_size)
+        return sample_ids(ODBDataLoader(stream, token_budget=96, transport=transport, idle_sample={"input_ids": [1]}))
+
+    emitted = [i for ids in run_virtual_ranks(split_run, 2) for i in ids]
+    assert sorted(emitted) == list(range(80))
+    with pytest.raises(ValueError, match=r"rank 0: the stream was split with split_dataset_by_node\(rank=1, "
+                                         r"world_size=2\), but this is rank 0 of 1"):
+        ODBDataLoader(split_dataset_by_node(hf_sharded_stream(), rank=1, world_size=2), token_budget=96)
+
+    def unsplit_run(rank, transport):
+        return sample_ids(ODBDataLoader(hf_sharded_stream(), token_budget=96, transport=transport,
+                                        shard_iterable=False))
+
+    with caplog.at_level("WARNING", logger="odb"):
+        twice = Counter(i for ids in run_virtual_ranks(unsplit_run, 2) for i in ids)
+    assert set(twice.values()) == {2}  # what the user asked for, and was told about
+    assert "each sample trains 2 times" in caplog.text

@@ -32,6 +32,7 @@ from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
 from odb_core.data.payload import payload_bytes
 from odb_core.data.sendable import raise_open_files, unpack_sample
+from odb_core.data.sharding import rank_sharding
 from odb_core.data.worker_files import FileInbox
 from odb_core.data.worker_region import region_size
 from odb_core.data.sources import (ChunkSampler, DatasetFetchError, Handover, IndexedDataset, IndexedIterable,
@@ -184,7 +185,8 @@ class SampleStream:
             self._watch = WorkerWatch(rank=rank, rank_pid=os.getpid(), user_init=user_init,
                                       region_bytes=region_size(options.region_bytes, options.num_workers))
         if self.size is None:
-            self._iterable = IndexedIterable(dataset, rank=rank, world_size=world_size, shard=options.shard_iterable,
+            shard = rank_sharding(dataset, options.shard_iterable, rank=rank, world_size=world_size)
+            self._iterable = IndexedIterable(dataset, rank=rank, world_size=world_size, shard=shard,
                                              chunk=chunk, compact=options.compact_ids, mark=options.mark_ids)
         else:
             self._chunks = ChunkSampler(self.sampler, chunk)  # type: ignore[arg-type]
