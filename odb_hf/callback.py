@@ -66,7 +66,7 @@ class ODBCallback(TrainerCallback):
         length_slack: the epoch length reported to the Trainer is the estimate x (1 + slack), an upper bound.
         exact_schedule: plan the run's real step count before training (NOTE [ Exact schedule ]: every sample's
             length is read once) so that the LR schedule ends exactly at the last step and the progress bar at
-            100 %; falls back to the estimate for an iterable dataset or `tokens_per_step`.
+            100 %; falls back to the estimate for `tokens_per_step` (an iterable dataset needs `max_steps`).
         **options: other `ODBConfig` fields (cost, max_patches, window, seed, ...), `length_fn`, `observer`,
             `idle_sample` and DataLoader worker options. Gradient accumulation, shuffling, workers and the
             collator come from the Trainer; see docs/guides/hf-trainer.md.

@@ -116,3 +116,34 @@ def test_elastic_resume_continues_from_a_step_boundary_and_refuses_a_save_inside
         seen = Counter(i for rank in both for info in rank[:stop] for i in info.indices)
         seen.update(i for batch in loader for i in batch.info.indices)
         assert sorted(seen.elements()) == list(range(len(DATA)))
+
+
+@pytest.mark.parametrize("max_batch_size", [6, 5, 3, None])
+def test_an_estimated_schedule_with_samples_per_step_counts_steps_of_whole_micro_batches(max_batch_size):
+    """exact_schedule=False: the steps the target's rule closes over micro-batches of the mean size. Before, the
+    epoch's samples / the target: 75 planned steps in every row, against 100, 60, 67 and 64 real ones, and a
+    bound (94) the first row's epoch outran."""
+    import random
+
+    from odb_core.epoch.epoch_length import plan_epoch_length
+
+    rng = random.Random(0)
+    rows = [{"input_ids": [5] * rng.randint(20, 60)} for _ in range(600)]
+    options = {"max_batch_size": max_batch_size} if max_batch_size else {}
+    loader = ODBDataLoader(rows, token_budget=400, samples_per_step=8, **options)
+    plan = dict(max_steps=0, num_train_epochs=1, slack=0.25, sample_size=512)
+    estimated, exact = (plan_epoch_length(loader, **plan, exact=flag) for flag in (False, True))
+    assert abs(estimated.planned_steps - exact.planned_steps) <= 0.05 * exact.planned_steps
+    assert estimated.length >= exact.length  # the bound holds the real epoch
+    loader.close()
+
+
+def test_an_estimated_bound_with_tokens_per_step_takes_the_slack():
+    from odb_core.epoch.epoch_length import plan_epoch_length
+
+    loader = ODBDataLoader(LengthDataset(lognormal_lengths(600, 1.0, 120, seed=2, hi=400)), token_budget=400,
+                           tokens_per_step=200)
+    for slack in (0.25, 3.0):  # before: the micro-batch estimate itself, whatever the slack
+        plan = plan_epoch_length(loader, max_steps=0, num_train_epochs=1, slack=slack, sample_size=512)
+        assert plan.length == -(-plan.estimate * (1 + slack) // 1)
+    loader.close()
