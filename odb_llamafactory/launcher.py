@@ -11,8 +11,9 @@ whose ranks run LLaMA-Factory's own entry: anything set up in the parent process
 torchrun itself (same conditions and environment variables as LLaMA-Factory: FORCE_TORCHRUN=1, or more than one
 accelerator, or NPROC_PER_NODE > 1; NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT, RDZV_ID, ...) with *this
 module* as the target and the same arguments. Each rank re-reads the config, re-validates the odb keys and
-builds its own ODB trainer; a process started by a launcher (LOCAL_RANK set) never re-launches. Nothing travels
-through environment variables and nothing is patched in the parent.
+builds its own ODB trainer; a process started by a launcher (LOCAL_RANK set) never re-launches. Nothing of ODB's
+travels through environment variables and nothing is patched in the parent; the ranks get the two variables
+LLaMA-Factory's launcher sets for them under OPTIM_TORCH (`ranks_env`).
 """
 
 from __future__ import annotations
@@ -97,6 +98,16 @@ def wants_torchrun(env: Mapping[str, str], device_count: Callable[[], int]) -> b
             or device_count() > 1)
 
 
+def ranks_env(env: Mapping[str, str]) -> dict[str, str]:
+    """The ranks' environment, as LLaMA-Factory's launcher makes it: with OPTIM_TORCH on (its default), the CUDA
+    allocator's expandable segments and NCCL's record-stream avoidance (before, the ranks ran without them, whose
+    fragmenting allocator hurts most where batch shapes vary, as ODB's do)."""
+    ranks = dict(env)
+    if env.get("OPTIM_TORCH", "1").lower() in ("true", "y", "1"):
+        ranks.update(PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True", TORCH_NCCL_AVOID_RECORD_STREAMS="1")
+    return ranks
+
+
 def torchrun_command(argv: Sequence[str], env: Mapping[str, str], device_count: Callable[[], int],
                      port: int) -> list[str]:
     """torchrun with this module as every rank's target, from LLaMA-Factory's launcher variables."""
@@ -157,7 +168,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     env = dict(os.environ)
     if wants_torchrun(env, accelerator_count):  # the parent only launches: it never imports LLaMA-Factory
-        return subprocess.run(torchrun_command(argv[1:], env, accelerator_count, free_port()), env=env).returncode
+        command = torchrun_command(argv[1:], env, accelerator_count, free_port())
+        return subprocess.run(command, env=ranks_env(env)).returncode
     from odb_llamafactory.workflow import run
 
     run(clean, settings)

@@ -15,6 +15,8 @@ imports only odb_core.
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Mapping, MutableMapping
 from typing import Any
 
@@ -55,16 +57,24 @@ def pop_odb_settings(config: MutableMapping[str, Any]) -> ODBSettings | None:
     return read_settings({k: config.pop(k) for k in keys}, LLAMAFACTORY)
 
 
-def check_compatible(config: Mapping[str, Any], settings: ODBSettings) -> None:
-    """Refuse LLaMA-Factory settings that ODB cannot honour (config is the dict without odb keys; settings enabled)."""
+def check_compatible(config: Mapping[str, Any], settings: ODBSettings,
+                     env: Mapping[str, str] | None = None) -> None:
+    """Refuse LLaMA-Factory settings that ODB cannot honour (config is the dict without odb keys; settings enabled;
+    `env`: the environment, `os.environ` by default)."""
     stage = config.get("stage", "sft")
     if stage != "sft":
         raise ODBConfigError(f"odb: true supports stage: sft only (got stage: {stage}); ODB's exact loss and "
                              "batching are wired into LLaMA-Factory's SFT trainer")
-    for key in ("use_mca", "use_hyper_parallel", "use_ray"):
-        if config.get(key):
-            raise ODBConfigError(f"{key}: true conflicts with odb: true: that path trains outside the SFT Trainer "
+    env = os.environ if env is None else env
+    # LLaMA-Factory 0.9.5 takes Ray and MCA from USE_RAY / USE_MCA (`hparams/parser.py`, `training_args.py`): a
+    # `use_mca` key without USE_MCA=1 is reset to false there, and `use_ray` is no config key at all
+    for variable in ("USE_RAY", "USE_MCA"):
+        if env.get(variable, "0").lower() in ("true", "y", "1"):
+            raise ODBConfigError(f"{variable}=1 conflicts with odb: true: that path trains outside the SFT Trainer "
                                  "that ODB plugs into, so ODB would silently not apply")
+    if config.get("use_hyper_parallel"):
+        raise ODBConfigError("use_hyper_parallel: true conflicts with odb: true: that path trains outside the SFT "
+                             "Trainer that ODB plugs into, so ODB would silently not apply")
     for key in ("packing", "neat_packing"):
         if config.get(key):
             raise ODBConfigError(f"{key}: true conflicts with odb: true. Packing concatenates samples into fixed "
@@ -73,6 +83,16 @@ def check_compatible(config: Mapping[str, Any], settings: ODBSettings) -> None:
     if config.get("use_asft_loss"):
         raise ODBConfigError("use_asft_loss: true conflicts with odb: true: its loss is a per-batch mean that "
                              "ODB cannot weight by the step's tokens")
+    for key in ("use_dft_loss", "use_eaft_loss"):  # a review ran the crash on 2 ranks (use_dft_loss)
+        if config.get(key):
+            raise ODBConfigError(f"{key}: true conflicts with odb: true: on a micro-batch without supervised tokens "
+                                 "(ODB's IDLE steps, which keep the ranks in step) its loss is a constant with no "
+                                 "gradient, and the backward pass fails")
+    layerwise = [key for key in ("galore_layerwise", "apollo_layerwise") if config.get(key)]
+    if layerwise and settings.config is not None and settings.config.step_target is not None:
+        raise ODBConfigError(f"{layerwise[0]}: true conflicts with odb_samples_per_step / odb_tokens_per_step: its "
+                             "hooks step the optimizer and the LR scheduler at every backward pass, and a step "
+                             "target runs several per optimizer step; drop the step target or the layer-wise mode")
     if config.get("disable_shuffling") and config.get("train_sampling_strategy", "sequential") != "sequential":
         raise ODBConfigError(f"disable_shuffling: true contradicts train_sampling_strategy: "
                              f"{config['train_sampling_strategy']}; keep one of them")
@@ -83,14 +103,34 @@ def check_compatible(config: Mapping[str, Any], settings: ODBSettings) -> None:
 
 
 def check_streaming(config: Mapping[str, Any]) -> None:
-    """`streaming: true` in LLaMA-Factory 0.9.5 (`llamafactory/data/loader.py`): a local dataset file becomes
-    `dataloader_num_workers` stream shards, each read by one worker (odb_core NOTE [ Streams that split themselves
-    over workers ]), and `max_samples` takes `len()` of the stream."""
-    workers = config.get("dataloader_num_workers", 0)
-    if workers == 0:
-        raise ODBConfigError("streaming: true needs dataloader_num_workers: 1 or more: LLaMA-Factory 0.9.5 splits a "
-                             "local dataset file into dataloader_num_workers stream shards, so 0 gives an empty "
-                             "stream (it fails in align_dataset with StopIteration, with or without ODB)")
+    """`streaming: true` in LLaMA-Factory 0.9.5 (`llamafactory/data/loader.py`): a dataset loaded from a local file
+    becomes `dataloader_num_workers` stream shards, each read by one worker (odb_core NOTE [ Streams that split
+    themselves over workers ]), so 0 workers give it no shard; hub and script datasets stream by themselves.
+    `max_samples` LLaMA-Factory refuses itself (`hparams/data_args.py`); said here before any model loads."""
+    local = local_file_datasets(config)
+    if config.get("dataloader_num_workers", 0) == 0 and local:
+        raise ODBConfigError(f"streaming: true needs dataloader_num_workers: 1 or more for {', '.join(local)}: "
+                             "LLaMA-Factory 0.9.5 splits a local dataset file into dataloader_num_workers stream "
+                             "shards, so 0 gives an empty stream (it fails in align_dataset with StopIteration, "
+                             "with or without ODB)")
     if config.get("max_samples") is not None:
-        raise ODBConfigError("max_samples does not work with streaming: true (LLaMA-Factory 0.9.5 takes len() of the "
-                             "stream and fails); remove max_samples, or set streaming: false")
+        raise ODBConfigError("max_samples does not work with streaming: true (LLaMA-Factory refuses the pair); "
+                             "remove max_samples, or set streaming: false")
+
+
+def local_file_datasets(config: Mapping[str, Any]) -> list[str]:
+    """The training datasets LLaMA-Factory 0.9.5 loads from local files (`data/parser.py`: an entry of
+    `dataset_dir`/dataset_info.json with no hub, script or cloud address); none when that file is not there (an
+    online `dataset_dir`) or cannot be read, where LLaMA-Factory decides and says."""
+    names, folder = config.get("dataset"), config.get("dataset_dir", "data")
+    if not names or not isinstance(folder, str):
+        return []
+    names = [n.strip() for n in names.split(",")] if isinstance(names, str) else [str(n) for n in names]
+    try:
+        with open(os.path.join(folder, "dataset_info.json")) as handle:
+            info = json.load(handle)
+    except (OSError, ValueError):
+        return []
+    remote = ("hf_hub_url", "ms_hub_url", "om_hub_url", "script_url", "cloud_file_name")
+    return [n for n in names if isinstance(info, dict) and isinstance(info.get(n), dict)
+            and not any(key in info[n] for key in remote)]

@@ -173,11 +173,12 @@ def test_cli_names_an_unknown_odb_key_and_the_allowed_keys_before_training(asset
 def test_cli_names_the_dataloader_workers_that_streaming_needs_before_training(assets, tmp_path):
     """The example config with streaming and 0 workers (an empty stream in LLaMA-Factory 0.9.5): one line, exit 2."""
     done = run_lf([str(LF_BIN / "odb-llamafactory"), "train", str(FULL), "streaming=true", "max_steps=3",
-                   "dataloader_num_workers=0"], tmp_path / "stream0.log", timeout=120)
+                   "dataloader_num_workers=0", f"dataset_dir={assets['data']}", "dataset=chitchat_alpaca"],
+                  tmp_path / "stream0.log", timeout=120)
     assert done.returncode == 2 and done.output.strip().splitlines() == [
-        "odb-llamafactory: error: streaming: true needs dataloader_num_workers: 1 or more: LLaMA-Factory 0.9.5 splits "
-        "a local dataset file into dataloader_num_workers stream shards, so 0 gives an empty stream (it fails in "
-        "align_dataset with StopIteration, with or without ODB)"]
+        "odb-llamafactory: error: streaming: true needs dataloader_num_workers: 1 or more for chitchat_alpaca: "
+        "LLaMA-Factory 0.9.5 splits a local dataset file into dataloader_num_workers stream shards, so 0 gives an "
+        "empty stream (it fails in align_dataset with StopIteration, with or without ODB)"]
 
 
 def test_lora_sft_with_samples_per_step_logs_the_token_mean_of_each_step_and_plans_the_real_step_count(assets):

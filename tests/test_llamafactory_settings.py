@@ -6,7 +6,7 @@ import warnings
 
 import pytest
 
-from odb_llamafactory.launcher import torchrun_command, wants_torchrun
+from odb_llamafactory.launcher import ranks_env, torchrun_command, wants_torchrun
 from odb_llamafactory.settings import ALLOWED_KEYS, ODBConfigError, check_compatible, pop_odb_settings
 
 BASE = {"stage": "sft", "model_name_or_path": "m", "cutoff_len": 1024}
@@ -66,7 +66,8 @@ def test_bad_values_name_the_yaml_key_even_when_odb_is_off():
 
 
 @pytest.mark.parametrize("conflict", [{"packing": True}, {"neat_packing": True}, {"stage": "pt"},
-                                      {"use_asft_loss": True}, {"use_mca": True},
+                                      {"use_asft_loss": True}, {"use_hyper_parallel": True}, {"use_dft_loss": True},
+                                      {"use_eaft_loss": True},
                                       {"disable_shuffling": True, "train_sampling_strategy": "random"}])
 def test_llamafactory_settings_that_bypass_odb_are_refused(conflict):
     settings = pop_odb_settings({"odb": True, "odb_token_budget": 4096})
@@ -98,14 +99,49 @@ def test_torchrun_relaunch_targets_this_module_in_every_rank():
     assert command[-5:] == ["-m", "odb_llamafactory.launcher", "train", "cfg.yaml", "odb_join=false"]
 
 
-def test_streaming_names_the_dataloader_workers_it_needs_and_refuses_max_samples():
-    """LLaMA-Factory 0.9.5 streams a local file as dataloader_num_workers shards (0: an empty stream) and takes
-    len() of the stream for max_samples; ODB reads any number >= 1 of shards (tests/test_resume_streaming.py)."""
+def test_streaming_names_the_dataloader_workers_it_needs_and_refuses_max_samples(tmp_path):
+    """LLaMA-Factory 0.9.5 streams a local file as dataloader_num_workers shards (0: an empty stream), and refuses
+    max_samples with streaming; ODB reads any number >= 1 of shards (tests/test_resume_streaming.py). A hub dataset
+    streams by itself, with 0 workers too (before, it was refused)."""
+    import json
+
+    (tmp_path / "dataset_info.json").write_text(json.dumps(
+        {"local": {"file_name": "chat.json"}, "hub": {"hf_hub_url": "org/chat"}}))
     settings = pop_odb_settings({"odb": True, "odb_token_budget": 4096})
-    streaming = {**BASE, "streaming": True, "max_steps": 10}
-    with pytest.raises(ODBConfigError, match=r"streaming: true needs dataloader_num_workers: 1 or more"):
+    streaming = {**BASE, "streaming": True, "max_steps": 10, "dataset_dir": str(tmp_path), "dataset": "hub, local"}
+    with pytest.raises(ODBConfigError, match=r"streaming: true needs dataloader_num_workers: 1 or more for local:"):
         check_compatible(streaming, settings)
     with pytest.raises(ODBConfigError, match=r"max_samples does not work with streaming: true"):
         check_compatible({**streaming, "dataloader_num_workers": 2, "max_samples": 1000}, settings)
     for workers in (1, 2, 4):
         check_compatible({**streaming, "dataloader_num_workers": workers, "max_samples": None}, settings)
+    check_compatible({**streaming, "dataset": "hub"}, settings)
+    check_compatible({**streaming, "dataset_dir": "ONLINE", "dataset": "org/chat"}, settings)
+
+
+def test_a_layer_wise_optimizer_is_refused_only_beside_a_step_target():
+    """GaLore's and APOLLO's layer-wise hooks step the optimizer and the scheduler at every backward pass; a step
+    target runs several backward passes per optimizer step (LLaMA-Factory refuses them with G > 1 for that)."""
+    target = pop_odb_settings({"odb": True, "odb_token_budget": 4096, "odb_samples_per_step": 64})
+    for key in ("galore_layerwise", "apollo_layerwise"):
+        with pytest.raises(ODBConfigError, match=rf"^{key}: true conflicts with odb_samples_per_step"):
+            check_compatible({**BASE, key: True}, target)
+        check_compatible({**BASE, key: True}, pop_odb_settings({"odb": True, "odb_token_budget": 4096}))
+
+
+def test_the_ranks_get_the_allocator_settings_llamafactory_s_launcher_gives_them():
+    """llamafactory/launcher.py sets both under OPTIM_TORCH (on by default) for every rank it starts."""
+    tuned = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "TORCH_NCCL_AVOID_RECORD_STREAMS": "1"}
+    assert ranks_env({"A": "1"}) == {"A": "1", **tuned}
+    assert ranks_env({"OPTIM_TORCH": "0", "A": "1"}) == {"OPTIM_TORCH": "0", "A": "1"}
+
+
+@pytest.mark.parametrize("variable", ["USE_RAY", "USE_MCA"])
+def test_ray_and_mca_are_refused_from_the_variables_llamafactory_reads(variable):
+    """LLaMA-Factory takes both from the environment: a `use_mca` key alone is reset to false by its parser, and
+    `use_ray` is no key at all. Before, the keys were checked and the variables were not."""
+    settings = pop_odb_settings({"odb": True, "odb_token_budget": 4096})
+    with pytest.raises(ODBConfigError, match=rf"^{variable}=1 conflicts with odb: true"):
+        check_compatible(BASE, settings, env={variable: "1"})
+    check_compatible(BASE, settings, env={variable: "0"})
+    check_compatible({**BASE, "use_mca": True}, settings, env={})
