@@ -187,7 +187,8 @@ def build_parser() -> OneLineParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--time-model", type=float, nargs=3, metavar=("A", "B", "C"), default=(0.0, 1.0, 0.0))
     p.add_argument("--suggest", action="store_true",
-                   help=f"also compare larger budgets (those that keep >= {SUGGEST_MIN_STEPS} optimizer steps)")
+                   help=f"also compare budgets from the longest sample (a power of two) to 16x it (those that "
+                        f"keep >= {SUGGEST_MIN_STEPS} optimizer steps)")
     p.add_argument("--json", action="store_true", help="print JSON instead of text (every figure, every budget)")
     p.add_argument("--verbose", action="store_true", help="also rounds, moved fraction, metadata bytes, definitions")
     return parser

@@ -288,3 +288,16 @@ def test_the_vectorised_sort_matches_the_key_sort(rows):
         got = [(it.length, it.patches, it.owner, it.index) for it in sort_longest_first(items, by_owner=by_owner)]
         want = [(it.length, it.patches, it.owner, it.index) for it in sorted(items, key=key)]
         assert got == want  # both sorts are stable, so even full ties keep the input order
+
+
+def test_an_oversize_error_names_the_limit_the_sample_exceeds():
+    """Before, a sample over max_patches alone was said to exceed token_budget, whose raise would not help."""
+    from odb_core.planning.budget import SampleError
+    from odb_core.planning.planner import RankEngine
+
+    engine = RankEngine(ODBConfig(token_budget=4096, max_patches=512, oversize="error"), epoch=0)
+    for item, named in ((Item(10, 22, 600), "exceeds max_patches=512 on its own; raise it"),
+                        (Item(11, 5000, 0), "exceeds token_budget=4096 on its own; raise it"),
+                        (Item(12, 5000, 600), "exceeds token_budget=4096 and max_patches=512 on its own; raise them")):
+        with pytest.raises(SampleError, match=rf"^sample {item.index}: cost of length .* {named}, truncate"):
+            engine.admit(item)

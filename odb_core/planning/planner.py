@@ -74,10 +74,15 @@ class BufferEngine:
         # a checked sample has length >= 1; `odb plan` and `simulate_epoch` may pass any int, which the cost models
         # answer (a negative length can exceed an attention budget)
         if not (0 < item.length <= self.budget.alone_length and not item.patches) and not self.budget.alone_fits(item):
-            if self.config.oversize == "error":
+            if self.config.oversize == "error":  # name the limit it exceeds: the patch cap too
+                cap = self.config.max_patches
+                limits = [f"max_patches={cap}"] if cap is not None and item.patches > cap else []
+                if self.budget.alone_cost(item) > self.config.token_budget or not limits:
+                    limits.insert(0, f"token_budget={self.config.token_budget}")
+                which = "it" if len(limits) == 1 else "them"
                 raise SampleError(item.index, f"cost of length {item.length} (patches {item.patches}) exceeds "
-                                              f"token_budget={self.config.token_budget} on its own; raise the "
-                                              "budget, truncate the sample, or set oversize='alone'")
+                                              f"{' and '.join(limits)} on its own; raise {which}, truncate the "
+                                              "sample, or set oversize='alone'")
             self.oversize.add(item, self.budget.alone_cost(item))
         self.items.append(item)
 
