@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -39,6 +40,8 @@ from odb_core.steps.loss import causal_lm_loss_sum, weighting_error
 from odb_deepspeed.loss import weighting_factor
 
 CHECK_TOLERANCE = 1e-3  # relative; a wrong normalisation is off by a micro-batch's token share or by W
+_UNCHECKED: set[type] = set()  # model classes whose fused loss was trusted unchecked (said once)
+logger = logging.getLogger(__name__)
 
 
 class ODBLossError(RuntimeError):
@@ -67,6 +70,24 @@ def accepts_loss_kwargs(module: torch.nn.Module) -> bool:
 def _takes_var_keywords(forward: Any) -> bool:
     """Whether a forward function takes **kwargs (looked up once per model class: this runs every micro-batch)."""
     return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in inspect.signature(forward).parameters.values())
+
+
+def router_aux_loss(module: torch.nn.Module, output: Mapping[str, Any]) -> torch.Tensor | None:
+    """NOTE [ Router losses under DeepSpeed ]
+    An HF mixture-of-experts model (Mixtral, Qwen2-MoE, OLMoE, ...) run with `output_router_logits=True` adds
+    `router_aux_loss_coef * aux_loss` to its token loss: a per-micro-batch term, which DeepSpeed's reduction then
+    averages over the micro-batches as it would without ODB. The first step's check compares the token part alone:
+    before, the whole loss was compared, and the term read as a weighting error once a micro-batch's share of its
+    window's tokens was small (1.7e-3 relative at a share 4 times below average, a review measured), with a fix
+    that dropped the term. For a model ODB computes the loss of (no loss kwargs), the term is added back to the
+    token-weighted loss. Returns the term, or None where the output has no `aux_loss` (or no coefficient is known:
+    then the loss is checked whole)."""
+    aux = output.get("aux_loss")
+    config = getattr(getattr(module, "get_base_model", lambda: module)(), "config", None)
+    coefficient = getattr(config, "router_aux_loss_coef", None)
+    if aux is None or coefficient is None:
+        return None
+    return coefficient * aux
 
 
 class ODBEngineMixin:
@@ -100,14 +121,25 @@ class ODBEngineMixin:
         if own:
             kwargs["num_items_in_batch"] = 1.0 / weighting_factor(served.info, self)
         output = super().forward(*inputs, **kwargs)
-        if not isinstance(output, Mapping) or "logits" not in output:
-            raise ODBLossError(f"ODB weights the loss of a model output with logits, got {type(output).__name__}; "
-                               "return a dict/ModelOutput, or pass odb_deepspeed.token_weighted_loss(output, batch, "
+        if not isinstance(output, Mapping):
+            raise ODBLossError(f"ODB weights the loss of a model output that is a dict or a ModelOutput, got "
+                               f"{type(output).__name__}; or pass odb_deepspeed.token_weighted_loss(output, batch, "
                                "engine) to engine.backward")
-        if own:
-            self._odb_check(output["loss"], output["logits"], labels, served.info)
+        logits, aux = output.get("logits"), router_aux_loss(self.module, output)  # NOTE [ Router losses ... ]
+        if own and output.get("loss") is not None:
+            if logits is not None:
+                self._odb_check(output["loss"] - (aux if aux is not None else 0), logits, labels, served.info)
+            elif type(self.module) not in _UNCHECKED:  # a fused loss (no logits in training): nothing to check with
+                _UNCHECKED.add(type(self.module))
+                logger.warning("ODB: %s returned a loss without logits, so ODB cannot check that it divides the "
+                               "summed token loss by num_items_in_batch; it is trusted to", type(self.module).__name__)
+        elif logits is None:
+            raise ODBLossError(f"{type(self.module).__name__}'s forward takes no num_items_in_batch and returned no "
+                               "logits, so ODB cannot weight its loss: let it take loss kwargs, or return logits")
         else:
-            output["loss"] = causal_lm_loss_sum(output["logits"], labels) * weighting_factor(served.info, self)
+            output["loss"] = causal_lm_loss_sum(logits, labels) * weighting_factor(served.info, self)
+            if aux is not None:
+                output["loss"] = output["loss"] + aux
         served.weighted = weakref.ref(output["loss"])
         return output
 

@@ -14,7 +14,8 @@ importing deepspeed and transformers costs ~20 s per process on these machines:
      for a model that takes loss kwargs and for one declared without them (NOTE [ The plain DeepSpeed loop under
      ODB ] in odb_deepspeed/engine_mixin.py);
   5. refusals: a loss ODB did not weight, scale_wrt_gas=False, a model whose loss ignores num_items_in_batch;
-  6. oversize: a budget below the long samples, two epochs: the loader warns once on each rank (every run
+  6. a mixture-of-experts model's router loss, with and without loss kwargs, and a fused loss without logits;
+  7. oversize: a budget below the long samples, two epochs: the loader warns once on each rank (every run
      before it keeps each sample within its budget and warns nothing).
 Writes OUT_DIR/rank{r}.json. The test process makes the assertions.
 """
@@ -38,6 +39,7 @@ sys.path.insert(0, str(REPO))
 
 import deepspeed  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+from transformers.modeling_outputs import CausalLMOutputWithPast  # noqa: E402
 
 import odb_deepspeed  # noqa: E402
 from odb_core import ODBDataLoader  # noqa: E402
@@ -244,6 +246,65 @@ def refusals() -> dict:
     return result
 
 
+class FusedLoss(torch.nn.Module):
+    """A model whose loss is fused with its last layer (as Liger-kernel's): divided by num_items_in_batch, with no
+    logits in its output."""
+
+    def __init__(self, inner: LlamaForCausalLM) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, input_ids, attention_mask=None, labels=None, **kwargs):
+        output = self.inner(input_ids=input_ids, attention_mask=attention_mask, labels=labels, **kwargs)
+        return CausalLMOutputWithPast(loss=output.loss, logits=None)
+
+
+def routed_and_fused() -> dict:
+    """NOTE [ Router losses under DeepSpeed ]: a tiny Mixtral with its router loss (coefficient 0.5, so that the
+    term dwarfs the check's tolerance), taking loss kwargs and not; and a fused loss without logits. For each
+    micro-batch: output.loss - the token-weighted loss from the logits, against coefficient x aux_loss."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    result = {}
+    for kwargs in (True, False):
+        torch.manual_seed(0)
+        model = MixtralForCausalLM(MixtralConfig(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=128,
+            output_router_logits=True, router_aux_loss_coef=0.5))  # float32: its grouped matmul has no float64
+        model.accepts_loss_kwargs = kwargs
+        engine, _, loader, _ = odb_deepspeed.initialize(
+            model=model, optimizer=torch.optim.SGD(model.parameters(), 0.0), training_data=UnevenDataset(60),
+            config=ds_config(2, token_budget=64))
+        gaps = []
+        try:
+            for batch in loader:
+                output = engine(**batch)
+                weighted = odb_deepspeed.token_weighted_loss(output.logits, batch, engine, info=batch.info)
+                gaps.append(float(output.loss - weighted - 0.5 * output.aux_loss))
+                engine.backward(output.loss)
+                engine.step()
+            result[f"router_loss_kwargs_{kwargs}"] = {"max_gap": max(abs(g) for g in gaps), "steps": len(gaps)}
+        except odb_deepspeed.ODBLossError as exc:
+            result[f"router_loss_kwargs_{kwargs}"] = {"error": str(exc)}
+        loader.odb.close()
+    model = FusedLoss(make_model(torch.float64))
+    engine, _, loader, _ = odb_deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), 0.0),
+                                                    training_data=UnevenDataset(60),
+                                                    config=ds_config(2, token_budget=64))
+    try:
+        steps = 0
+        for batch in loader:
+            engine.backward(engine(**batch).loss)
+            engine.step()
+            steps += 1
+        result["fused"] = {"steps": steps}
+    except odb_deepspeed.ODBLossError as exc:
+        result["fused"] = {"error": str(exc)}
+    loader.odb.close()
+    return result
+
+
 def oversize(epochs: int = 2) -> dict:
     """token_budget=32 against long samples of 40-64 tokens, built by `initialize` from the dataset (shuffled over
     both ranks): they run alone, over the budget, and each rank's log says so once, however many epochs."""
@@ -270,6 +331,7 @@ def main(out_dir: Path) -> None:
     result["plain"] = [equivalence(2, torch.float64, False, "global", plain=True, loss_kwargs=kwargs)
                        for kwargs in (True, False)]
     result["refusals"] = refusals()
+    result["routed_and_fused"] = routed_and_fused()
     result["oversize"] = oversize()
     (out_dir / f"rank{result['rank']}.json").write_text(json.dumps(result))
 

@@ -144,6 +144,21 @@ def test_a_loss_odb_did_not_weight_is_refused_with_the_one_line_fix(run):
     assert "set IgnoresNumItems.accepts_loss_kwargs = False" in refusals["ignores_num_items"]
 
 
+def test_a_router_loss_is_kept_and_a_fused_loss_without_logits_is_trusted(run):
+    """NOTE [ Router losses under DeepSpeed ]: before, the first step's check read a Mixtral's router loss as a
+    weighting error (ODBLossError, with a fix that dropped the term), a model without loss kwargs lost the term, and
+    a fused loss without logits was refused at every step."""
+    for rank, result in enumerate(run["ranks"]):
+        routed = result["routed_and_fused"]
+        for kwargs in (True, False):
+            case = routed[f"router_loss_kwargs_{kwargs}"]
+            assert "error" not in case, case
+            assert case["steps"] > 4 and case["max_gap"] < 1e-5, case  # loss = weighted token loss + 0.5 x aux
+        assert routed["fused"].get("steps", 0) > 4, routed["fused"]
+    warned = (run["out"] / "log0.txt").read_text()
+    assert "ODB: FusedLoss returned a loss without logits, so ODB cannot check" in warned
+
+
 def test_odb_says_that_it_is_on_once_on_rank_zero(run):
     logs = [(run["out"] / f"log{r}.txt").read_text() for r in range(WORLD_SIZE)]
     assert "odb: on (DeepSpeed), token budget 64 (padded cost), world 2, mode " in logs[0]
