@@ -250,7 +250,8 @@ class SampleStream:
     def source(self) -> Source:
         """Descriptor of this rank's index source for a normal epoch (see NOTE [ Elastic resume ])."""
         if self.size is None:
-            return StreamSource(shard=self._iterable.shard, parts=self._parts)
+            return StreamSource(shard=self._iterable.shard, parts=self._parts,
+                                chunk=self._iterable.chunk if self._parts > 1 else 0)
         if self._own_sampler:
             return ShardedSource(size=self.size, shuffle=self._shuffle, seed=self._seed, world_size=self.world_size)
         return CustomSource(type=type(self.sampler).__name__, size=self.size)

@@ -37,11 +37,13 @@ class ShardedSource:
 @dataclass(frozen=True, slots=True)
 class StreamSource:
     """An `IterableDataset` stream (`shard`: ODB deals stream positions to ranks; `parts`: the DataLoader workers
-    it is read in when it splits itself over them, else 1; NOTE [ Streams that split themselves over workers ])."""
+    it is read in when it splits itself over them, else 1; `chunk`: then the samples of each worker's turn, which
+    set the stream's order with `parts`, 0 where not recorded; NOTE [ Streams that split themselves over workers ])."""
 
     kind: ClassVar[str] = "stream"
     shard: bool
     parts: int = 1
+    chunk: int = 0
 
     def describe(self) -> str:
         return "an IterableDataset stream"
@@ -121,6 +123,8 @@ def source_to_dict(source: Source) -> dict[str, Any]:
     values = {name: getattr(source, name) for name in source.__slots__}  # type: ignore[union-attr]
     if isinstance(source, StreamSource) and source.parts == 1:
         del values["parts"]  # the layout of a stream read in one part is the one states had before `parts`
+    if isinstance(source, StreamSource) and not source.chunk:
+        del values["chunk"]  # not recorded: read in one part, or saved before `chunk`
     return {"kind": source.kind, **values}
 
 
@@ -140,8 +144,8 @@ def source_from_dict(data: Any, where: str) -> Source:
     if kind not in types:
         raise StateError(f"{where}.kind={kind!r} is unknown (expected one of {sorted([*types, 'remainder'])})")
     cls, schema = types[kind]
-    if kind == "stream" and "parts" in data:  # states saved before `parts` existed read one part
-        schema = {**schema, "parts": int}
+    if kind == "stream":  # states saved before `parts` existed read one part; `chunk` is there with parts > 1
+        schema = {**schema, **{name: int for name in ("parts", "chunk") if name in data}}
     values = {name: pop_field(data, name, typ, where) for name, typ in schema.items()}
     no_leftovers(data, where)
     return cls(**values)

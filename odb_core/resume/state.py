@@ -25,6 +25,7 @@ unread then partitions the shard exactly. Ranks that resume at different points 
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -256,13 +257,20 @@ class LoaderState:
                 f"reads it in {mine.parts}: a stream that splits itself over workers (an HF datasets stream with "
                 f"shards) has an order fixed by num_workers, so resume with num_workers="
                 f"{saved.parts if saved.parts > 1 else '0 or 1'}")
+        if isinstance(saved, StreamSource) and isinstance(mine, StreamSource) and saved.chunk and \
+                saved.chunk != mine.chunk:
+            raise ValueError(f"loader state was saved reading the stream's {saved.parts} worker parts in turns of "
+                             f"{saved.chunk} samples, this loader reads turns of {mine.chunk}: the turns set the "
+                             f"stream's order, so resume with fetch_chunk={saved.chunk}")
         elastic = isinstance(saved, ShardedSource) and isinstance(mine, ShardedSource) and \
             (saved.size, saved.shuffle, saved.seed) == (mine.size, mine.shuffle, mine.seed)
         _check_same_layout(self.config, loader.config, self.world_size, elastic)
         _check_same_config(self.config, loader.config)
         checks = [("rank", self.rank, loader.rank)]
-        if self.source is not None:
-            checks.append(("sampler", source_to_dict(self.source), source_to_dict(loader.source)))
+        if self.source is not None:  # a stream's turns not recorded (a state saved before them) are not compared
+            unknown = isinstance(saved, StreamSource) and isinstance(mine, StreamSource) and not saved.chunk
+            mine = dataclasses.replace(mine, chunk=0) if unknown else mine
+            checks.append(("sampler", source_to_dict(self.source), source_to_dict(mine)))
         for key, saved, mine in checks:
             if saved != mine:
                 each = ("; every rank loads the state its own rank saved (a checkpoint that keeps one rank's state, "

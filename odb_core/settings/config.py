@@ -120,8 +120,10 @@ class ODBConfig:
             path"), the thread rarely pays on CPython: its Python work holds the GIL that the training thread
             needs back after every operator call, and it can run at most N batches ahead of a round's reading.
             It helped where `__getitem__` tokenizes (the tokenizer releases the GIL) and there are no workers.
-        fetch_chunk: samples per worker fetch (cuts inter-process overhead; does not change the batches). Reads
-            in the trainer process (`num_workers=0`) take at least 64 at a time.
+        fetch_chunk: samples per worker fetch (cuts inter-process overhead; does not change the batches, except
+            for a stream that splits itself over workers, an HF datasets stream with shards, whose order is the
+            workers' turns of this many samples: a resume needs the same value). Reads in the trainer process
+            (`num_workers=0`) take at least 64 at a time.
         reader_thread: with workers, read their results (pipe reads, unpickling, unpacking) in a reader thread
             that runs while the training thread waits for its device (NOTE [ A thread reads the workers ] in
             epoch/reader_thread.py); False reads them in the iterating thread, between steps. Does not change the
