@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -44,6 +45,49 @@ def test_persistent_workers_serve_several_epochs_with_set_epoch():
     assert epochs[0] == epochs[2] != epochs[1]
     for run in epochs:
         assert sorted(i for step in run for i in step) == list(range(120))
+
+
+class EpochShuffledStream(torch.utils.data.IterableDataset):
+    """A user's stream that shuffles by `set_epoch`; sample i's tokens are all i + 3."""
+
+    def __init__(self, n: int = 48) -> None:
+        self.n, self.epoch = n, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self):
+        order = list(range(self.n))
+        random.Random(self.epoch).shuffle(order)
+        return ({"input_ids": [i + 3] * (4 + (i * 7) % 19)} for i in order)
+
+
+def test_a_user_stream_s_epoch_reaches_persistent_workers_and_a_resume_in_a_later_epoch_is_exact():
+    """NOTE [ A stream's epoch in persistent workers ]: before, the workers' copies read epoch 0's order in every
+    epoch, and a resume inside epoch 1 (fresh workers) read epoch 1's: other batches, without an error."""
+    def loader():
+        return ODBDataLoader(EpochShuffledStream(), token_budget=96, num_workers=1, persistent_workers=True)
+
+    def ids(batch):
+        return [int(row[0]) - 3 for row in batch["input_ids"]]
+
+    full, epochs = loader(), []
+    for epoch in (0, 1):
+        full.set_epoch(epoch)
+        epochs.append([])
+        for k, batch in enumerate(full):
+            epochs[-1].append(ids(batch))
+            if epoch == 1 and k == 2:
+                state = full.state_dict()
+    full.close()
+    fresh = loader()  # fresh workers, which read epoch 1's order whatever the fix
+    fresh.set_epoch(1)
+    assert [ids(batch) for batch in fresh] == epochs[1] != epochs[0]
+    fresh.close()
+    resumed = loader()
+    resumed.load_state_dict(state)
+    assert [ids(batch) for batch in resumed] == epochs[1][3:]
+    resumed.close()
 
 
 class PatchDataset(torch.utils.data.Dataset):

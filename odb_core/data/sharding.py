@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from odb_core.data.sources import ShardedSampler
+from odb_core.data.stream_epoch import from_datasets
 from odb_core.planning.budget import Item
 from odb_core.settings.console import LOGGER
 
@@ -32,7 +33,7 @@ def rank_sharding(dataset: Any, shard: bool, *, rank: int, world_size: int) -> b
     at W > 1) is warned about, since each of its samples then trains W times. (`datasets` keeps the split in the
     stream's `_distributed`, its only record of it.) Other streams are the user's: `shard_iterable=False` says that
     they are split already. Returns whether ODB shards the stream over ranks."""
-    if type(dataset).__module__.split(".")[0] != "datasets":
+    if not from_datasets(dataset):
         return shard
     split = getattr(dataset, "_distributed", None)
     if split is not None and (split.rank, split.world_size) != (rank, world_size):

@@ -24,6 +24,7 @@ from torch.utils.data import Dataset, IterableDataset, Sampler, get_worker_info
 from odb_core.data.feeder import WorkerChunk
 from odb_core.data.sample import ID_DTYPE, ID_FIELDS, ID_KEYS, compact_ids
 from odb_core.data.sendable import lane_may_move, pack_sample, sendable, share_lane, share_large, unshared_storages
+from odb_core.data.stream_epoch import from_datasets
 from odb_core.data.worker_files import send_files
 from odb_core.data.worker_region import placed, settled
 
@@ -330,8 +331,7 @@ def worker_parts(dataset: Any, num_workers: int) -> int:
     each DataLoader worker only its own shards (NOTE [ Streams that split themselves over workers ]), else 1.
     Only the `datasets` package's streams are trusted to split: another class with a `num_shards` attribute would
     otherwise be read once per worker."""
-    from_datasets = type(dataset).__module__.split(".")[0] == "datasets"
-    return num_workers if num_workers > 1 and from_datasets and hasattr(dataset, "num_shards") else 1
+    return num_workers if num_workers > 1 and from_datasets(dataset) and hasattr(dataset, "num_shards") else 1
 
 
 def keep_chunk(chunk: list[tuple[int, Any]]) -> list[tuple[int, Any]]:

@@ -33,6 +33,7 @@ from torch.utils.data import DataLoader, DistributedSampler, Sampler
 from odb_core.data.payload import payload_bytes
 from odb_core.data.sendable import raise_open_files, unpack_sample
 from odb_core.data.sharding import rank_sharding
+from odb_core.data.stream_epoch import SharedEpoch
 from odb_core.data.worker_files import FileInbox
 from odb_core.data.worker_region import region_size
 from odb_core.data.sources import (ChunkSampler, DatasetFetchError, Handover, IndexedDataset, IndexedIterable,
@@ -186,7 +187,8 @@ class SampleStream:
                                       region_bytes=region_size(options.region_bytes, options.num_workers))
         if self.size is None:
             shard = rank_sharding(dataset, options.shard_iterable, rank=rank, world_size=world_size)
-            self._iterable = IndexedIterable(dataset, rank=rank, world_size=world_size, shard=shard,
+            self._epochs = SharedEpoch(dataset) if SharedEpoch.needed(dataset, options.num_workers) else dataset
+            self._iterable = IndexedIterable(self._epochs, rank=rank, world_size=world_size, shard=shard,
                                              chunk=chunk, compact=options.compact_ids, mark=options.mark_ids)
         else:
             self._chunks = ChunkSampler(self.sampler, chunk)  # type: ignore[arg-type]
@@ -263,7 +265,7 @@ class SampleStream:
         self._replayed = {}
         if self.size is None:
             if hasattr(self.dataset, "set_epoch"):  # e.g. a shuffled HF IterableDataset: replay the same order
-                self.dataset.set_epoch(epoch)
+                self._epochs.set_epoch(epoch)  # NOTE [ A stream's epoch in persistent workers ]
             chunks = self._start_workers()
             if point is None:
                 return chunks
