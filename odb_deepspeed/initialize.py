@@ -39,8 +39,8 @@ def _resolve_config(args: Any, config: Any, config_params: Any) -> Any:
     """The config `deepspeed.initialize` would use (same precedence), or None when there is none."""
     if config is None and config_params is not None:
         config = config_params
-    if config is None:
-        config = getattr(args, "deepspeed_config", None)
+    if config is None:  # DeepSpeed still reads the deprecated `deepscale_config` too
+        config = getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None)
     return config
 
 
@@ -78,9 +78,11 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
     if isinstance(model, deepspeed.PipelineModule):
         raise NotImplementedError("odb with pipeline parallelism is not supported: PipelineEngine.train_batch "
                                   "draws fixed-size micro-batches itself")
-    if config is None and config_params is None and getattr(args, "deepspeed_config", None) is not None:
+    if config is None and config_params is None and _resolve_config(args, None, None) is not None:
         passthrough["args"] = copy.copy(args)  # the config came from args; DeepSpeed refuses it next to config=
-        passthrough["args"].deepspeed_config = None
+        for name in ("deepspeed_config", "deepscale_config"):
+            if hasattr(args, name):
+                setattr(passthrough["args"], name, None)
     engine, optimizer, _, scheduler = deepspeed.initialize(**passthrough, config=split.deepspeed)
     loader = _build_loader(training_data, section, engine, collate_fn)
     if "epochs" in section.extras:

@@ -89,6 +89,16 @@ def test_initialize_validates_the_section_before_starting_deepspeed():
         odb_deepspeed.initialize(model=torch.nn.Linear(2, 2), config=_config(token_budgt=1))
 
 
+def test_the_deprecated_deepscale_config_argument_is_read_as_deepspeed_reads_it(tmp_path):
+    """Before, the section of a config named by `args.deepscale_config` was not read: ODB stayed off, silently."""
+    import argparse
+
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(_config(token_budgt=1)))
+    with pytest.raises(ValueError, match="'token_budgt'"):
+        odb_deepspeed.initialize(args=argparse.Namespace(deepscale_config=str(path)), model=torch.nn.Linear(2, 2))
+
+
 def test_initialize_refuses_enabled_odb_without_training_data():
     with pytest.raises(ValueError, match="training_data is None"):
         odb_deepspeed.initialize(model=torch.nn.Linear(2, 2), config=_config())
