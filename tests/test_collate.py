@@ -40,10 +40,20 @@ def test_a_field_longer_than_input_ids_and_multi_axis_rows_pad_as_pad_sequence_d
     longer = PadCollator()([{"input_ids": [1, 2], "labels": [1, 2, 3]}, {"input_ids": [4], "labels": [4]}])
     assert torch.equal(longer["labels"], torch.tensor([[1, 2, 3], [4, -100, -100]]))
     assert torch.equal(longer["input_ids"], torch.tensor([[1, 2], [4, 0]]))
-    rows = [[[0, 1], [0, 1], [0, 1]], [[0, 1], [0, 1], [0, 1]]]  # 3 x L position ids per sample, as lists
-    multi = PadCollator()([{"input_ids": [1, 2], "position_ids": r} for r in rows])
+    rows = [[[0, 1, 2], [0, 1, 2]], [[0, 1, 2], [0, 1, 2]]]  # L x 2 features per token: not rope positions
+    multi = PadCollator()([{"input_ids": [1, 2], "token_type_ids": r} for r in rows])
     reference = torch.nn.utils.rnn.pad_sequence([torch.tensor(r) for r in rows], batch_first=True)
-    assert torch.equal(multi["position_ids"], reference)
+    assert torch.equal(multi["token_type_ids"], reference)
+
+
+def test_multi_axis_rope_positions_batch_as_axes_by_batch_by_length():
+    """Qwen2-VL's (3, L) position ids per sample: (3, B, L), right-padded with 0 (NOTE [ Vision fields in a batch ];
+    before, (B, 3, L), padded along the axes; tests/test_multimodal.py runs the model on them)."""
+    rows = [[[0, 1], [0, 1], [0, 1]], [[0, 1, 2], [0, 1, 1], [0, 2, 2]]]  # as lists, of two lengths
+    multi = PadCollator()([{"input_ids": [1, 2], "position_ids": rows[0]},
+                           {"input_ids": [1, 2, 3], "position_ids": torch.tensor(rows[1])}])
+    assert torch.equal(multi["position_ids"], torch.tensor([[[0, 1, 0], [0, 1, 2]], [[0, 1, 0], [0, 1, 1]],
+                                                            [[0, 1, 0], [0, 2, 2]]]))
 
 
 def test_equal_length_tensors_stack_in_their_dtype_and_a_shorter_field_is_still_padded():
@@ -117,11 +127,13 @@ def test_a_field_missing_from_one_sample_is_named_by_that_sample_s_index():
 
 
 def test_multi_axis_rows_of_the_ids_length_are_not_widened_along_their_last_axis():
-    # (3, L) position ids with L = 4 > 3: pad_sequence stacks them as (B, 3, 4); before, the padding of a field
-    # "shorter than input_ids" then widened the last axis to (B, 3, 5) with a column of zeros
+    # (3, L) rows with L = 4 > 3: rope positions batch as (3, B, 4) (NOTE [ Vision fields in a batch ]); another
+    # field of that shape, as pad_sequence stacks it, (B, 3, 4); before, the padding of a field "shorter than
+    # input_ids" then widened the last axis to (B, 3, 5) with a column of zeros
     rows = [torch.arange(4).repeat(3, 1), torch.arange(4).repeat(3, 1) + 1]
-    batch = PadCollator()([{"input_ids": torch.arange(4), "position_ids": r} for r in rows])
-    assert torch.equal(batch["position_ids"], torch.stack(rows))
+    batch = PadCollator()([{"input_ids": torch.arange(4), "position_ids": r, "token_type_ids": r} for r in rows])
+    assert torch.equal(batch["position_ids"], torch.stack(rows, dim=1))
+    assert torch.equal(batch["token_type_ids"], torch.stack(rows))
 
 
 def test_the_attention_mask_is_made_on_the_ids_device():

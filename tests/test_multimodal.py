@@ -95,3 +95,92 @@ def test_vlm_step_gradient_equals_big_batch_token_mean_through_the_trainer(vlm, 
         for got, key in zip(recorder.steps, sorted(steps)))
     print(f"VLM W=1 GA=2: max relative gradient error {worst:.2e} over {len(steps)} steps")
     assert worst <= 1e-6
+
+
+# -- vision fields of several families (NOTE [ Vision fields in a batch ] in odb_core/data/vision_fields.py) -------
+IMAGE, VIDEO, START, END = 90, 91, 92, 93  # a tiny Qwen2-VL's special tokens
+
+
+def tiny_qwen2_vl_100():
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    text = {"vocab_size": 100, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+            "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 4096, "pad_token_id": 0,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 6, 6]}}
+    vision = {"depth": 1, "embed_dim": 32, "num_heads": 2, "mlp_ratio": 2, "hidden_size": 64, "patch_size": 14,
+              "spatial_merge_size": 2, "temporal_patch_size": 2}
+    config = Qwen2VLConfig(text_config=text, vision_config=vision, image_token_id=IMAGE, video_token_id=VIDEO,
+                           vision_start_token_id=START, vision_end_token_id=END, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    return Qwen2VLForConditionalGeneration(config).eval()
+
+
+def qwen_sample(n_text: int, image=None, video=None, seed: int = 0) -> dict:
+    """Text tokens, then an image's and a video's expanded tokens ((t, h, w) grids; 4 patches per token)."""
+    generator = torch.Generator().manual_seed(seed)
+    ids, kinds, sample = [5 + i % 50 for i in range(n_text)], [0] * n_text, {}
+    for grid, token, kind, pixels, grid_key in ((image, IMAGE, 1, "pixel_values", "image_grid_thw"),
+                                                (video, VIDEO, 2, "pixel_values_videos", "video_grid_thw")):
+        if grid is not None:
+            t, h, w = grid
+            ids += [START] + [token] * (t * h * w // 4) + [END]
+            kinds += [0] + [kind] * (t * h * w // 4) + [0]
+            sample[pixels] = torch.randn(t * h * w, 1176, generator=generator)
+            sample[grid_key] = torch.tensor([grid])
+    ids = torch.tensor(ids)
+    return {**sample, "input_ids": ids, "labels": ids.clone(), "mm_token_type_ids": torch.tensor(kinds)}
+
+
+def test_video_patches_are_counted_and_capped():
+    """Before, a video counted 0 patches: one batch held 512 patch rows under max_patches=64."""
+    assert inspect_sample(0, qwen_sample(6, video=(2, 4, 4)), None).patches == 32
+    assert inspect_sample(0, qwen_sample(6, image=(1, 4, 4), video=(2, 4, 4)), None).patches == 48
+    loader = ODBDataLoader([qwen_sample(6, video=(2, 4, 4), seed=i) for i in range(16)], token_budget=4096,
+                           max_patches=64, collate_fn=PadCollator())
+    rows = [batch["pixel_values_videos"].shape[0] for batch in loader]
+    assert sum(rows) == 16 * 32 and max(rows) <= 64 and all(b.info.local_patches for b in loader)
+
+
+def test_text_rows_videos_and_multi_axis_positions_collate_as_qwen2_vl_takes_them():
+    """An empty grid (HF datasets' [] for a text row) no longer turns the batch's grid into float32, and Qwen2-VL's
+    (3, L) rope positions batch as (3, B, L): the loss equals the model's own positions' (before, rows of unequal
+    lengths failed to collate, and three equal ones trained on wrong positions)."""
+    model = tiny_qwen2_vl_100()
+    samples = [qwen_sample(6, image=(1, 4, 4), seed=1), qwen_sample(9, video=(2, 4, 4), seed=2),
+               qwen_sample(4, image=(1, 4, 8), seed=3)]
+    text = {**qwen_sample(12, seed=4), "image_grid_thw": torch.tensor([]), "pixel_values": torch.tensor([])}
+    collate = PadCollator()
+    plain = collate([*samples, text])
+    assert plain["image_grid_thw"].dtype == torch.long and plain["image_grid_thw"].shape == (2, 3)
+    with torch.no_grad():
+        own = model(**plain).loss
+        for sample in [*samples, text]:  # each sample's positions, as its own batch of one gives them
+            single = collate([sample])
+            positions, _ = model.model.get_rope_index(
+                single["input_ids"], mm_token_type_ids=single["mm_token_type_ids"],
+                image_grid_thw=single.get("image_grid_thw"), video_grid_thw=single.get("video_grid_thw"),
+                attention_mask=single["attention_mask"])
+            sample["position_ids"] = positions[:, 0, :]
+        batch = collate([*samples, text])
+        assert batch["position_ids"].shape == (3, 4, plain["input_ids"].shape[1])
+        assert torch.allclose(model(**batch).loss, own, atol=1e-6)
+
+
+def test_per_image_lists_flat_grids_and_other_families_fields_concatenate():
+    """A list of per-image pixels and a flat (t, h, w) grid, which the patch count reads, collate; LLaVA-NeXT's
+    crops are padded to the group's most and its image_sizes concatenated; Qwen2.5-VL's second_per_grid_ts too."""
+    a, b = torch.randn(16, 6), torch.randn(8, 6)
+    listed = {"input_ids": torch.arange(5), "pixel_values": [a, b], "image_grid_thw": [1, 4, 4, 1, 2, 4]}
+    batch = PadCollator()([listed, {"input_ids": torch.arange(3), "pixel_values": b, "image_grid_thw": [1, 2, 4]}])
+    assert torch.equal(batch["pixel_values"], torch.cat([a, b, b]))
+    assert batch["image_grid_thw"].tolist() == [[1, 4, 4], [1, 2, 4], [1, 2, 4]]
+    assert inspect_sample(0, listed, None).patches == 24
+    two, three = torch.randn(1, 2, 3, 28, 28), torch.randn(1, 3, 3, 28, 28)
+    next_ = PadCollator()([{"input_ids": torch.arange(4), "pixel_values": two, "image_sizes": [[28, 56]]},
+                           {"input_ids": torch.arange(6), "pixel_values": three, "image_sizes": [[56, 28]]}])
+    assert next_["pixel_values"].shape == (2, 3, 3, 28, 28) and next_["image_sizes"].shape == (2, 2)
+    assert torch.equal(next_["pixel_values"][0, :2], two[0]) and not next_["pixel_values"][0, 2].any()
+    timed = PadCollator()([{"input_ids": torch.arange(4), "second_per_grid_ts": torch.tensor([1.0, 2.0])},
+                           {"input_ids": torch.arange(4)},
+                           {"input_ids": torch.arange(4), "second_per_grid_ts": torch.tensor([0.5])}])
+    assert timed["second_per_grid_ts"].tolist() == [1.0, 2.0, 0.5]

@@ -13,12 +13,12 @@ from torch.utils.data import default_collate
 
 from odb_core.data.arenas import ArenaPool
 from odb_core.data.sample import IGNORE_INDEX, INTEGER_DTYPES, sequence_length
+from odb_core.data.vision_fields import CONCATENATED, batched_rope, rope_rows, vision_parts
 
 CollateFn = Callable[[list[Any]], Any]
 _IGNORE_INDEX = np.int64(IGNORE_INDEX)
 SEQUENCE_PAD = {"input_ids": None, "labels": IGNORE_INDEX, "attention_mask": 0, "position_ids": 0,
                 "token_type_ids": 0, "mm_token_type_ids": 0}
-CONCATENATED = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
 
 
 class CollateError(RuntimeError):
@@ -53,11 +53,12 @@ class PadCollator:
     """Right-pads 1-D sequence fields to the group's longest sample and concatenates vision fields.
 
     `input_ids` is padded with `pad_token_id`, `labels` with -100, masks and position ids with 0; a missing
-    `attention_mask` is created. `pixel_values`/`image_grid_thw` are concatenated along dim 0 in sample order
-    (the Qwen2-VL layout: the model assigns them to image tokens in order), so a group may mix text-only and image
-    samples; a text-only sample's missing `mm_token_type_ids` are zeros (all text). Other fields must be in every
-    sample and go through `torch.utils.data.default_collate`. It is label-preserving (NOTE [ Label-preserving
-    collators ]); a subclass is not unless its own body says so (it may pad or mask its own way).
+    `attention_mask` is created. Vision fields (`pixel_values`, `image_grid_thw`, video fields) are concatenated
+    along dim 0 in sample order (NOTE [ Vision fields in a batch ] in vision_fields.py), so a group may mix
+    text-only and image samples; a text-only sample's missing `mm_token_type_ids` are zeros (all text). Other
+    fields must be in every sample and go through `torch.utils.data.default_collate`. It is label-preserving
+    (NOTE [ Label-preserving collators ]); a subclass is not unless its own body says so (it may pad or mask its
+    own way).
     """
 
     preserves_labels: ClassVar[bool] = True
@@ -83,15 +84,17 @@ class PadCollator:
         else:
             longest = stacked.shape[1]
         for key in keys:
-            if key in CONCATENATED:
-                batch[key] = self._concatenated([torch.as_tensor(s[key]) for s in samples if key in s])
+            if key in CONCATENATED:  # NOTE [ Vision fields in a batch ] in vision_fields.py
+                batch[key] = self._concatenated(vision_parts(key, [s[key] for s in samples if key in s]))
                 continue
             if key == "input_ids":
                 batch[key] = stacked if stacked is not None else self._pad_field(ids, longest, self.pad_token_id,
                                                                                   stack=False)
                 continue
             values = [s[key] if key in s else _text_only_default(key, s, i) for i, s in enumerate(samples)]
-            if key in SEQUENCE_PAD:
+            if key == "position_ids" and rope_rows(values, ids):  # Qwen2-VL's (3, L) rows: (3, B, L)
+                batch[key] = batched_rope(values, longest)
+            elif key in SEQUENCE_PAD:
                 # ids not stacked (unequal lengths, or not tensors): the other fields skip the stack attempt, a
                 # failed `torch.stack` costs ~15 µs; the padding path stacks equal-width rows of one dtype itself
                 batch[key] = self._pad_field(values, longest, SEQUENCE_PAD[key], stack=stacked is not None)

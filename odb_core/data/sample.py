@@ -2,8 +2,10 @@
 
 NOTE [ Observed cost ]
 A sample's cost is known only after the user's pipeline ran (tokenization, templates, truncation, image-token
-expansion). The default cost length is `len(input_ids)`; vision patches are the rows of `pixel_values`, or the
-sum of t*h*w over `image_grid_thw`, and are capped per group by `max_patches`. A user `length_fn(sample) -> int`
+expansion). The default cost length is `len(input_ids)`; vision patches are the rows of `pixel_values`, or the sum
+of t*h*w over `image_grid_thw`, plus the same for a video's `pixel_values_videos` and `video_grid_thw`, and are
+capped per group by `max_patches` (a row is one patch in Qwen2-VL's layout; in LLaVA's (images, 3, H, W) it is one
+image, and in LLaVA-NeXT's (images, crops, 3, H, W) one image of all its crops). A user `length_fn(sample) -> int`
 replaces the default length. Supervised tokens are those of the collated batch, `labels[..., 1:] != -100` (the
 causal shift), so that whatever the collator does to labels is what is counted; a label-preserving collator's are
 counted from the samples, to the same number (NOTE [ Label-preserving collators ] in collate.py).
@@ -40,40 +42,46 @@ def sequence_length(value: Any) -> int | None:
 
 
 def count_patches(sample: Mapping[str, Any]) -> int:
-    """Vision patches of a sample: `image_grid_thw` products if present, else rows of `pixel_values` (summed over
-    the images where it is a list or tuple of per-image arrays). Raises ValueError or TypeError where either field
-    cannot say (`inspect_sample` names the sample)."""
-    grid = sample.get("image_grid_thw")
+    """Vision patches of a sample, images and videos: for each, the `*_grid_thw` products if present, else rows of
+    its pixels (summed over the images where they are a list or tuple of per-image arrays). Before, videos counted
+    0, and `max_patches` did not bound them. Raises ValueError or TypeError where a field cannot say
+    (`inspect_sample` names the sample)."""
+    return _patches(sample, "image_grid_thw", "pixel_values") + _patches(sample, "video_grid_thw",
+                                                                        "pixel_values_videos")
+
+
+def _patches(sample: Mapping[str, Any], grid_key: str, pixels_key: str) -> int:
+    grid = sample.get(grid_key)
     if grid is not None:
         try:
             grid = torch.as_tensor(grid)
         except (TypeError, ValueError, RuntimeError) as exc:
-            raise ValueError(f"'image_grid_thw' must hold (t, h, w) integer triples; a {type(grid).__name__} "
+            raise ValueError(f"{grid_key!r} must hold (t, h, w) integer triples; a {type(grid).__name__} "
                              f"cannot be read as one ({exc})") from exc
         if grid.numel() == 0:  # a text-only row of a mixed dataset ([] from HF datasets reads as float32)
             return 0
         if grid.is_floating_point() and grid.numel() % 3 == 0 and bool((grid == grid.round()).all()):
             grid = grid.long()  # whole numbers stored as floats (a table column cast to float): counted as before
         if grid.is_floating_point() or grid.is_complex() or grid.dtype == torch.bool or grid.numel() % 3:
-            raise ValueError(f"'image_grid_thw' must hold (t, h, w) integer triples, got {grid.dtype} of shape "
+            raise ValueError(f"{grid_key!r} must hold (t, h, w) integer triples, got {grid.dtype} of shape "
                              f"{tuple(grid.shape)}")
         rows = grid.reshape(-1, 3).tolist()  # a few triples: Python's arithmetic beats tiny tensor ops
         if any(size < 0 for row in rows for size in row):
-            raise ValueError("'image_grid_thw' has a negative size")
+            raise ValueError(f"{grid_key!r} has a negative size")
         return sum(t * h * w for t, h, w in rows)
-    pixels = sample.get("pixel_values")
+    pixels = sample.get(pixels_key)
     if pixels is None:
         return 0
     if isinstance(pixels, list | tuple):
-        return sum(_rows(image) for image in pixels if getattr(image, "shape", None) is not None)  # others: 0, as
-    return _rows(pixels)  # before (nested lists, PIL images, None)
+        return sum(_rows(image, pixels_key) for image in pixels if getattr(image, "shape", None) is not None)  # others:
+    return _rows(pixels, pixels_key)  # 0, as before (nested lists, PIL images, None)
 
 
-def _rows(pixels: Any) -> int:
+def _rows(pixels: Any, key: str) -> int:
     shape = getattr(pixels, "shape", None)
     if shape is not None:
         return int(shape[0]) if len(shape) >= 1 else 0
-    raise TypeError(f"'pixel_values' must be a tensor or array (or a list of them, one per image), got "
+    raise TypeError(f"{key!r} must be a tensor or array (or a list of them, one per image), got "
                     f"{type(pixels).__name__}, whose patches cannot be counted")
 
 
@@ -142,7 +150,8 @@ def inspect_sample(index: int, sample: Any, length_fn: LengthFn | None) -> Item:
         raise SampleError(index, f"expected a mapping with 'input_ids', got {type(sample).__name__}")
     ids, labels = sample.get("input_ids"), sample.get("labels", _ABSENT)
     if (type(ids) is torch.Tensor and length_fn is None and (labels is _ABSENT or type(labels) is torch.Tensor)
-            and sample.get("image_grid_thw") is None and sample.get("pixel_values") is None):
+            and sample.get("image_grid_thw") is None and sample.get("pixel_values") is None
+            and sample.get("video_grid_thw") is None and sample.get("pixel_values_videos") is None):
         shape = ids.shape
         if (len(shape) == 1 and shape[0] > 0 and ids.dtype in INTEGER_DTYPES
                 and (labels is _ABSENT or (labels.shape == shape and labels.dtype in INTEGER_DTYPES))):
