@@ -88,7 +88,8 @@ def check_compatible(config: Mapping[str, Any], settings: ODBSettings,
             raise ODBConfigError(f"{key}: true conflicts with odb: true: on a micro-batch without supervised tokens "
                                  "(ODB's IDLE steps, which keep the ranks in step) its loss is a constant with no "
                                  "gradient, and the backward pass fails")
-    layerwise = [key for key in ("galore_layerwise", "apollo_layerwise") if config.get(key)]
+    layerwise = [f"{name}_layerwise" for name in ("galore", "apollo")  # only under use_galore / use_apollo
+                 if config.get(f"use_{name}") and config.get(f"{name}_layerwise")]
     if layerwise and settings.config is not None and settings.config.step_target is not None:
         raise ODBConfigError(f"{layerwise[0]}: true conflicts with odb_samples_per_step / odb_tokens_per_step: its "
                              "hooks step the optimizer and the LR scheduler at every backward pass, and a step "
@@ -118,14 +119,21 @@ def check_streaming(config: Mapping[str, Any]) -> None:
                              "remove max_samples, or set streaming: false")
 
 
+def _names(value: Any) -> list[str]:
+    """A `dataset` / `eval_dataset` value's names: a comma-separated string or a list."""
+    if not value:
+        return []
+    return [n.strip() for n in value.split(",")] if isinstance(value, str) else [str(n) for n in value]
+
+
 def local_file_datasets(config: Mapping[str, Any]) -> list[str]:
-    """The training datasets LLaMA-Factory 0.9.5 loads from local files (`data/parser.py`: an entry of
+    """The training and evaluation datasets LLaMA-Factory 0.9.5 loads from local files (`data/parser.py`: an entry of
     `dataset_dir`/dataset_info.json with no hub, script or cloud address); none when that file is not there (an
     online `dataset_dir`) or cannot be read, where LLaMA-Factory decides and says."""
-    names, folder = config.get("dataset"), config.get("dataset_dir", "data")
+    folder = config.get("dataset_dir", "data")
+    names = [n for key in ("dataset", "eval_dataset") for n in _names(config.get(key))]
     if not names or not isinstance(folder, str):
         return []
-    names = [n.strip() for n in names.split(",")] if isinstance(names, str) else [str(n) for n in names]
     try:
         with open(os.path.join(folder, "dataset_info.json")) as handle:
             info = json.load(handle)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from torch.utils.data import get_worker_info
+from torch.utils.data import IterableDataset, get_worker_info
 
 from conftest import LengthDataset
 from dist_cases import (EXIT_CODE_OF_DEAD_RANK, REPO_ROOT, TESTS_DIR, Case, KillWorkerDataset, RaisingDataset,
@@ -539,8 +539,21 @@ def _drop_loaders_on_a_gloo_rank(rank: int, port: int, out) -> None:
         gc.collect()
         threads = sorted(t.name for t in threading.enumerate() if t.name.startswith("odb-"))
         seen.append((threads, len(os.listdir("/proc/self/fd")) - baseline))
+    for _ in range(2):  # refused after its transport was built: move='fetch' cannot re-read a stream
+        try:
+            ODBDataLoader(Stream(), token_budget=1024, move="fetch")
+        except ValueError:
+            pass
+        gc.collect()
+        threads = sorted(t.name for t in threading.enumerate() if t.name.startswith("odb-"))
+        seen.append((threads, len(os.listdir("/proc/self/fd")) - baseline))
     out.put((rank, seen))
     dist.destroy_process_group()
+
+
+class Stream(IterableDataset):
+    def __iter__(self):
+        return iter([{"input_ids": [1, 2, 3]}] * 4)
 
 
 def test_a_loader_dropped_without_close_ends_its_threads_and_groups():
@@ -557,6 +570,7 @@ def test_a_loader_dropped_without_close_ends_its_threads_and_groups():
     for process in ranks:
         process.join(30)
     for rank, seen in reports.items():
-        # before: 3 more threads (two couriers and a heartbeat) and ~11 more descriptors for each dropped loader
-        assert [threads for threads, _ in seen] == [[]] * 3, (rank, seen)
+        # before: 3 more threads (two couriers and a heartbeat) and ~11 more descriptors for each dropped loader,
+        # and a courier thread and its group for each refused one
+        assert [threads for threads, _ in seen] == [[]] * 5, (rank, seen)
         assert max(fds for _, fds in seen) <= 3, (rank, seen)  # a descriptor or two come and go (the store's)

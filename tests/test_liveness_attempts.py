@@ -105,3 +105,14 @@ def test_a_peer_that_dies_before_the_token_s_broadcast_is_a_peer_error():
     assert what.startswith("PeerError after"), (what, message)
     assert float(what.split()[-1].rstrip("s")) < 30  # the peer's sockets closed: no timeout waited
     assert "rank 0: ODB metadata token broadcast failed" in message and "a peer rank probably died" in message
+
+
+def test_a_courier_closed_from_its_own_thread_does_not_wait_for_itself():
+    """The collector may finalize a dropped loader on the courier's thread (NOTE [ A dropped loader ends its
+    threads ]); before, stop() joined the current thread there: RuntimeError, and the group was never destroyed."""
+    from odb_core.ranks.sync import _Courier
+
+    courier = _Courier()
+    assert courier.run(lambda: courier.stop(1.0), lambda: None) is True
+    courier._thread.join(5.0)
+    assert not courier._thread.is_alive()  # it ended after the call it was in

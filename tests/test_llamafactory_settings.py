@@ -116,6 +116,8 @@ def test_streaming_names_the_dataloader_workers_it_needs_and_refuses_max_samples
     for workers in (1, 2, 4):
         check_compatible({**streaming, "dataloader_num_workers": workers, "max_samples": None}, settings)
     check_compatible({**streaming, "dataset": "hub"}, settings)
+    with pytest.raises(ODBConfigError, match=r"1 or more for local:"):  # an evaluation file streams the same way
+        check_compatible({**streaming, "dataset": "hub", "eval_dataset": "local"}, settings)
     check_compatible({**streaming, "dataset_dir": "ONLINE", "dataset": "org/chat"}, settings)
 
 
@@ -123,10 +125,12 @@ def test_a_layer_wise_optimizer_is_refused_only_beside_a_step_target():
     """GaLore's and APOLLO's layer-wise hooks step the optimizer and the scheduler at every backward pass; a step
     target runs several backward passes per optimizer step (LLaMA-Factory refuses them with G > 1 for that)."""
     target = pop_odb_settings({"odb": True, "odb_token_budget": 4096, "odb_samples_per_step": 64})
-    for key in ("galore_layerwise", "apollo_layerwise"):
-        with pytest.raises(ODBConfigError, match=rf"^{key}: true conflicts with odb_samples_per_step"):
-            check_compatible({**BASE, key: True}, target)
-        check_compatible({**BASE, key: True}, pop_odb_settings({"odb": True, "odb_token_budget": 4096}))
+    for name in ("galore", "apollo"):
+        layerwise = {f"use_{name}": True, f"{name}_layerwise": True}
+        with pytest.raises(ODBConfigError, match=rf"^{name}_layerwise: true conflicts with odb_samples_per_step"):
+            check_compatible({**BASE, **layerwise}, target)
+        check_compatible({**BASE, **layerwise}, pop_odb_settings({"odb": True, "odb_token_budget": 4096}))
+        check_compatible({**BASE, f"{name}_layerwise": True}, target)  # inert without use_{name}
 
 
 def test_the_ranks_get_the_allocator_settings_llamafactory_s_launcher_gives_them():

@@ -29,8 +29,9 @@ def rank_sharding(dataset: Any, shard: bool, *, rank: int, world_size: int) -> b
     HF `datasets`' `split_dataset_by_node(stream, rank, world_size)` gives each rank its own part of a stream; ODB's
     default `shard_iterable=True` then kept 1/W of that part, and (W - 1)/W of the data went untrained without a
     word. So a `datasets` stream split for this rank and world is read whole, as with `shard_iterable=False`; one
-    split for another rank or world is refused; an unsplit one that every rank reads whole (`shard_iterable=False`
-    at W > 1) is warned about, since each of its samples then trains W times. (`datasets` keeps the split in the
+    split for another rank or world is refused; an unsplit one read whole on each rank (`shard_iterable=False` at
+    W > 1) is warned about: unless it holds the rank's part only (a `.shard()`, the rank's own files), which the
+    stream does not record, each of its samples trains W times. (`datasets` keeps the split in the
     stream's `_distributed`, its only record of it.) Other streams are the user's: `shard_iterable=False` says that
     they are split already. Returns whether ODB shards the stream over ranks."""
     if not from_datasets(dataset):
@@ -41,7 +42,8 @@ def rank_sharding(dataset: Any, shard: bool, *, rank: int, world_size: int) -> b
                          f"world_size={split.world_size}), but this is rank {rank} of {world_size}; split it with "
                          "this process's rank and world size, or pass the whole stream and let ODB shard it")
     if split is None and not shard and world_size > 1:
-        LOGGER.warning("rank %d: every rank reads the whole stream (shard_iterable=False) and it was not split with "
-                       "split_dataset_by_node, so each sample trains %d times; leave shard_iterable at True, or "
-                       "split the stream by node", rank, world_size)
+        LOGGER.warning("rank %d: the stream is read whole on each rank (shard_iterable=False) and was not split with "
+                       "split_dataset_by_node: unless it holds this rank's part only (a .shard(), this rank's own "
+                       "files), each sample trains %d times; leave shard_iterable at True for a stream every rank "
+                       "reads whole", rank, world_size)
     return shard and split is None

@@ -288,15 +288,16 @@ class ODBDataLoader:
         finally:
             self._release()
 
-    def _release(self) -> None:  # what the loader built beside the epoch; the lane first (a move may end on it)
-        self._stream.close_files()  # never blocks (NOTE [ A worker's files travel as descriptors ])
-        for part in (p for p in (self._lane, self._nodes, self._owned_transport) if p is not None):
-            part.close()
+    def _release(self) -> None:  # NOTE [ A dropped loader ends its threads ] in odb_core/ranks/sync.py
+        if getattr(self, "_stream", None) is not None:  # what __init__ built, where a refusal there stopped it
+            self._stream.close_files()  # never blocks (NOTE [ A worker's files travel as descriptors ])
+        for part in (getattr(self, name, None) for name in ("_lane", "_nodes", "_owned_transport")):
+            if part is not None:  # the lane first: a move may end on its group
+                part.close()
 
     def __del__(self) -> None:  # NOTE [ A dropped loader ends its threads ] in odb_core/ranks/sync.py
         self._stop_epoch(leave=False)  # no collective from a finalizer
-        if getattr(self, "_ctx", None) is not None:  # __init__ ended: every part exists
-            self._release()
+        self._release()
 
 
 class _EpochIterator(Iterator[ODBBatch]):

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import threading
 from collections import defaultdict
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -62,6 +63,7 @@ from odb_core.ranks.moves import (Pickled, decode_samples, frame_of, frame_size,
 from odb_core.ranks.shared_handles import HandleRoutes, from_handles, to_handles
 from odb_core.ranks.sync import PeerError, Transport
 
+LANE_THREAD = "odb-moves"  # the lane's thread, named for its own close (a finalizer may run on it)
 FACT_FIELDS = 3  # per moved sample: supervised tokens, has labels (0/1), input tokens (with a length_fn; else 0)
 
 
@@ -166,7 +168,7 @@ class MoveLane:
             self.transport = open_transport()
             if self.transport is not None:
                 self.routes = HandleRoutes.open(self.transport, self.shared_memory, self.open_files)
-                self._thread = ThreadPoolExecutor(1, thread_name_prefix="odb-moves")
+                self._thread = ThreadPoolExecutor(1, thread_name_prefix=LANE_THREAD)
         return self._thread is not None
 
     def submit(self, pickled: list[Pickled | None], keep: list[torch.UntypedStorage],
@@ -180,8 +182,9 @@ class MoveLane:
     def close(self) -> None:
         """End the thread after the exchange in flight (bounded by the lane's timeouts), then the transport."""
         self._open = None
-        if self._thread is not None:
-            self._thread.shutdown(wait=True, cancel_futures=True)
+        if self._thread is not None:  # not waiting for itself, from a finalizer the collector ran on the lane's thread
+            own = threading.current_thread().name.startswith(LANE_THREAD)
+            self._thread.shutdown(wait=not own, cancel_futures=True)
         if self.transport is not None:
             self.transport.close()
 

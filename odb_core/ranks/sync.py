@@ -176,7 +176,11 @@ class _Courier:
     sockets and three threads (two couriers and the heartbeat) until the process ended: the courier's frame held its
     last call, whose closure holds the transport. Now the courier drops each call once done, and a collected
     `ODBDataLoader` stops its epoch without leaving it (no collective from a finalizer) and closes what it built,
-    as `close()` does (`tests/test_faults.py::test_a_loader_dropped_without_close_ends_its_threads_and_groups`).
+    as `close()` does (`tests/test_faults.py::test_a_loader_dropped_without_close_ends_its_threads_and_groups`),
+    as far as its `__init__` got: a loader refused there (its settings, a stream split for another rank) closes
+    the transport it built. The collector may run the finalizer on any thread, the loader's own too (a loader and
+    its epoch iterator hold each other, so only the cyclic collector frees them): the courier and the move lane do
+    not wait for themselves there.
     """
 
     def __init__(self) -> None:
@@ -213,6 +217,8 @@ class _Courier:
         """End the thread after the call in flight, if any; False if that call did not return within `timeout_s`
         (an abandoned collective, which ends at Gloo's own timeout)."""
         self._jobs.put(_Stop())
+        if self._thread is threading.current_thread():  # closed from a finalizer the collector ran on this thread
+            return True  # (NOTE [ A dropped loader ends its threads ]): it ends after the call it is in
         self._thread.join(timeout_s)
         return not self._thread.is_alive()
 
