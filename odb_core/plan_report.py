@@ -112,7 +112,7 @@ class Run:
 
 def simulate_run(lengths: Sequence[int], config: ODBConfig, world: int, nodes: NodePlanning | None) -> Run:
     streams = shard(lengths, world, config.seed)
-    return Run(streams, simulate_epoch(streams, config, max_rounds=len(lengths) + 2, nodes=nodes))
+    return Run(streams, simulate_epoch(streams, config, nodes=nodes))  # its own bound (simulate_epoch's)
 
 
 def _report(lengths: Sequence[int], config: ODBConfig, model: StepTimeModel, run: Run) -> PlanReport:

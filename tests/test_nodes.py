@@ -94,8 +94,9 @@ def test_node_aware_join_emits_every_sample_exactly_once(case):
 @PROPERTY_SETTINGS
 @given(clusters(join=False))
 def test_node_aware_non_join_closes_a_quota_without_splits_or_idle(case):
-    """Nothing twice, the rest reported; equal counts by full bands only: no split, no IDLE, except the last
-    round's rounding up to the accumulation steps."""
+    """Nothing twice, the rest reported; equal counts by full bands only: no IDLE, except the last round's
+    rounding up to the accumulation steps; splits only there and where a node's pool cannot grow and cannot fill
+    one band (NOTE [ A pool too small for a band ]: before, such an epoch ended there, its samples untrained)."""
     streams, config, per_node = case
     plan = simulate_epoch(streams, config, nodes=NodePlanning(per_node))
     everything = [i for rank in range(len(streams)) for i in emitted(plan, rank)]
@@ -106,8 +107,6 @@ def test_node_aware_non_join_closes_a_quota_without_splits_or_idle(case):
     for steps in plan.steps:
         idle = [k for k, slot in enumerate(steps) if slot is None]
         assert all(k in last for k in idle) and len(idle) <= config.accumulation_steps - 1
-    if config.accumulation_steps == 1:
-        assert plan.splits == 0
 
 
 @PROPERTY_SETTINGS

@@ -9,7 +9,7 @@ global planning (NOTE [ Pooled rounds ]) with the node's ranks as the world, plu
      exactly as global planning does over the whole world today (`PooledEngine.state`, `pool_ints`);
   2. every rank of the node cuts the node's pool (`cut_pool`: sort, greedy, hold the tail): the same `PoolCut`
      on every rank of the node, hence the same `NodeState` (NODE_FIELDS ints: active, ready groups, groups,
-     progress, leaving);
+     progress, leaving, full);
   3. across nodes: all_gather of the `NodeState`s (N x NODE_FIELDS ints per rank: in the loader, one group per
      local rank, holding the N ranks that share it, so each rank receives its peers' copy of each node's state);
   4. every rank decides T from the N node states (`decide_nodes`, pure): each node's own wish is what the
@@ -42,11 +42,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from odb_core.planning.alignment import RoundKey
-from odb_core.planning.pooled import PoolCut, PooledEngine, PooledRound, cut_pool, deal_pool, pool_buffers
+from odb_core.planning.pooled import PoolCut, PooledEngine, PooledRound, cut_pool, deal_pool, growing, pool_buffers
 from odb_core.planning.termination import (Decision, PoolFacts, RankState, align_to_accumulation, build_termination,
                                            check_same_progress)
 
-NODE_FIELDS = 8  # ints per node in the round's cross-node all_gather (`NodeState`)
+NODE_FIELDS = 9  # ints per node in the round's cross-node all_gather (`NodeState`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,16 +105,17 @@ class NodeState:
     round: int = 0
     leaving: bool = False
     resumed_at: int = 0
+    full: bool = False  # every active rank of the node holds `window` samples (NOTE [ A pool too small for a band ])
 
     def to_ints(self) -> list[int]:
         return [int(self.active), self.n_ready, self.n_groups, self.steps_done, self.epoch, self.round,
-                int(self.leaving), self.resumed_at]
+                int(self.leaving), self.resumed_at, int(self.full)]
 
     @classmethod
     def from_ints(cls, values: Sequence[int]) -> NodeState:
-        active, n_ready, n_groups, steps_done, epoch, round_, leaving, resumed_at = (int(v) for v in values)
+        active, n_ready, n_groups, steps_done, epoch, round_, leaving, resumed_at, full = (int(v) for v in values)
         return cls(active=bool(active), n_ready=n_ready, n_groups=n_groups, steps_done=steps_done, epoch=epoch,
-                   round=round_, leaving=bool(leaving), resumed_at=resumed_at)
+                   round=round_, leaving=bool(leaving), resumed_at=resumed_at, full=bool(full))
 
     def progress(self) -> RankState:
         """The node's progress as a `RankState`, for `check_same_progress`."""
@@ -128,19 +129,20 @@ def check_nodes_progress(states: Sequence[NodeState], round_index: int, epoch: i
     check_same_progress([s.progress() for s in states], round_index, epoch)
 
 
-def decide_nodes(states: Sequence[NodeState], per_node: int, join: bool) -> Decision:
+def decide_nodes(states: Sequence[NodeState], per_node: int, join: bool, growing: bool = False) -> Decision:
     """The round's T from every node's state (the same on every rank; step 4 of NOTE [ Node-aware rounds ]).
     Pure. Each node's wish is `decide_pooled` over its facts with W = per_node; the termination strategy's
     `decide` then aligns the wishes as it aligns ranks (a final wish reads as a closing rank)."""
     termination = build_termination(join)
-    wishes = [termination.decide_pooled(cut_facts(s, per_node)) for s in states]
+    wishes = [termination.decide_pooled(cut_facts(s, per_node, growing)) for s in states]
     return termination.decide([RankState(active=not w.final, n_ready=w.target, n_groups=w.target, n_samples=0,
                                          steps_done=0) for w in wishes])
 
 
-def cut_facts(state: NodeState, per_node: int) -> PoolFacts:
+def cut_facts(state: NodeState, per_node: int, growing: bool = False) -> PoolFacts:
     """A node's pool facts as its state reports them (what its own `decide_pooled` wish is computed from)."""
-    return PoolFacts(any_active=state.active, n_ready=state.n_ready, n_groups=state.n_groups, world=per_node)
+    return PoolFacts(any_active=state.active, n_ready=state.n_ready, n_groups=state.n_groups, world=per_node,
+                     growing=growing, full=state.full)
 
 
 class NodeEngine(PooledEngine):
@@ -152,13 +154,13 @@ class NodeEngine(PooledEngine):
     def cut_round(self, states: Sequence[RankState], pooled: Sequence[Sequence[int]]) -> PoolCut:
         """The node's cut from its ranks' states and pool ints (local rank order); the same on every rank of it."""
         check_same_progress(states, self.round, self.epoch)
-        return cut_pool(pool_buffers(states, pooled), [s.active for s in states], self.budget)
+        return cut_pool(pool_buffers(states, pooled), [s.active for s in states], self.budget, self.config.window)
 
     def node_state(self, cut: PoolCut, leaving: bool = False) -> NodeState:
         facts = cut.facts()
         return NodeState(active=facts.any_active, n_ready=facts.n_ready, n_groups=facts.n_groups,
                          steps_done=self.steps_done, epoch=self.epoch, round=self.round, leaving=leaving,
-                         resumed_at=self.resumed_at)
+                         resumed_at=self.resumed_at, full=facts.full)
 
     def leaving_node_state(self) -> NodeState:
         """What every rank of a node reports across nodes when one of its ranks left (NOTE [ Leaving an epoch ])."""
@@ -168,7 +170,7 @@ class NodeEngine(PooledEngine):
     def decide_nodes(self, nodes: Sequence[NodeState], per_node: int) -> Decision:
         """T for this round from every node's state (node order), aligned to the accumulation steps."""
         check_nodes_progress(nodes, self.round, self.epoch)
-        decision = decide_nodes(nodes, per_node, self.config.join)
+        decision = decide_nodes(nodes, per_node, self.config.join, growing(self.config, self.round))
         return align_to_accumulation(decision, self.steps_done, self.config.accumulation_steps)
 
     def deal(self, cut: PoolCut, decision: Decision) -> PooledRound:

@@ -42,6 +42,7 @@ from odb_core.planning.alignment import RoundKey, Slot, step_permutation
 from odb_core.planning.budget import GroupBudget, Item, build_budget
 from odb_core.planning.grouping import Group, pack_sorted, sort_longest_first, split_widest
 from odb_core.planning.planner import BufferEngine
+from odb_core.planning.round_sizes import round_target
 from odb_core.planning.termination import (Decision, PoolFacts, RankState, align_to_accumulation, build_termination,
                                            check_same_progress)
 from odb_core.settings.config import ODBConfig
@@ -136,20 +137,30 @@ class PoolCut:
     groups: Sequence[Group]
     n_ready: int  # all groups but the held tail
     any_active: bool
+    full: bool = False  # every active rank's buffer holds `window` samples, its ready groups one sample per rank
 
-    def facts(self) -> PoolFacts:
+    def facts(self, growing: bool = False) -> PoolFacts:
         return PoolFacts(any_active=self.any_active, n_ready=self.n_ready, n_groups=len(self.groups),
-                         world=len(self.buffers))
+                         world=len(self.buffers), growing=growing, full=self.full)
 
 
-def cut_pool(buffers: Sequence[Sequence[Item]], active: Sequence[bool], budget: GroupBudget) -> PoolCut:
+def cut_pool(buffers: Sequence[Sequence[Item]], active: Sequence[bool], budget: GroupBudget,
+             window: int | None = None) -> PoolCut:
     """Sort the pool (a total order) and cut it with the rank-local greedy; the tail is held while a stream is
-    active unless it is all carried over (NOTE [ No starving ]). Pure; O(P log P) for P pooled items."""
+    active unless it is all carried over (NOTE [ No starving ]). `window`: a rank's buffer size, which says
+    whether the pool can grow. Pure; O(P log P) for P pooled items."""
     groups = pack_sorted(sort_longest_first([it for b in buffers for it in b], by_owner=True), budget)
     any_active = any(active)
     hold_tail = any_active and len(groups) > 1 and not all(it.carried for it in groups[-1].items)
-    return PoolCut(buffers=buffers, groups=groups, n_ready=len(groups) - 1 if hold_tail else len(groups),
-                   any_active=any_active)
+    n_ready = len(groups) - 1 if hold_tail else len(groups)
+    full = (window is not None and all(len(b) >= window for b, on in zip(buffers, active, strict=True) if on)
+            and sum(len(g.items) for g in groups[:n_ready]) >= len(buffers))  # splits alone can fill a band
+    return PoolCut(buffers=buffers, groups=groups, n_ready=n_ready, any_active=any_active, full=full)
+
+
+def growing(config: ODBConfig, round_index: int) -> bool:
+    """Whether round `round_index` is a round of the growing ramp (NOTE [ Round sizes ]): the next may hold more."""
+    return round_target(config, round_index, 0, None) < config.window
 
 
 def deal_pool(cut: PoolCut, decision: Decision, key: RoundKey, config: ODBConfig, budget: GroupBudget) -> PooledRound:
@@ -173,8 +184,8 @@ def plan_pooled_round(buffers: Sequence[Sequence[Item]], request: PoolRequest, c
                       budget: GroupBudget | None = None) -> PooledRound:
     """The round's plan over every rank's buffer (see NOTE [ Pooled rounds ]). Pure and deterministic."""
     budget = budget if budget is not None else build_budget(config)
-    cut = cut_pool(buffers, request.active, budget)
-    decision = build_termination(config.join).decide_pooled(cut.facts())
+    cut = cut_pool(buffers, request.active, budget, config.window)
+    decision = build_termination(config.join).decide_pooled(cut.facts(growing(config, request.key.round)))
     decision = align_to_accumulation(decision, request.steps_done, config.accumulation_steps)
     return deal_pool(cut, decision, request.key, config, budget)
 

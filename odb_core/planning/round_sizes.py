@@ -81,6 +81,17 @@ def round_target(config: ODBConfig, round_index: int, buffered: int, left: int |
     return min(grown, max(smallest, -(-rest // 2)))
 
 
+def ramp_rounds(config: ODBConfig) -> int:
+    """The rounds whose buffer target is still below `window` (NOTE [ Round sizes ]): 0 without a ramp. Non-join
+    pooled rounds may plan no step in them (NOTE [ A pool too small for a band ] in termination.py)."""
+    if config.min_window is None or config.min_window >= config.window:
+        return 0
+    rounds = 0
+    while _grown(config.window, config.min_window, config.round_growth, rounds) < config.window:
+        rounds += 1
+    return rounds
+
+
 def _grown(window: int, smallest: int, growth: float, round_index: int) -> int:
     """min(window, floor(smallest x growth^round_index)) as floats compute it: exact for growth 2 (a shift), and
     `window` where the power overflows a float."""

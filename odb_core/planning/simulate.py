@@ -26,7 +26,7 @@ from odb_core.planning.grouping import Group
 from odb_core.planning.nodes import NODE_FIELDS, NodeEngine, NodeLayout, NodePlanning
 from odb_core.planning.planner import BufferEngine, RankEngine
 from odb_core.planning.pooled import POOL_FIELDS, PooledEngine, PoolRequest, cut_pool, plan_pooled_round
-from odb_core.planning.round_sizes import fill_more
+from odb_core.planning.round_sizes import fill_more, ramp_rounds
 from odb_core.planning.termination import STATE_FIELDS, STEP_SUM_FIELDS
 from odb_core.settings.config import ODBConfig
 
@@ -139,15 +139,16 @@ def simulate_epoch(streams: Sequence[Sequence[Item]], config: ODBConfig, epoch: 
     payload bytes by dataset index, for `max_buffer_bytes` (None: the byte bound is not modelled).
 
     `max_rounds` defaults to the bound stated in NOTE [ Rounds and termination ]: max stream length + 2 (rank-
-    local) or all samples + 2 (global, node-aware). `nodes`: the ranks per node; node-aware planning when
+    local) or all samples + 2 (global, node-aware), plus the rounds of the growing ramp (NOTE [ A pool too small
+    for a band ]). `nodes`: the ranks per node; node-aware planning when
     `nodes.aware` and the config plans globally at W > 1 (ValueError if per_node does not divide W).
     """
     world = len(streams)
     layout = (nodes or NodePlanning(per_node=max(world, 1))).layout(max(world, 1))
     mode = planning_mode(config, world, nodes)
     longest = sum(len(s) for s in streams) if mode != "local" else max((len(s) for s in streams), default=0)
-    bound = max_rounds if max_rounds is not None else longest + 2
-    engines = _engines(mode, config, epoch, layout)
+    engines = _engines(mode, config, epoch, layout)  # + the ramp's rounds that may plan nothing (non-join pools)
+    bound = max_rounds if max_rounds is not None else longest + 2 + ramp_rounds(engines[0].config)
     cursors, ended = [0] * world, [False] * world
     plan = EpochPlan(steps=[[] for _ in range(world)], rounds=0, not_emitted=[[] for _ in range(world)],
                      oversize=0, planning=mode)
@@ -292,7 +293,8 @@ def _node_round(engines: Sequence[NodeEngine], active: list[bool], plan: EpochPl
     for node, members in enumerate(nodes):
         buffers = _buffers(members)
         with watches[node]:
-            cuts.append(cut_pool(buffers, [active[r] for r in layout.ranks_of(node)], members[0].budget))
+            cuts.append(cut_pool(buffers, [active[r] for r in layout.ranks_of(node)], members[0].budget,
+                                 members[0].config.window))
     states = [members[0].node_state(cut) for members, cut in zip(nodes, cuts, strict=True)]
     with decided:
         decision = engines[0].decide_nodes(states, layout.per_node)
