@@ -226,15 +226,17 @@ def test_non_join_stops_at_the_shortest_rank_and_reports_what_it_did_not_emit(tm
 
 
 def test_global_non_join_stops_when_the_pool_cannot_fill_a_step_and_reports_the_rest(tmp_path):
-    """Global planning: non-join runs full steps only (a group for every rank, no IDLE, no split) and stops in the
-    first round whose pooled samples cannot fill one while a stream is still active; what it did not emit is
-    reported (closure, checked with the other guarantees in `_check_epochs`)."""
+    """Global planning: non-join runs a group for every rank at every step, never IDLE; while a stream is active
+    it goes on as long as the pool's ready groups hold a sample per rank (a band short of groups is completed by
+    splits: NOTE [ A pool too small for a band ]), and its final round emits full bands only; what it did not emit
+    is reported (closure, checked with the other guarantees in `_check_epochs`)."""
     case = Case(world_size=2, lengths=rank_skewed_lengths(240, 2), join=False)
     records = _run(case, "env", tmp_path)
     _check_epochs(case, records)
     ranks = _epoch(records, 0)
     assert not any(s["is_idle"] for r in ranks for s in r["steps"])
-    assert any(r["not_emitted"] for r in ranks), "the rank with samples left should have reported them"
+    reported = sum(len(r["not_emitted"]) for r in ranks)
+    assert reported < 0.1 * len(case.lengths)  # before the NOTE, up to the pool's first round on (a skewed pool)
 
 
 # --- DistributedSampler (pads with repeated indices when W does not divide the size) ---------------------------

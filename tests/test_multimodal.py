@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -184,3 +185,9 @@ def test_per_image_lists_flat_grids_and_other_families_fields_concatenate():
                            {"input_ids": torch.arange(4)},
                            {"input_ids": torch.arange(4), "second_per_grid_ts": torch.tensor([0.5])}])
     assert timed["second_per_grid_ts"].tolist() == [1.0, 2.0, 0.5]
+    one, two_images = [np.zeros((3, 8, 8))], [np.zeros((3, 8, 8)), np.ones((3, 8, 8))]  # LLaVA's images, listed
+    llava = PadCollator()([{"input_ids": torch.arange(4), "pixel_values": one, "image_sizes": [np.array([8, 8])]},
+                           {"input_ids": torch.arange(4), "pixel_values": two_images,
+                            "image_sizes": [np.array([8, 8]), np.array([8, 8])]}])
+    assert llava["pixel_values"].shape == (3, 3, 8, 8) and llava["image_sizes"].shape == (3, 2)  # stacked, not
+    # concatenated along their first axis (a review of the first version found (9, 8, 8))

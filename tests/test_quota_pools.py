@@ -6,6 +6,7 @@ buffered or unread reported as not emitted: a whole epoch untrained at W = 8 and
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -29,8 +30,8 @@ def test_a_first_round_too_small_for_a_band_does_not_end_the_epoch():
                                                        (96, None, 4096), (8, None, 64), (16, NodePlanning(8), 64)])
 def test_large_budgets_over_many_ranks_train_the_epoch(world, nodes, window):
     """Lengths 50-400 under 16,384 tokens: ~70 samples a group. The ramp's first pools cannot fill a band; with
-    `window=64` (and no ramp) no pool can, and one band is completed by splits. Before: 0 steps, every sample
-    reported. What is left is the last round's rest of fewer than W groups, the quota's closure."""
+    `window=64` (and no ramp) no pool can, and bands are completed by splits. Before: 0 steps, every sample
+    reported. What is left is the last round's rest, the quota's closure."""
     rng = random.Random(0)
     streams = [[Item(r * 600 + i, rng.randint(50, 400)) for i in range(600)] for r in range(world)]
     ramp = {} if window == 4096 else {"min_window": None, "pool_window": None}
@@ -39,7 +40,27 @@ def test_large_budgets_over_many_ranks_train_the_epoch(world, nodes, window):
     trained = emitted(plan)
     assert len(trained) == len(set(trained)) and len(trained) >= 0.8 * world * 600
     assert all(slot is not None for rank in plan.steps for slot in rank)  # no IDLE
-    assert (plan.splits > 0) == (window == 64)
+    assert plan.splits > 0 or window != 64  # no pool of 64 per rank makes a band without them
+
+
+def reported(plan) -> int:
+    return sum(len(rest) for rest in plan.not_emitted)
+
+
+@pytest.mark.parametrize("extra", [{}, {"min_window": None}])
+def test_the_halving_rounds_and_a_byte_bound_do_not_end_the_epoch_either(extra):
+    """The second review's cases: map-style streams end in halving rounds, and a byte bound stops a buffer short
+    of `window`; neither pool can grow to a band. Before: 8,715 of 57,600 reported at W = 96 (rank-local planning
+    4,893), and 0 steps with every sample reported under the byte bound."""
+    rng = random.Random(0)
+    streams = [[Item(r * 600 + i, rng.randint(50, 400)) for i in range(600)] for r in range(96)]
+    config = ODBConfig(token_budget=16384, cost="tokens", join=False, **extra)
+    pooled, local = simulate_epoch(streams, config), simulate_epoch(streams, replace(config, planning="local"))
+    assert reported(pooled) <= reported(local)
+    streams = [[Item(r * 3000 + i, rng.randint(50, 400)) for i in range(3000)] for r in range(8)]
+    bounded = replace(config, max_buffer_bytes=50_000)
+    plan = simulate_epoch(streams, bounded, sizes={it.index: 1000 for s in streams for it in s})
+    assert plan.n_steps > 0 and reported(plan) < 0.05 * 24_000
 
 
 @pytest.mark.parametrize("options", [{}, {"prefetch_steps": 2}, {"plan_ahead": False}])

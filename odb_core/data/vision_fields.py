@@ -35,9 +35,12 @@ CONCATENATED = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_
 
 
 def vision_part(key: str, value: Any) -> torch.Tensor:
-    """One sample's `key` as the tensor its batch concatenates (see the NOTE above)."""
+    """One sample's `key` as the tensor its batch concatenates (see the NOTE above). A list of per-image arrays is
+    stacked where each is one image or one row (LLaVA's (3, H, W), an `image_sizes` pair) and concatenated where
+    each already has a leading axis of its own (Qwen2-VL's patch rows, LLaVA-NeXT's crops)."""
     if isinstance(value, list | tuple) and value and all(getattr(v, "shape", None) is not None for v in value):
-        part = torch.cat([torch.as_tensor(v) for v in value])
+        parts = [torch.as_tensor(v) for v in value]
+        part = torch.stack(parts) if all(p.ndim in (0, 1, 3) for p in parts) else torch.cat(parts)
     else:
         part = torch.as_tensor(value)
     if key in GRIDS:

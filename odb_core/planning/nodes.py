@@ -9,7 +9,7 @@ global planning (NOTE [ Pooled rounds ]) with the node's ranks as the world, plu
      exactly as global planning does over the whole world today (`PooledEngine.state`, `pool_ints`);
   2. every rank of the node cuts the node's pool (`cut_pool`: sort, greedy, hold the tail): the same `PoolCut`
      on every rank of the node, hence the same `NodeState` (NODE_FIELDS ints: active, ready groups, groups,
-     progress, leaving, full);
+     progress, leaving, splittable);
   3. across nodes: all_gather of the `NodeState`s (N x NODE_FIELDS ints per rank: in the loader, one group per
      local rank, holding the N ranks that share it, so each rank receives its peers' copy of each node's state);
   4. every rank decides T from the N node states (`decide_nodes`, pure): each node's own wish is what the
@@ -105,17 +105,17 @@ class NodeState:
     round: int = 0
     leaving: bool = False
     resumed_at: int = 0
-    full: bool = False  # every active rank of the node holds `window` samples (NOTE [ A pool too small for a band ])
+    splittable: bool = False  # its ready groups hold a sample per rank (NOTE [ A pool too small for a band ])
 
     def to_ints(self) -> list[int]:
         return [int(self.active), self.n_ready, self.n_groups, self.steps_done, self.epoch, self.round,
-                int(self.leaving), self.resumed_at, int(self.full)]
+                int(self.leaving), self.resumed_at, int(self.splittable)]
 
     @classmethod
     def from_ints(cls, values: Sequence[int]) -> NodeState:
-        active, n_ready, n_groups, steps_done, epoch, round_, leaving, resumed_at, full = (int(v) for v in values)
+        active, n_ready, n_groups, steps_done, epoch, round_, leaving, resumed_at, splits = (int(v) for v in values)
         return cls(active=bool(active), n_ready=n_ready, n_groups=n_groups, steps_done=steps_done, epoch=epoch,
-                   round=round_, leaving=bool(leaving), resumed_at=resumed_at, full=bool(full))
+                   round=round_, leaving=bool(leaving), resumed_at=resumed_at, splittable=bool(splits))
 
     def progress(self) -> RankState:
         """The node's progress as a `RankState`, for `check_same_progress`."""
@@ -142,7 +142,7 @@ def decide_nodes(states: Sequence[NodeState], per_node: int, join: bool, growing
 def cut_facts(state: NodeState, per_node: int, growing: bool = False) -> PoolFacts:
     """A node's pool facts as its state reports them (what its own `decide_pooled` wish is computed from)."""
     return PoolFacts(any_active=state.active, n_ready=state.n_ready, n_groups=state.n_groups, world=per_node,
-                     growing=growing, full=state.full)
+                     growing=growing, splittable=state.splittable)
 
 
 class NodeEngine(PooledEngine):
@@ -154,13 +154,13 @@ class NodeEngine(PooledEngine):
     def cut_round(self, states: Sequence[RankState], pooled: Sequence[Sequence[int]]) -> PoolCut:
         """The node's cut from its ranks' states and pool ints (local rank order); the same on every rank of it."""
         check_same_progress(states, self.round, self.epoch)
-        return cut_pool(pool_buffers(states, pooled), [s.active for s in states], self.budget, self.config.window)
+        return cut_pool(pool_buffers(states, pooled), [s.active for s in states], self.budget)
 
     def node_state(self, cut: PoolCut, leaving: bool = False) -> NodeState:
         facts = cut.facts()
         return NodeState(active=facts.any_active, n_ready=facts.n_ready, n_groups=facts.n_groups,
                          steps_done=self.steps_done, epoch=self.epoch, round=self.round, leaving=leaving,
-                         resumed_at=self.resumed_at, full=facts.full)
+                         resumed_at=self.resumed_at, splittable=facts.splittable)
 
     def leaving_node_state(self) -> NodeState:
         """What every rank of a node reports across nodes when one of its ranks left (NOTE [ Leaving an epoch ])."""

@@ -137,25 +137,22 @@ class PoolCut:
     groups: Sequence[Group]
     n_ready: int  # all groups but the held tail
     any_active: bool
-    full: bool = False  # every active rank's buffer holds `window` samples, its ready groups one sample per rank
+    splittable: bool = False  # the ready groups hold a sample per rank: splits alone can make one band of them
 
     def facts(self, growing: bool = False) -> PoolFacts:
         return PoolFacts(any_active=self.any_active, n_ready=self.n_ready, n_groups=len(self.groups),
-                         world=len(self.buffers), growing=growing, full=self.full)
+                         world=len(self.buffers), growing=growing, splittable=self.splittable)
 
 
-def cut_pool(buffers: Sequence[Sequence[Item]], active: Sequence[bool], budget: GroupBudget,
-             window: int | None = None) -> PoolCut:
+def cut_pool(buffers: Sequence[Sequence[Item]], active: Sequence[bool], budget: GroupBudget) -> PoolCut:
     """Sort the pool (a total order) and cut it with the rank-local greedy; the tail is held while a stream is
-    active unless it is all carried over (NOTE [ No starving ]). `window`: a rank's buffer size, which says
-    whether the pool can grow. Pure; O(P log P) for P pooled items."""
+    active unless it is all carried over (NOTE [ No starving ]). Pure; O(P log P) for P pooled items."""
     groups = pack_sorted(sort_longest_first([it for b in buffers for it in b], by_owner=True), budget)
     any_active = any(active)
     hold_tail = any_active and len(groups) > 1 and not all(it.carried for it in groups[-1].items)
     n_ready = len(groups) - 1 if hold_tail else len(groups)
-    full = (window is not None and all(len(b) >= window for b, on in zip(buffers, active, strict=True) if on)
-            and sum(len(g.items) for g in groups[:n_ready]) >= len(buffers))  # splits alone can fill a band
-    return PoolCut(buffers=buffers, groups=groups, n_ready=n_ready, any_active=any_active, full=full)
+    splittable = sum(len(g.items) for g in groups[:n_ready]) >= len(buffers)
+    return PoolCut(buffers=buffers, groups=groups, n_ready=n_ready, any_active=any_active, splittable=splittable)
 
 
 def growing(config: ODBConfig, round_index: int) -> bool:
@@ -184,7 +181,7 @@ def plan_pooled_round(buffers: Sequence[Sequence[Item]], request: PoolRequest, c
                       budget: GroupBudget | None = None) -> PooledRound:
     """The round's plan over every rank's buffer (see NOTE [ Pooled rounds ]). Pure and deterministic."""
     budget = budget if budget is not None else build_budget(config)
-    cut = cut_pool(buffers, request.active, budget, config.window)
+    cut = cut_pool(buffers, request.active, budget)
     decision = build_termination(config.join).decide_pooled(cut.facts(growing(config, request.key.round)))
     decision = align_to_accumulation(decision, request.steps_done, config.accumulation_steps)
     return deal_pool(cut, decision, request.key, config, budget)

@@ -293,8 +293,7 @@ def _node_round(engines: Sequence[NodeEngine], active: list[bool], plan: EpochPl
     for node, members in enumerate(nodes):
         buffers = _buffers(members)
         with watches[node]:
-            cuts.append(cut_pool(buffers, [active[r] for r in layout.ranks_of(node)], members[0].budget,
-                                 members[0].config.window))
+            cuts.append(cut_pool(buffers, [active[r] for r in layout.ranks_of(node)], members[0].budget))
     states = [members[0].node_state(cut) for members, cut in zip(nodes, cuts, strict=True)]
     with decided:
         decision = engines[0].decide_nodes(states, layout.per_node)

@@ -25,23 +25,22 @@ the facts of the pooled plan instead of per-rank states. Join: while some stream
 bands of W groups, at least one; once none is, every group (the last band completed by splits, then IDLE).
 Non-join: full bands only; it ends in the first round whose pool cannot fill a band while a stream is active, or
 once none is, and reports the rest, except where the pool is too small for a band by the config, not by the data
-(NOTE [ A pool too small for a band ]). Each join round with an active stream emits at least one sample, so an epoch
-of N samples ends within N + 1 rounds.
-
-NOTE [ A pool too small for a band ]
-"The pool cannot fill a band" meant the pooled data could no longer feed every rank. Two pools cannot for
-another reason, and those epochs ended there with every sample buffered or unread reported, not trained (a review
-ran it: non-join at W = 8 with a 16,384-token budget over samples of 50-400 tokens, 0 steps and 24,000 samples):
-  * a round of the growing ramp (NOTE [ Round sizes ]): its first pool, W x `min_window` samples (at W = 8 under
-    pooled round sizes, 512), packs into fewer than W groups where a group holds many samples. The round plans
-    no step (T = 0; every sample stays buffered) and the next, larger one reads more: the ramp reaches `window`
-    within log_g(window / min_window) rounds, so this adds at most that many rounds;
-  * a pool that cannot grow: every active rank holds `window` samples (under pooled round sizes a rank's window
-    shrinks with W: 85 at W = 96), and still fewer than W groups. The round emits one band, completed by splits
-    (its ready groups hold at least W samples, so no IDLE; else the epoch ends as before).
-`PoolFacts.growing` (from the config and the round index) and `.full` (from every active buffer's size, the
-ready groups' samples and `window`) say which; node-aware rounds send `full` in `NodeState`. Non-join under
-pooled planning may then split a group mid-epoch, never IDLE; rank-local non-join is unchanged.
+(NOTE [ A pool too small for a band ]
+"The pool cannot fill a band" meant the pooled data could no longer feed every rank. But a pool may be short of
+W groups for reasons of the config, not the data, and those epochs ended there with every sample buffered or
+unread reported, not trained (a review ran it: non-join at W = 8 with a 16,384-token budget over samples of
+50-400 tokens, 0 steps and 24,000 samples): the growing ramp's first pools (W x `min_window` samples; at W = 8
+under pooled round sizes, 512), the halving rounds at a map-style epoch's end, a buffer stopped by
+`max_buffer_bytes`, or a full window of samples that pack a few large groups. So, while a stream is active:
+  * a round of the growing ramp (NOTE [ Round sizes ]) plans no step (T = 0; every sample stays buffered) and
+    the next, larger one reads more: at most `ramp_rounds` such rounds per epoch;
+  * after the ramp, a pool whose ready groups hold at least W samples emits one band, completed by splits;
+  * only a pool with fewer ready samples than ranks ends the epoch, as before (no IDLE); once no stream is
+    active, the final round emits its full bands and reports the rest (fewer than W groups), as before.
+`PoolFacts.growing` (from the config and the round index, the same on every rank) and `.splittable` (from the
+shared cut) say which; node-aware rounds send `splittable` in `NodeState`. Non-join under pooled planning may
+then split a group mid-epoch, never IDLE; every such round emits at least W samples. Rank-local non-join is
+unchanged.
 
 Bound: with n_r samples on rank r, an epoch takes at most max_r(n_r) + 1 rounds (each round before the last one
 consumes a sample from every active rank). Each round costs one all_gather of 10 int64 per rank and one
@@ -109,7 +108,7 @@ class PoolFacts:
     n_groups: int
     world: int
     growing: bool = False  # the rounds still grow: the next round's buffers may hold more (NOTE [ Round sizes ])
-    full: bool = False  # the pool cannot grow (every active buffer holds `window`); its ready groups hold >= W samples
+    splittable: bool = False  # the ready groups hold at least W samples: splits alone can make one band of them
 
     def full_bands(self, groups: int) -> int:
         return groups // self.world
@@ -176,13 +175,13 @@ class QuotaTermination(Termination):
         """Full bands only: the epoch ends in the first round whose pool cannot fill one band of W groups while
         a stream is active (the pooled data can no longer feed every rank), or once no stream is active. That
         round emits the full bands of every group, tail included; the rest is reported. NOTE [ A pool too small
-        for a band ]: a round of the growing ramp plans nothing instead (the next reads more), and a pool that
-        cannot grow, every active buffer full, emits one band completed by splits."""
+        for a band ]: a round of the growing ramp plans nothing instead (the next reads more), and a pool
+        otherwise holding a sample per rank emits one band completed by splits."""
         if pool.any_active and pool.full_bands(pool.n_ready) >= 1:
             return Decision(target=pool.full_bands(pool.n_ready), final=False)
         if pool.any_active and pool.growing:
             return Decision(target=0, final=False)
-        if pool.any_active and pool.full:
+        if pool.any_active and pool.splittable:
             return Decision(target=1, final=False)
         return Decision(target=pool.full_bands(pool.n_groups), final=True)
 
