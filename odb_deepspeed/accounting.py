@@ -44,8 +44,10 @@ class DeepSpeedODBLoader:
     DeepSpeed's gradient-accumulation boundary before yielding each micro-batch, at the last micro-batch of each
     optimizer step, so that `engine.step()` after every micro-batch steps the optimizer only there.
     It also checks, at the first micro-batch of every accumulation window, that DeepSpeed's own window starts
-    there too (`engine.micro_steps % G == 0`); a loop that skipped `engine.step()` for a batch would otherwise
-    mix two windows' normalisers silently. Everything else is on `.odb`, the wrapped `ODBDataLoader`.
+    there too (`engine.micro_steps % G == 0`; with a step target, where G is 1, that the engine took one
+    optimizer step, `global_steps`, since the last window's last micro-batch was served: DeepSpeed counts a step
+    whose fp16 overflow it skipped too); a loop that skipped `engine.step()` for a batch would otherwise mix two
+    windows' normalisers silently. Everything else is on `.odb`, the wrapped `ODBDataLoader`.
     The counts are `odb_core.steps.metrics.StepCounts`: `_seen` over every yielded micro-batch, `_stepped` up to the
     last complete optimizer step; their difference is the open window.
     """
@@ -55,6 +57,7 @@ class DeepSpeedODBLoader:
         self.engine = engine
         self.accumulation_steps = loader.config.accumulation_steps
         self._seen = self._stepped = StepCounts()
+        self._steps_at_window_end: int | None = None  # engine.global_steps when a window's last batch was served
 
     @property
     def consumed(self) -> ConsumedCounts:
@@ -84,6 +87,16 @@ class DeepSpeedODBLoader:
         self.odb.set_epoch(epoch)
 
     def _check_aligned(self, info: StepInfo) -> None:
+        if self.odb.config.step_target is not None:  # G = 1: the window ends where the loader says
+            ended, self._steps_at_window_end = self._steps_at_window_end, None
+            if info.window_index == 0 and ended is not None and self.engine.global_steps != ended + 1:
+                raise RuntimeError(f"ODB starts an optimizer step at epoch {info.epoch} step {info.step}, but the "
+                                   f"DeepSpeed engine took {self.engine.global_steps - ended} optimizer steps since "
+                                   "the last one ended: call forward, backward and engine.step() once per yielded "
+                                   "batch, IDLE batches included")
+            if info.ends_window:
+                self._steps_at_window_end = self.engine.global_steps
+            return
         if info.step % self.accumulation_steps == 0 and self.engine.micro_steps % self.accumulation_steps != 0:
             raise RuntimeError(f"ODB starts accumulation window at epoch {info.epoch} step {info.step}, but the "
                                f"DeepSpeed engine is at micro-step {self.engine.micro_steps} (G="

@@ -142,6 +142,11 @@ def test_a_loss_odb_did_not_weight_is_refused_with_the_one_line_fix(run):
     assert refusals["ignores_num_items"].startswith("IgnoresNumItems's forward takes num_items_in_batch but its loss "
                                                     "does not divide the summed token loss by it")
     assert "set IgnoresNumItems.accepts_loss_kwargs = False" in refusals["ignores_num_items"]
+    # with a step target (G = 1), a window end without engine.step(): before, the check compared micro-steps
+    # modulo 1 and two windows' normalisers were mixed without an error
+    assert refusals["skipped_step"] is not None and refusals["skipped_step"].startswith("ODB starts an optimizer "
+                                                                                       "step at epoch 0 step ")
+    assert "took 0 optimizer steps since the last one ended" in refusals["skipped_step"]
 
 
 def test_a_router_loss_is_kept_and_a_fused_loss_without_logits_is_trusted(run):
