@@ -129,7 +129,7 @@ def _check_data(training_data: Any, collate_fn: Callable | None) -> None:
 def _build_loader(training_data: Any, section: ODBSettings, engine: Any, collate_fn: Callable | None) -> ODBDataLoader:
     accumulation = engine.gradient_accumulation_steps()  # derived from train_batch_size where not given
     if section.config.step_target is not None and accumulation != 1:
-        raise ValueError(step_target_with_accumulation(section.config, accumulation))
+        raise ValueError(step_target_with_accumulation(section.config.step_target, accumulation))
     config = section.derive(accumulation_steps=accumulation)
     if engine.sequence_parallel_size != 1:
         raise NotImplementedError("odb with sequence parallelism is not supported (ranks of one sequence-parallel "

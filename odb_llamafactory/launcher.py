@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from odb_core.settings.settings import ODBSettings
-from odb_llamafactory.settings import ODBConfigError, check_compatible, pop_odb_settings
+from odb_llamafactory.settings import ODBConfigError, check_compatible, env_enabled, pop_odb_settings
 
 USAGE = "usage: odb-llamafactory train CONFIG.yaml|CONFIG.json [key=value ...]"
 EXTRA = 'pip install "odb[llamafactory]"'  # what installs LLaMA-Factory beside odb
@@ -73,10 +73,6 @@ def read_config(argv: Sequence[str]) -> dict[str, Any]:
     return OmegaConf.to_container(OmegaConf.merge(loaded, OmegaConf.from_cli(list(argv[1:]))))
 
 
-def _enabled(env: Mapping[str, str], name: str) -> bool:
-    return env.get(name, "0").lower() in ("true", "y", "1")  # llamafactory.extras.misc.is_env_enabled
-
-
 def accelerator_count() -> int:
     """Accelerators on this node (torch's public accelerator API: CUDA, XPU, MPS, ...); 0 on a CPU machine."""
     import torch
@@ -94,7 +90,7 @@ def wants_torchrun(env: Mapping[str, str], device_count: Callable[[], int]) -> b
     """Whether `llamafactory-cli train` would re-launch under torchrun (or NPROC_PER_NODE asks for ranks)."""
     if "LOCAL_RANK" in env:  # already one rank of a launched job
         return False
-    return (_enabled(env, "FORCE_TORCHRUN") or _enabled(env, "USE_MCA") or int(env.get("NPROC_PER_NODE", "1")) > 1
+    return (env_enabled(env, "FORCE_TORCHRUN") or env_enabled(env, "USE_MCA") or int(env.get("NPROC_PER_NODE", "1")) > 1
             or device_count() > 1)
 
 
@@ -103,7 +99,7 @@ def ranks_env(env: Mapping[str, str]) -> dict[str, str]:
     allocator's expandable segments and NCCL's record-stream avoidance (before, the ranks ran without them, whose
     fragmenting allocator hurts most where batch shapes vary, as ODB's do)."""
     ranks = dict(env)
-    if env.get("OPTIM_TORCH", "1").lower() in ("true", "y", "1"):
+    if env_enabled(env, "OPTIM_TORCH", default="1"):
         ranks.update(PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True", TORCH_NCCL_AVOID_RECORD_STREAMS="1")
     return ranks
 

@@ -45,6 +45,11 @@ LLAMAFACTORY = SettingsSource(
 ALLOWED_KEYS = LLAMAFACTORY.allowed_keys
 
 
+def env_enabled(env: Mapping[str, str], name: str, default: str = "0") -> bool:
+    """An environment switch as LLaMA-Factory reads it (`llamafactory.extras.misc.is_env_enabled`)."""
+    return env.get(name, default).lower() in ("true", "y", "1")
+
+
 def pop_odb_settings(config: MutableMapping[str, Any]) -> ODBSettings | None:
     """Remove every `odb` / `odb_*` key from `config` (a LLaMA-Factory argument dict) and validate them.
 
@@ -69,7 +74,7 @@ def check_compatible(config: Mapping[str, Any], settings: ODBSettings,
     # LLaMA-Factory 0.9.5 takes Ray and MCA from USE_RAY / USE_MCA (`hparams/parser.py`, `training_args.py`): a
     # `use_mca` key without USE_MCA=1 is reset to false there, and `use_ray` is no config key at all
     for variable in ("USE_RAY", "USE_MCA"):
-        if env.get(variable, "0").lower() in ("true", "y", "1"):
+        if env_enabled(env, variable):
             raise ODBConfigError(f"{variable}=1 conflicts with odb: true: that path trains outside the SFT Trainer "
                                  "that ODB plugs into, so ODB would silently not apply")
     if config.get("use_hyper_parallel"):

@@ -99,32 +99,26 @@ def test_vlm_step_gradient_equals_big_batch_token_mean_through_the_trainer(vlm, 
 
 
 # -- vision fields of several families (NOTE [ Vision fields in a batch ] in odb_core/data/vision_fields.py) -------
-IMAGE, VIDEO, START, END = 90, 91, 92, 93  # a tiny Qwen2-VL's special tokens
+IMAGE, VIDEO, START, END = 90, 91, 92, 93  # special tokens of the samples built without a model
 
 
-def tiny_qwen2_vl_100():
-    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
-
-    text = {"vocab_size": 100, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-            "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 4096, "pad_token_id": 0,
-            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 6, 6]}}
-    vision = {"depth": 1, "embed_dim": 32, "num_heads": 2, "mlp_ratio": 2, "hidden_size": 64, "patch_size": 14,
-              "spatial_merge_size": 2, "temporal_patch_size": 2}
-    config = Qwen2VLConfig(text_config=text, vision_config=vision, image_token_id=IMAGE, video_token_id=VIDEO,
-                           vision_start_token_id=START, vision_end_token_id=END, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    return Qwen2VLForConditionalGeneration(config).eval()
+def special_tokens(tokenizer) -> tuple[int, int, int, int]:
+    """The MM-Mix tokenizer's image, video, vision start and end ids, as `mm_mix.tiny_qwen2_vl` reads them."""
+    ids = tokenizer.convert_tokens_to_ids
+    return ids("<|image_pad|>"), ids("<|video_pad|>"), ids("<|vision_start|>"), ids("<|vision_end|>")
 
 
-def qwen_sample(n_text: int, image=None, video=None, seed: int = 0) -> dict:
+def qwen_sample(n_text: int, image=None, video=None, seed: int = 0,
+                tokens: tuple[int, int, int, int] = (IMAGE, VIDEO, START, END)) -> dict:
     """Text tokens, then an image's and a video's expanded tokens ((t, h, w) grids; 4 patches per token)."""
+    image_token, video_token, start, end = tokens
     generator = torch.Generator().manual_seed(seed)
-    ids, kinds, sample = [5 + i % 50 for i in range(n_text)], [0] * n_text, {}
-    for grid, token, kind, pixels, grid_key in ((image, IMAGE, 1, "pixel_values", "image_grid_thw"),
-                                                (video, VIDEO, 2, "pixel_values_videos", "video_grid_thw")):
+    ids, kinds, sample = [10 + i % 50 for i in range(n_text)], [0] * n_text, {}  # above every special id
+    for grid, token, kind, pixels, grid_key in ((image, image_token, 1, "pixel_values", "image_grid_thw"),
+                                                (video, video_token, 2, "pixel_values_videos", "video_grid_thw")):
         if grid is not None:
             t, h, w = grid
-            ids += [START] + [token] * (t * h * w // 4) + [END]
+            ids += [start] + [token] * (t * h * w // 4) + [end]
             kinds += [0] + [kind] * (t * h * w // 4) + [0]
             sample[pixels] = torch.randn(t * h * w, 1176, generator=generator)
             sample[grid_key] = torch.tensor([grid])
@@ -142,14 +136,17 @@ def test_video_patches_are_counted_and_capped():
     assert sum(rows) == 16 * 32 and max(rows) <= 64 and all(b.info.local_patches for b in loader)
 
 
-def test_text_rows_videos_and_multi_axis_positions_collate_as_qwen2_vl_takes_them():
+def test_text_rows_videos_and_multi_axis_positions_collate_as_qwen2_vl_takes_them(vlm):
     """An empty grid (HF datasets' [] for a text row) no longer turns the batch's grid into float32, and Qwen2-VL's
     (3, L) rope positions batch as (3, B, L): the loss equals the model's own positions' (before, rows of unequal
     lengths failed to collate, and three equal ones trained on wrong positions)."""
-    model = tiny_qwen2_vl_100()
-    samples = [qwen_sample(6, image=(1, 4, 4), seed=1), qwen_sample(9, video=(2, 4, 4), seed=2),
-               qwen_sample(4, image=(1, 4, 8), seed=3)]
-    text = {**qwen_sample(12, seed=4), "image_grid_thw": torch.tensor([]), "pixel_values": torch.tensor([])}
+    _, tokenizer = vlm
+    model, tokens = mm_mix.tiny_qwen2_vl(tokenizer).eval(), special_tokens(tokenizer)
+    samples = [qwen_sample(6, image=(1, 4, 4), seed=1, tokens=tokens), qwen_sample(9, video=(2, 4, 4), seed=2,
+                                                                                   tokens=tokens),
+               qwen_sample(4, image=(1, 4, 8), seed=3, tokens=tokens)]
+    text = {**qwen_sample(12, seed=4, tokens=tokens), "image_grid_thw": torch.tensor([]),
+            "pixel_values": torch.tensor([])}
     collate = PadCollator()
     plain = collate([*samples, text])
     assert plain["image_grid_thw"].dtype == torch.long and plain["image_grid_thw"].shape == (2, 3)

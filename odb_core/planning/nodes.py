@@ -42,7 +42,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from odb_core.planning.alignment import RoundKey
-from odb_core.planning.pooled import PoolCut, PooledEngine, PooledRound, cut_pool, deal_pool, growing, pool_buffers
+from odb_core.planning.pooled import PoolCut, PooledEngine, PooledRound, cut_pool, deal_pool, pool_buffers
+from odb_core.planning.round_sizes import growing
 from odb_core.planning.termination import (Decision, PoolFacts, RankState, align_to_accumulation, build_termination,
                                            check_same_progress)
 

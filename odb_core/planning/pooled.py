@@ -42,7 +42,7 @@ from odb_core.planning.alignment import RoundKey, Slot, step_permutation
 from odb_core.planning.budget import GroupBudget, Item, build_budget
 from odb_core.planning.grouping import Group, pack_sorted, sort_longest_first, split_widest
 from odb_core.planning.planner import BufferEngine
-from odb_core.planning.round_sizes import round_target
+from odb_core.planning.round_sizes import growing
 from odb_core.planning.termination import (Decision, PoolFacts, RankState, align_to_accumulation, build_termination,
                                            check_same_progress)
 from odb_core.settings.config import ODBConfig
@@ -153,11 +153,6 @@ def cut_pool(buffers: Sequence[Sequence[Item]], active: Sequence[bool], budget: 
     n_ready = len(groups) - 1 if hold_tail else len(groups)
     splittable = sum(len(g.items) for g in groups[:n_ready]) >= len(buffers)
     return PoolCut(buffers=buffers, groups=groups, n_ready=n_ready, any_active=any_active, splittable=splittable)
-
-
-def growing(config: ODBConfig, round_index: int) -> bool:
-    """Whether round `round_index` is a round of the growing ramp (NOTE [ Round sizes ]): the next may hold more."""
-    return round_target(config, round_index, 0, None) < config.window
 
 
 def deal_pool(cut: PoolCut, decision: Decision, key: RoundKey, config: ODBConfig, budget: GroupBudget) -> PooledRound:

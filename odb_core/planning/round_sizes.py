@@ -61,6 +61,8 @@ simulator's); the read-ahead pulls up to the bytes the next fill may add (`Sampl
 
 from __future__ import annotations
 
+import itertools
+
 from odb_core.settings.config import ODBConfig
 
 _MAX_DOUBLINGS = 62  # 2^62 samples: past any window, and keeps the shift an int64
@@ -81,15 +83,15 @@ def round_target(config: ODBConfig, round_index: int, buffered: int, left: int |
     return min(grown, max(smallest, -(-rest // 2)))
 
 
+def growing(config: ODBConfig, round_index: int) -> bool:
+    """Whether round `round_index` is a round of the growing ramp (NOTE [ Round sizes ]): the next may hold more."""
+    return round_target(config, round_index, 0, None) < config.window
+
+
 def ramp_rounds(config: ODBConfig) -> int:
-    """The rounds whose buffer target is still below `window` (NOTE [ Round sizes ]): 0 without a ramp. Non-join
-    pooled rounds may plan no step in them (NOTE [ A pool too small for a band ] in termination.py)."""
-    if config.min_window is None or config.min_window >= config.window:
-        return 0
-    rounds = 0
-    while _grown(config.window, config.min_window, config.round_growth, rounds) < config.window:
-        rounds += 1
-    return rounds
+    """The rounds of the growing ramp (`growing`): 0 without one. Non-join pooled rounds may plan no step in them
+    (NOTE [ A pool too small for a band ] in termination.py)."""
+    return next(k for k in itertools.count() if not growing(config, k))
 
 
 def _grown(window: int, smallest: int, growth: float, round_index: int) -> int:

@@ -24,7 +24,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from odb_core.settings.config import ODBConfig
 from odb_core.settings.settings import BOOL, COUNT, ODBSettings, SettingsSource, read_settings
 
 SECTION = "odb"
@@ -99,12 +98,13 @@ def _check_engine_keys(config: Mapping[str, Any], settings: ODBSettings) -> None
                          "tokens, so every micro-batch would become an optimizer step; remove the key")
     accumulation = config.get("gradient_accumulation_steps", 1)
     if settings.config is not None and settings.config.step_target is not None and accumulation not in (1, "auto"):
-        raise ValueError(step_target_with_accumulation(settings.config, accumulation))
+        raise ValueError(step_target_with_accumulation(settings.config.step_target, accumulation))
 
 
-def step_target_with_accumulation(config: ODBConfig, accumulation: Any) -> str:
-    """The refusal of a step target beside DeepSpeed's gradient accumulation, naming DeepSpeed's own keys."""
-    unit, amount = config.step_target or ("samples", 0)
+def step_target_with_accumulation(target: tuple[str, int], accumulation: Any) -> str:
+    """The refusal of a step target (`ODBConfig.step_target`) beside DeepSpeed's gradient accumulation, naming
+    DeepSpeed's own keys."""
+    unit, amount = target
     return (f"odb.{unit}_per_step={amount} sets how many micro-batches each optimizer step holds, but DeepSpeed's "
             f"gradient accumulation is {accumulation}: set gradient_accumulation_steps to 1 in the DeepSpeed config "
             "(and train_batch_size to train_micro_batch_size_per_gpu x the data-parallel world size, or leave it out)")
