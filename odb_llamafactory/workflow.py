@@ -45,16 +45,68 @@ class ODBSeq2SeqTrainer(ODBTrainerMixin, CustomSeq2SeqTrainer):
     def _get_train_sampler(self, *args: Any, **kwargs: Any) -> None:
         raise RuntimeError("ODB shards and orders the training data itself; no training sampler is used")
 
+    def get_train_dataloader(self) -> Any:
+        length_fn = self.odb.settings.extras.get("length_fn") if self.odb is not None else None
+        if isinstance(length_fn, CollatorLength):  # before the loader's workers take a copy of it
+            length_fn.count_fakes(self.data_collator)
+        return super().get_train_dataloader()
 
-class CollatorPaddedLength:
-    """Cost length of a sample as LLaMA-Factory's collator pads it: `len(input_ids)` rounded up to a multiple of
-    `PAD_MULTIPLE`, so that a `padded` budget bounds the tensors actually built (module-level: picklable). It reads
-    only the ids' length, so the window may hold them as arrays (NOTE [ Compact buffered samples ])."""
+
+class CollatorLength:
+    """Cost length of a sample as LLaMA-Factory's collator builds its row (module-level: picklable): `len(input_ids)`,
+    plus the tokens of the fake image (and audio) the collator may add to a micro-batch without one
+    (NOTE [ The collator's fake image ]), rounded up to `pad_multiple` (`PAD_MULTIPLE` for the `padded` and
+    `attention` costs, so that the budget bounds the tensors actually built; 1 for `tokens`). It reads only the ids'
+    length and whether the sample holds images, videos or audios, so the window may hold the ids as arrays
+    (NOTE [ Compact buffered samples ])."""
 
     takes_id_arrays = True
 
+    def __init__(self, pad_multiple: int) -> None:
+        self.pad_multiple = pad_multiple
+        self.fake_image_tokens = self.fake_audio_tokens = 0  # set by `count_fakes` before the loader starts
+
+    def count_fakes(self, collator: Any) -> None:
+        """NOTE [ The collator's fake image ]
+        LLaMA-Factory's multimodal collator (0.9.5, `MultiModalDataCollatorForSeq2Seq`), under a template whose
+        plugin has an image token, appends a fake image's tokens (a white 64 x 64 image: 6 tokens with Qwen2-VL's
+        processor) to the first row of a micro-batch that holds no image and no video, so that the vision tower
+        runs on every rank (ZeRO-3 and FSDP hang otherwise); likewise a fake audio where no row holds one. The batch
+        is then padded to that row: ODB's groups of text-only samples, sized to the budget, came out a few tokens
+        per row over it. So each sample without an image and a video is costed with the fake image's tokens (and
+        without an audio, the fake audio's): a micro-batch of such samples stays within the budget whichever row
+        gets them, and one that holds an image pays a few tokens per text row that it does not use. The counts
+        come from the collator's own template, processor and tokenizer, the steps it takes to build the fake;
+        a template without multimodal tokens counts 0 (text-only runs are costed as before)."""
+        plugin = getattr(getattr(collator, "template", None), "mm_plugin", None)
+        if plugin is None:
+            return
+        from PIL import Image  # here: only a multimodal template gets this far
+        from llamafactory.extras.constants import AUDIO_PLACEHOLDER, IMAGE_PLACEHOLDER
+
+        tokenizer, processor = collator.tokenizer, collator.processor
+
+        def fake_tokens(placeholder: str, images: list, audios: list) -> int:
+            messages = plugin.process_messages([{"role": "user", "content": placeholder}], images, [], audios,
+                                               processor)
+            ids = tokenizer.encode(messages[0]["content"], add_special_tokens=False)
+            ids, _ = plugin.process_token_ids(ids, None, images, [], audios, tokenizer, processor)
+            return len(ids)
+
+        if plugin.image_token is not None:
+            self.fake_image_tokens = fake_tokens(IMAGE_PLACEHOLDER, [Image.new("RGB", (64, 64), (255, 255, 255))], [])
+        if getattr(plugin, "audio_token", None) is not None:
+            import numpy as np
+
+            self.fake_audio_tokens = fake_tokens(AUDIO_PLACEHOLDER, [], [np.zeros(1600)])
+
     def __call__(self, sample: Mapping[str, Any]) -> int:
-        return math.ceil(len(sample["input_ids"]) / PAD_MULTIPLE) * PAD_MULTIPLE
+        length = len(sample["input_ids"])
+        if self.fake_image_tokens and not sample.get("images") and not sample.get("videos"):
+            length += self.fake_image_tokens
+        if self.fake_audio_tokens and not sample.get("audios"):
+            length += self.fake_audio_tokens
+        return math.ceil(length / self.pad_multiple) * self.pad_multiple
 
 
 @contextlib.contextmanager
@@ -72,7 +124,7 @@ def odb_sft_trainer() -> Iterator[None]:
 
 def build_callback(settings: ODBSettings, observer: Any = None) -> ODBCallback:
     """The `ODBCallback` for validated, enabled settings; `observer` receives every yielded `StepInfo`."""
-    length_fn = CollatorPaddedLength() if settings.config.cost != "tokens" else None
+    length_fn = CollatorLength(PAD_MULTIPLE if settings.config.cost != "tokens" else 1)
     return ODBCallback.from_settings(settings, **settings.extras, length_fn=length_fn, observer=observer)
 
 

@@ -71,7 +71,8 @@ def build_model(folder: Path) -> None:
 
 
 def build_dataset(folder: Path, n: int = 40, seed: int = 0) -> int:
-    """`mm_chitchat` (sharegpt, `images` column) with `n` samples in `folder`; returns the number of images."""
+    """`mm_chitchat` (sharegpt, `images` column) with `n` samples in `folder`, every 4th without an image; returns
+    the number of images."""
     import numpy as np
 
     from benchmarks.data import mm_mix
@@ -82,6 +83,8 @@ def build_dataset(folder: Path, n: int = 40, seed: int = 0) -> int:
     for k, turns in enumerate(mm_mix.chitchat_turns(n)):
         question, answer = turns[0][:200], turns[1][:300]
         kinds = KINDS[k % len(KINDS):][:2] if k % 5 == 2 else KINDS[k % len(KINDS):][:1]  # every 5th: two images
+        if k % 4 == 3:  # every 4th: text only (the collator adds its fake image to a micro-batch of such samples)
+            kinds = ()
         paths = []
         for j, kind in enumerate(kinds):
             path = folder / "images" / f"{k}-{j}.png"
@@ -125,8 +128,9 @@ class VisionRecorder(Recorder):
     loss itself. Each training forward is therefore matched to the k-th micro-batch the observer saw: its rows
     must be that micro-batch's samples from LLaMA-Factory's dataset (`rows_match`), whose stored labels give the
     independent float64 cross-entropy sum and supervised-token count. An IDLE micro-batch (a rank that ran out of
-    data under join) is one zero-weight dummy row: it runs the forward and counts 0 tokens and 0 loss. `idle` and
-    `vision_facts` are added to each entry.
+    data under join) is one zero-weight dummy row: it runs the forward and counts 0 tokens and 0 loss. `idle`,
+    `text_only` (no row holds an image: the collator added its fake one) and `vision_facts` are added to each
+    entry.
     """
 
     def on_train_begin(self, args, state, control, model=None, train_dataloader=None, **kwargs):
@@ -141,7 +145,7 @@ class VisionRecorder(Recorder):
         input_ids = kwargs["input_ids"]
         if step["is_idle"]:
             self.micro.append({"ce_sum": 0.0, "tokens": 0, "rows_match": input_ids.shape[0] == 1, "idle": True,
-                               **vision_facts(module, kwargs)})
+                               "text_only": None, **vision_facts(module, kwargs)})
             return
         labels = torch.full_like(input_ids, -100)
         rows_match = input_ids.shape[0] == len(samples)
@@ -153,7 +157,8 @@ class VisionRecorder(Recorder):
         ce = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels.reshape(-1),
                                                ignore_index=-100, reduction="sum")
         self.micro.append({"ce_sum": float(ce), "tokens": int((labels != -100).sum()), "rows_match": rows_match,
-                           "idle": False, **vision_facts(module, kwargs)})
+                           "idle": False, "text_only": not any(sample.get("images") for sample in samples),
+                           **vision_facts(module, kwargs)})
 
 
 def main() -> None:

@@ -235,7 +235,7 @@ def compact_ids(sample: Any, integer_keys: frozenset[str] = frozenset(), mark: b
     reads the samples, the stream hands each 1-D list of integer ids under an `ID_FIELDS` key over as an int64
     ndarray instead: 8 bytes per token, nothing for the collector to walk, a memcpy when padded, and a cheaper
     pickle from worker processes. A `length_fn` that reads only lengths says so (`takes_id_arrays = True`, as
-    LLaMA-Factory's `CollatorPaddedLength`). ODB's own `PadCollator` takes the arrays (`collate.takes_id_arrays`:
+    LLaMA-Factory's `CollatorLength`). ODB's own `PadCollator` takes the arrays (`collate.takes_id_arrays`:
     also behind the HF Trainer's column remover), where the conversion costs what padding from the list cost
     before (one C pass). Any other collator (HF's `DataCollatorForSeq2Seq`, LLaMA-Factory's, TRL's, a user's
     function) gets lists again, the values the dataset gave, when it collates a step (`restore_id_lists`, in
