@@ -32,6 +32,7 @@ def test_two_rank_hf_run_ends_with_no_odb_thread_or_gloo_group_and_exits_0(max_s
     for fact in run.facts:
         assert fact["odb_threads"] == [] and fact["gloo_work_threads"] == DEFAULT_GROUP_THREADS, run.facts
     assert run.clean, run.tail
+    assert run.ignored_errors == 0, run.tail  # before: the loader's finalizer closed the move lane again at exit
 
 
 EXIT_PROBE = textwrap.dedent("""
@@ -85,3 +86,36 @@ def test_a_transport_left_open_is_closed_by_odbs_exit_hook_and_a_closed_one_refu
     threads, work_threads = lines["before exit"].rsplit(" ", 1)
     assert threads == "['odb-collective']" and int(work_threads) > DEFAULT_GROUP_THREADS  # the open transport's
     assert lines["at exit"] == f"[] {DEFAULT_GROUP_THREADS}"  # only the default group's (new_group started them)
+
+
+CLOSED_THEN_KEPT = textwrap.dedent("""
+    import sys
+    import torch.distributed as dist
+    from conftest import LengthDataset
+    from odb_core import ODBDataLoader
+
+    dist.init_process_group("gloo")
+    # a module global, as in a script: the loader lives into interpreter teardown, where its finalizer runs
+    loader = ODBDataLoader(LengthDataset([20 + (i * 37) % 200 for i in range(120)]), token_budget=512, window=16)
+    print("steps", sum(1 for _ in loader), "lane", loader._lane is not None, flush=True)
+    loader.close()
+    dist.destroy_process_group()
+""")
+
+
+def test_a_closed_loader_kept_to_interpreter_exit_ends_without_an_ignored_error(tmp_path):
+    """Two torchrun ranks under global planning (a move lane): the loader is closed, then kept as a module global
+    until the interpreter ends. Its finalizer closes again, and the lane shut down its thread a second time while
+    the interpreter tore its modules down: "Exception ignored in ODBDataLoader.__del__ ... AttributeError:
+    'NoneType' object has no attribute 'Empty'" on every rank of a review's runs. A closed lane has no thread."""
+    script = tmp_path / "closed_then_kept.py"
+    script.write_text(CLOSED_THEN_KEPT)
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           str(script)], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                          check=False)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-3000:]
+    assert output.count("lane True") == 2, output[-3000:]  # the premise: both ranks had a move lane
+    assert "Exception ignored" not in output, output[-3000:]

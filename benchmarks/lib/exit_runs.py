@@ -35,6 +35,7 @@ class ExitRun:
     seconds: float
     facts: tuple[dict, ...] = ()
     tail: str = ""
+    ignored_errors: int = 0  # "Exception ignored in ..." reports in the output: a finalizer that raised at exit
 
     @property
     def clean(self) -> bool:
@@ -60,8 +61,9 @@ def launch(odb: bool, end: str, max_steps: int = -1, timeout: float = 300) -> Ex
     output = done.stdout + done.stderr
     aborted = any(mark in output for mark in ABORT_MARKS)
     run = ExitRun(odb=odb, end=end, returncode=done.returncode, aborted=aborted,
-                  seconds=round(time.perf_counter() - start, 1), facts=facts)
-    return run if run.clean else ExitRun(**{**asdict(run), "tail": output[-3000:]})
+                  seconds=round(time.perf_counter() - start, 1), facts=facts,
+                  ignored_errors=output.count("Exception ignored in"))
+    return run if run.clean and not run.ignored_errors else ExitRun(**{**asdict(run), "tail": output[-3000:]})
 
 
 def summarise(runs: list[ExitRun]) -> dict[str, dict]:

@@ -185,6 +185,7 @@ class MoveLane:
         if self._thread is not None:  # not waiting for itself, from a finalizer the collector ran on the lane's thread
             own = threading.current_thread().name.startswith(LANE_THREAD)
             self._thread.shutdown(wait=not own, cancel_futures=True)
+            self._thread = None  # a second close (the loader's finalizer at interpreter exit) has nothing to end
         if self.transport is not None:
             self.transport.close()
 
