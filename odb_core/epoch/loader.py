@@ -153,7 +153,7 @@ class ODBDataLoader:
         if start.nothing_left:  # its last step was consumed before the save
             return iter(())
         if self._worker_seeds is not None:  # NOTE [ ODB draws nothing from the global RNG ]
-            self._worker_seeds.manual_seed(worker_seed(self.config.seed, start.epoch))
+            self._worker_seeds.manual_seed(worker_seed(self.config.seed, start.epoch, self.transport.rank))
         start_metrics = self.metrics.snapshot()
         log = RoundLog(start.position)
         try:  # re-fetches the resume point's samples

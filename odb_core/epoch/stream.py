@@ -51,15 +51,18 @@ Chunk = list[tuple[int, Any]]
 IN_PROCESS_CHUNK = 64
 
 
-def worker_seed(seed: int, epoch: int) -> int:
+def worker_seed(seed: int, epoch: int, rank: int = 0) -> int:
     """NOTE [ ODB draws nothing from the global RNG ]
     Each `iter()` of a torch DataLoader draws its workers' base seed (even at num_workers=0) from its `generator`,
     else from the global torch RNG, which the model's dropout uses too. A resumed trainer restores that RNG before
     the resumed epoch's `iter()`, while the uninterrupted run drew before the save: one draw more, other dropout
     masks (G8a). So the worker DataLoader draws from ODB's own generator, seeded with this function of (seed,
-    epoch) at every `iter()`: iterating, resuming and planning leave the global torch, Python and numpy RNGs alone.
-    A user's `generator=` option replaces ODB's."""
-    return random.Random(f"odb-workers:{seed}:{epoch}").getrandbits(63)
+    epoch, rank) at every `iter()`: iterating, resuming and planning leave the global torch, Python and numpy RNGs
+    alone. A user's `generator=` option replaces ODB's.
+    The rank is in it so that the ranks' workers draw apart, as the HF Trainer's `seed_worker` makes them (it adds
+    `num_workers * rank`): before, a dataset's random crops or templates in `__getitem__` followed the same
+    sequence on every rank (a review's 2 ranks: 32 of 32 draws equal). Rank 0 keeps the seed it had."""
+    return random.Random(f"odb-workers:{seed}:{epoch}" + (f":{rank}" if rank else "")).getrandbits(63)
 
 
 class _CheckedDataset(IndexedDataset):
