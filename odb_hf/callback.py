@@ -160,6 +160,7 @@ class ODBCallback(TrainerCallback):
         odb = self._live()
         run = odb.run
         check_training_start(self.trainer)
+        run.first_step = state.global_step  # the checkpoint's step on a resume (NOTE [ The samples a run trained ])
         planned = run.view.plan.planned_steps
         if planned is not None:  # ratio logging/eval/save steps follow the plan, not the bound
             state.compute_steps(args, planned)

@@ -28,7 +28,7 @@ from odb_hf.arguments import ODBSetupError
 from odb_hf.ds_config import read_section
 from odb_hf.trainer import ODBTrainerMixin, ODBTrainerTraits
 
-OWNED_METHODS = ("get_train_dataloader", "_get_train_sampler")
+OWNED_METHODS = ("get_train_dataloader", "_get_train_sampler", "get_batch_samples")
 
 
 def check_attach(trainer: Trainer, settings: ODBSettings) -> ODBSettings | None:

@@ -37,6 +37,7 @@ class ODBRun:
     view: EpochView
     meter: StepMeter
     loss_checks_left: int = 0
+    first_step: int | None = None  # the Trainer's global_step when this train() began (after a resume, its step)
 
     def take_loss_check(self) -> bool:
         """True for each of the first `loss_checks_left` calls: that micro-batch's loss is to be checked."""

@@ -12,10 +12,13 @@ IDLE micro-batches have no supervised token: they add exactly zero to the token 
 without labels, e.g. an MoE router's balance loss), and every rank still runs forward/backward.
 Under DeepSpeed the same holds: `engine.backward(loss, scale_wrt_gas=False)` and its "mean" reduction over W.
 Exact or loud (NOTE [ Exact or loud ] in odb_core/steps/loss.py): during the first optimizer step the loss that
-`compute_loss` returns must be divided by num_items_in_batch (`normalized_share`; skipped under DeepSpeed, whose
-output hooks would start a backward pass), and a `compute_loss` override that ODB's own path would bypass is
-refused (unless the class lists it in `ODBTrainerTraits.bypassed_compute_loss`); each refusal (loss.py) names
-whose loss it is (an override, `compute_loss_func`, the model) and the fix.
+`compute_loss` returns must be divided by num_items_in_batch (`normalized_share`, its micro-batches run eagerly
+under `torch.compile`: a compiled backward frees its buffers and refuses the check's `retain_graph`; skipped under
+DeepSpeed, whose output hooks would start a backward pass, and under FSDP, whose mixed precision casts the check's
+float count to bf16 or fp16, rounded or infinite: there the count is the Trainer's int64 tensor from the first
+step), and a `compute_loss` override that ODB's own path would bypass is refused (unless the class lists it in
+`ODBTrainerTraits.bypassed_compute_loss`); each refusal (loss.py) names whose loss it is (an override,
+`compute_loss_func`, the model) and the fix.
 
 NOTE [ Steps of a target size under the HF Trainer ]
 With `samples_per_step` (or `tokens_per_step`) an optimizer step holds a variable number k of micro-batches (the
@@ -33,7 +36,10 @@ which ODB's variable steps do not have (a 5-step run of 29 samples reported 40, 
 So where the run is ODB's, `log` puts in the samples its meter counted (every rank's, in the micro-batches this
 `train()` took) over the same `train_runtime`, in the Trainer's dict itself, which `train()` also returns as
 `TrainOutput.metrics`. An epoch-based run counted the dataset once per epoch, which ODB's count equals for whole
-epochs; after a resume ODB counts this `train()`'s samples only, as the runtime does.
+epochs; after a resume ODB counts this `train()`'s samples only, as the runtime does. Likewise
+`train_steps_per_second`, which the Trainer divides `max_steps` into: under an estimated epoch length that is the
+schedule's bound, not the steps run (a run of 4 steps reported 20), so it becomes the optimizer steps this
+`train()` took (`global_step` less the step it began at) over the runtime.
 """
 
 from __future__ import annotations
@@ -75,7 +81,7 @@ class ODBTrainerTraits:
             odb_traits = ODBTrainerTraits(owns_data=True, adapter="my framework")
 
     Args:
-        owns_data: this class's own overrides of `get_train_dataloader` / `_get_train_sampler` are ODB's. Read
+        owns_data: this class's own overrides of the data methods (`checks.OWNED_METHODS`) are ODB's. Read
             from the body of the class that defines the override (checks.py), never inherited: any other
             override is refused, since ODB builds the batches and would silently bypass it.
         bypassed_compute_loss: classes whose `compute_loss` ODB's own loss may skip, for a model without loss
@@ -131,7 +137,7 @@ class ODBTrainerMixin:
         else:
             collator = ColumnsRemoved.over(self._get_collator_with_removed_columns(collator, description="training"))
         check_collator_keeps_labels(collator, dataset)
-        checks = 0 if self.is_deepspeed_enabled else self.args.gradient_accumulation_steps
+        checks = 0 if self.is_deepspeed_enabled or self.is_fsdp_enabled else self.args.gradient_accumulation_steps
         return odb.new_run(self.args, dataset, collator, loss_checks=checks)
 
     def get_batch_samples(self, epoch_iterator: Iterator[Any], num_batches: int,
@@ -184,10 +190,12 @@ class ODBTrainerMixin:
             raise ODBSetupError(f"a training batch has no 'labels' (keys {sorted(inputs)}); ODB's exact loss "
                                 "needs them: use a collator that keeps or creates labels")
         if self.model_accepts_loss_kwargs or self.compute_loss_func is not None:
-            result = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-            if run.take_loss_check():  # during the first optimizer step (see the NOTE)
-                check_divided(self, compute_loss_below_odb(type(self)), result[0] if return_outputs else result,
-                              num_items_in_batch)
+            if not run.take_loss_check():
+                return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+            with torch.compiler.set_stance("force_eager"):  # during the first optimizer step (see the NOTE)
+                result = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+            check_divided(self, compute_loss_below_odb(type(self)), result[0] if return_outputs else result,
+                          num_items_in_batch)
             return result
         check_not_bypassed(self, compute_loss_below_odb(type(self)), self.odb_traits.bypassed_compute_loss)
         run.take_loss_check()  # nothing to check here (ODB's own loss), but the count ends with the first step: before,
@@ -212,8 +220,10 @@ class ODBTrainerMixin:
         if run is not None and "loss" in logs:
             logs = {**logs, **run.meter.flush()}
         if run is not None and "train_samples_per_second" in logs and "train_runtime" in logs:
-            samples = run.meter.seen.global_samples  # NOTE [ The samples a run trained ]
-            logs["train_samples_per_second"] = round(samples / max(logs["train_runtime"], 1e-9), 3)
+            runtime = max(logs["train_runtime"], 1e-9)  # NOTE [ The samples a run trained ]
+            logs["train_samples_per_second"] = round(run.meter.seen.global_samples / runtime, 3)
+            if "train_steps_per_second" in logs and run.first_step is not None:
+                logs["train_steps_per_second"] = round((self.state.global_step - run.first_step) / runtime, 3)
         super().log(logs, *args, **kwargs)
 
 

@@ -162,6 +162,42 @@ def test_epoch_longer_than_the_planned_bound_raises_instead_of_being_cut(chat_da
         trainer.train()
 
 
+class LengthsChangeAfterPlanning(hf_support.ListDataset):
+    """Each sample's first read (the exact schedule's planning read) at `first` of its length, every later read
+    (the epochs') at `later`: a dataset that truncates at random in `__getitem__`, made deterministic."""
+
+    def __init__(self, samples: list[dict], first: float, later: float) -> None:
+        super().__init__(samples)
+        self.first, self.later, self.reads = first, later, [0] * len(samples)
+
+    def __getitem__(self, index: int) -> dict:
+        share = self.first if self.reads[index] == 0 else self.later
+        self.reads[index] += 1
+        sample = self.samples[index]
+        keep = max(4, int(len(sample["input_ids"]) * share))
+        return {key: value[:keep] for key, value in sample.items()}
+
+
+def test_an_exact_schedule_over_lengths_that_change_between_reads_says_so_and_names_the_fix(chat_data, tmp_path,
+                                                                                            odb_log):
+    """NOTE [ Lengths that change between reads ]: epochs shorter than the plan are warned about at their end
+    (before: the LR schedule ended short of its end value without a word), longer ones raise naming the cause
+    and exact_schedule=False (before: "raise length_slack", which an exact plan does not use)."""
+    shorter = LengthsChangeAfterPlanning(chat_data.train[:48], first=1.0, later=0.3)
+    trainer = Trainer(model=hf_support.tiny_llama(), train_dataset=shorter, args=make_args(tmp_path / "a"),
+                      data_collator=COLLATE, callbacks=[ODBCallback(token_budget=256)])
+    trainer.train()
+    assert trainer.state.global_step < trainer.state.max_steps  # the premise: the epoch ran short of the plan
+    warned = [r.getMessage() for r in odb_log.caplog.records if "the exact schedule planned" in r.getMessage()]
+    assert len(warned) == 1 and "ODB epoch 0 ran" in warned[0] and "exact_schedule=False" in warned[0], warned
+    longer = LengthsChangeAfterPlanning(chat_data.train[:48], first=0.3, later=1.0)
+    trainer = Trainer(model=hf_support.tiny_llama(), train_dataset=longer, args=make_args(tmp_path / "b"),
+                      data_collator=COLLATE, callbacks=[ODBCallback(token_budget=256)])
+    with pytest.raises(RuntimeError, match=r"more than the \d+ steps the exact schedule planned: .*exact_schedule="
+                                           r"False"):
+        trainer.train()
+
+
 def test_evaluation_is_unaffected(chat_data, tmp_path):
     held_out = hf_support.ListDataset(chat_data.eval)
     losses = []
@@ -255,6 +291,13 @@ def test_custom_sampler_and_odb_owned_options_raise(chat_data, tmp_path):
     with pytest.raises(ODBSetupError, match="SamplerTrainer._get_train_sampler is overridden, but ODB builds the "
                                             "training batches itself and would silently bypass it"):
         make_trainer(tmp_path, chat_data.train[:8], [ODBCallback(token_budget=512)], SamplerTrainer)
+
+    class BatchSamplesTrainer(Trainer):  # the Trainer's batches of one update, which ODB forms itself
+        def get_batch_samples(self, epoch_iterator, num_batches, device):
+            return super().get_batch_samples(epoch_iterator, num_batches, device)
+
+    with pytest.raises(ODBSetupError, match="BatchSamplesTrainer.get_batch_samples is overridden"):
+        make_trainer(tmp_path, chat_data.train[:8], [ODBCallback(token_budget=512)], BatchSamplesTrainer)
     with pytest.raises(TypeError, match="gradient_accumulation_steps"):
         ODBCallback(token_budget=512, accumulation_steps=4)
     with pytest.raises(TypeError, match="unknown option 'batch_size'"):
@@ -569,6 +612,17 @@ def test_train_samples_per_second_counts_the_samples_odb_trained(chat_data, tmp_
     assert trainer.state.log_history[-1]["train_samples_per_second"] == metrics["train_samples_per_second"]
     if "num_train_epochs" in length:
         assert trained == 48
+
+
+def test_train_steps_per_second_counts_the_steps_run_under_an_estimated_schedule(chat_data, tmp_path):
+    """NOTE [ The samples a run trained ]: the Trainer divides max_steps, under an estimated epoch length the
+    schedule's bound, into the runtime; ODB puts in the optimizer steps this train() ran."""
+    trainer = make_trainer(tmp_path, chat_data.train[:48], [ODBCallback(token_budget=512, exact_schedule=False)],
+                           num_train_epochs=1)
+    metrics = trainer.train().metrics
+    assert trainer.state.max_steps > trainer.state.global_step  # the premise: the bound, not the steps run
+    steps_per_second = trainer.state.global_step / metrics["train_runtime"]
+    assert metrics["train_steps_per_second"] == pytest.approx(steps_per_second, abs=1e-3, rel=1e-3)
 
 
 def test_a_train_that_raises_closes_its_loader_and_a_second_train_runs(chat_data, tmp_path):

@@ -47,10 +47,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from odb_core.epoch.loader import ODBDataLoader
+from odb_core.settings.console import LOGGER
 from odb_core.steps.accumulation import StepTarget, step_windows
 from odb_core.steps.step_info import ODBBatch, StepInfo
 
 logger = logging.getLogger(__name__)
+CHANGED_LENGTHS = ("the samples' lengths differ from those the schedule was planned with, which it read once "
+                   "before training (random truncation, templates or augmentation in __getitem__?), so the LR "
+                   "schedule does not end at the run's last step; for such a dataset set exact_schedule=False "
+                   "(ODBCallback(exact_schedule=False), odb_exact_schedule: false), which plans with an estimate "
+                   "and length_slack, or set max_steps")
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +69,7 @@ class EpochLength:
     planned_steps: int | None
     stop_epoch: int | None
     exact: bool = False
+    micro_batches: tuple[int, ...] | None = None  # exact: every planned epoch's micro-batches, checked at its end
 
 
 def _planned(per_epoch: Sequence[int], num_train_epochs: float) -> int:
@@ -92,7 +99,8 @@ def plan_epoch_length(loader: ODBDataLoader, *, max_steps: int, num_train_epochs
             unit = plan.optimizer_steps if windows else plan.micro_batches  # every epoch's, the ones done too:
             ahead = slice(loader.epoch, None)  # NOTE [ Epochs under the HF Trainer ] (a resumed count of epochs)
             return EpochLength(length=max(max(unit), 1), estimate=max(plan.micro_batches[ahead]), exact=True,
-                               planned_steps=_planned(plan.optimizer_steps, num_train_epochs), stop_epoch=stop_epoch)
+                               planned_steps=_planned(plan.optimizer_steps, num_train_epochs), stop_epoch=stop_epoch,
+                               micro_batches=plan.micro_batches)
     try:
         # from epoch 0 whatever the resume point: a resumed run plans the same schedule and bound as the run it
         # continues (before, the resumed epoch's own sample gave another estimate: the LR jumped at the resume)
@@ -139,6 +147,11 @@ class EpochView:
         self.finished = True
         self._progress_epoch: int | None = None  # NOTE [ Epoch progress ]: the epoch whose start step is known
         self._epoch_start_step = 0
+        self._resumed_epoch: int | None = None  # the epoch a resume entered, not run whole here
+        self._told_plan = False  # NOTE [ Lengths that change between reads ]: warned once
+
+    def __bool__(self) -> bool:  # a loader is there, with or without a length (`if trainer_dataloader:`)
+        return True
 
     def __len__(self) -> int:
         if self.plan.length is None:
@@ -161,6 +174,8 @@ class EpochView:
             first = self.loader.epoch + int(self.loader.epoch_consumed)  # NOTE [ Resuming at an epoch's end ]
             self._offset = first - trainer_epoch if self.resumed else 0
         epoch = trainer_epoch + self._offset
+        if first_resumed:
+            self._resumed_epoch = epoch
         self.loader.set_epoch(epoch)  # past stop_epoch too: end_epoch() and done() read it
         if self.plan.stop_epoch is not None and epoch >= self.plan.stop_epoch:
             return iter(())
@@ -229,7 +244,31 @@ class EpochView:
             except StopIteration:
                 self.finished = True
             else:
+                if self.plan.exact:  # NOTE [ Lengths that change between reads ]
+                    raise RuntimeError(f"ODB epoch {self.loader.epoch - 1} has more than the {len(self)} steps the "
+                                       f"exact schedule planned: {CHANGED_LENGTHS}")
                 raise RuntimeError(f"ODB epoch {self.loader.epoch - 1} has more than the {len(self)} steps the "
                                    f"trainer planned (estimate {self.plan.estimate}); raise length_slack "
                                    "(ODBCallback(length_slack=...), odb_length_slack) or set max_steps")
+        self._check_plan()
         return float(self.loader.epoch)
+
+    def _check_plan(self) -> None:
+        """NOTE [ Lengths that change between reads ]
+        The exact schedule (NOTE [ Exact schedule ] in estimate.py) reads every sample once before training and
+        plans the epochs from those lengths, so it holds only where `dataset[i]` has the same length at every read.
+        A dataset that truncates, templates or augments at random in `__getitem__` gives other lengths in the
+        epoch: an epoch with fewer steps than planned ends the LR schedule short of its end value, with no error
+        (a review's runs: 41 of 45 steps, the last LR 0.0011 instead of about 0), and one with more raises at its
+        end (above), where the advice to raise `length_slack` did nothing, since an exact plan has no slack. So at
+        each epoch's end the micro-batches it ran are compared with the plan's (not for an epoch a resume entered
+        midway), and a difference is warned once, naming both and the fix: `exact_schedule=False` (an estimate
+        with `length_slack`) or `max_steps`."""
+        report, planned = self.loader.last_report, self.plan.micro_batches
+        if (planned is None or report is None or self._told_plan or report.abandoned
+                or report.epoch >= len(planned) or report.epoch == self._resumed_epoch):
+            return
+        if report.steps != planned[report.epoch]:
+            self._told_plan = True
+            LOGGER.warning(f"ODB epoch {report.epoch} ran {report.steps} micro-batches where the exact schedule "
+                           f"planned {planned[report.epoch]}: {CHANGED_LENGTHS}")
