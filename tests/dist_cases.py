@@ -515,6 +515,7 @@ def image_runs(tmp_dir: Path, settings: dict[str, dict[str, Any]]) -> dict[str, 
         case = Case(world_size=2, lengths=mixed_lengths(160), window=32, shuffle=True, first_image=40, epochs=2,
                     num_workers=2, context="fork", image_width=512, options_by_rank={"0": options, "1": options})
         result = run_job(case, "env", tmp_dir / name, timeout_s=300)
-        assert not result.timed_out and sorted(result.records) == [0, 1], result.output[-4000:]
+        assert not result.timed_out and result.returncodes == [0, 0], result.output[-4000:]
+        assert sorted(result.records) == [0, 1], result.output[-4000:]
         runs[name] = result.records
     return runs

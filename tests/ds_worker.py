@@ -150,15 +150,18 @@ def reference_grads(params: dict[str, torch.Tensor], samples: list[dict]) -> tup
 
 
 def equivalence(stage: int, dtype: torch.dtype, own_loader: bool, planning: str = "local", plain: bool = False,
-                loss_kwargs: bool = True, samples_per_step: int | None = None) -> dict:
+                loss_kwargs: bool = True, samples_per_step: int | None = None, reduce_op: str | None = None) -> dict:
     """`plain`: the loop backpropagates the engine's own output.loss; `loss_kwargs=False`: a model declared without
     loss kwargs (ODB's engine then computes the weighted loss from the logits); `samples_per_step`: optimizer steps
-    of a target size (the engine accumulates 1 micro-batch, the loader sets the boundary)."""
+    of a target size (the engine accumulates 1 micro-batch, the loader sets the boundary); `reduce_op`: DeepSpeed's
+    `gradient_allreduce_op` ("sum": the ranks' gradients are summed, not averaged)."""
     dataset = UnevenDataset(60)
     model = make_model(dtype)
     if not loss_kwargs:
         model.accepts_loss_kwargs = False
     config = ds_config(stage, token_budget=64)
+    if reduce_op is not None:
+        config["gradient_allreduce_op"] = reduce_op
     if samples_per_step is not None:  # optimizer steps of a target size: the engine accumulates 1, ODB decides
         config["gradient_accumulation_steps"] = 1
         config["odb"]["samples_per_step"] = samples_per_step
@@ -192,6 +195,7 @@ def equivalence(stage: int, dtype: torch.dtype, own_loader: bool, planning: str 
                                 "steps": batch.info.window_steps})
         engine.step()
     return {"stage": stage, "dtype": str(dtype), "own_loader": own_loader, "planning": loader.odb.config.planning,
+            "gradient_average": engine.gradient_average,
             "plain": plain, "loss_kwargs": loss_kwargs,
             "window_steps": sorted({w["steps"] for w in windows}) if windows and "steps" in windows[0] else [G],
             "max_rel_error": max(errors) if errors else None, "errors": errors, "windows": windows,
@@ -342,6 +346,7 @@ def main(out_dir: Path) -> None:
             (3, torch.float64, True, "global")]
     result["equivalence"] = [equivalence(stage, dtype, own, planning) for stage, dtype, own, planning in runs]
     result["equivalence"].append(equivalence(2, torch.float64, False, "global", samples_per_step=12))
+    result["equivalence"].append(equivalence(2, torch.float64, False, "global", reduce_op="sum"))
     result["plain"] = [equivalence(2, torch.float64, False, "global", plain=True, loss_kwargs=kwargs)
                        for kwargs in (True, False)]
     result["refusals"] = refusals()

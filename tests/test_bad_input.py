@@ -203,15 +203,14 @@ def test_worker_processes_exit_promptly_after_an_error(failure):
     lengths = [8] * 12
     lengths[BAD_INDEX] = 100
     dataset = RaisingDataset() if failure == "dataset_error" else LengthDataset(lengths)
-    try:
+    before = set(multiprocessing.active_children())
+    with pytest.raises(DatasetFetchError if failure == "dataset_error" else SampleError):
         first_batch(dataset, num_workers=1, prefetch_steps=2, oversize="error")
-    except (DatasetFetchError, SampleError):
-        pass
     start = time.monotonic()
     gc.collect()
-    while multiprocessing.active_children() and time.monotonic() - start < 30:
+    while set(multiprocessing.active_children()) - before and time.monotonic() - start < 30:
         time.sleep(0.05)
-    assert multiprocessing.active_children() == []
+    assert set(multiprocessing.active_children()) - before == set()
     assert time.monotonic() - start < 3.0
 
 
@@ -231,7 +230,7 @@ def test_worker_processes_exit_at_once_after_a_bad_sample_while_the_loader_lives
         time.sleep(0.05)
     assert set(multiprocessing.active_children()) - before == set()
     assert time.monotonic() - start < 3.0
-    assert loader is not None  # the loader is still referenced while the workers must be gone
+    loader.close()  # only now: the loader was referenced while the workers had to be gone
 
 
 

@@ -74,16 +74,24 @@ def test_odb_global_reaches_95_percent_of_the_oracle_at_every_world_size(compari
 
 
 @pytest.mark.timeout(120)
-def test_odb_rank_local_reaches_the_rank_local_bound_and_both_modes_beat_the_reference(comparison):
+def test_odb_rank_local_reaches_the_rank_local_bound(comparison):
     rows = {(r["world_size"], r["method"]): r for r in comparison["quality"]}
     for world in WORLDS:
         local = rows[(world, "odb_padded_local")]
         assert local["vs_rank_bound"] >= 0.95 and not local["ranks_unequal"] and "moved_fraction" not in local
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not REFERENCE_READY,
+                    reason="benchmarks/.venv-ref missing (bash benchmarks/reference/setup_ref_env.sh)")
+def test_both_planning_modes_beat_the_reference_release(comparison):
+    rows = {(r["world_size"], r["method"]): r for r in comparison["quality"]}
+    for world in WORLDS:
         for ref in ("reference_default", "reference_buffer512"):
-            if "unavailable" not in rows[(world, ref)]:
-                for odb in ("odb_padded", "odb_padded_local"):
-                    assert rows[(world, odb)]["budget_utilization"] >= rows[(world, ref)]["budget_utilization"], \
-                        (world, ref, odb)
+            assert "unavailable" not in rows[(world, ref)], (world, ref, rows[(world, ref)])
+            for odb in ("odb_padded", "odb_padded_local"):
+                assert rows[(world, odb)]["budget_utilization"] >= rows[(world, ref)]["budget_utilization"], \
+                    (world, ref, odb)
 
 
 def test_the_overlap_benchmark_reports_every_loader_with_efficiencies_in_range(tmp_path):

@@ -101,15 +101,17 @@ def test_real_counts_differ_from_deepspeed_nominal_counters_and_reach_the_monito
     assert sum(int(row.split(",")[1]) for row in rows) == consumed["samples"] and len(rows) == train["global_steps"]
 
 
-@pytest.mark.parametrize("case", range(8), ids=["stage0-fp32-own-loader", "stage1-fp64-own-loader",
+@pytest.mark.parametrize("case", range(9), ids=["stage0-fp32-own-loader", "stage1-fp64-own-loader",
                                                  "stage2-fp64-own-loader", "stage2-fp64-built-loader-global",
                                                  "stage3-fp64-own-loader", "stage2-fp64-own-loader-global",
                                                  "stage3-fp64-own-loader-global",
-                                                 "stage2-fp64-built-loader-global-samples-per-step"])
+                                                 "stage2-fp64-built-loader-global-samples-per-step",
+                                                 "stage2-fp64-built-loader-global-allreduce-sum"])
 def test_each_optimizer_step_gradient_equals_the_single_process_token_mean_gradient(run, case):
     result = run["ranks"][0]["equivalence"][case]
     assert result["errors"] and all(w["tokens"] == w["window_tokens"] for w in result["windows"])
     assert result["max_rel_error"] <= MAX_REL_ERROR[result["dtype"]], result
+    assert result["gradient_average"] == (case != 8)  # gradient_allreduce_op "sum": the ranks' gradients summed
     if case == 7:  # samples_per_step=12: optimizer steps of a variable number of micro-batches, the boundary set
         assert max(result["window_steps"]) > 1 and result["steps"] == len(result["errors"])
     if result["planning"] == "local":  # the uneven loader: rank 1 runs IDLE micro-batches inside the checked windows

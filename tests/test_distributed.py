@@ -196,16 +196,21 @@ def test_global_batches_do_not_depend_on_workers_per_rank_or_how_samples_move(tm
 @pytest.mark.parametrize("planning", ["local", "global"])
 def test_rank_without_data_steps_with_the_others_under_join(tmp_path, planning):
     """Rank-local: the empty rank runs IDLE dummies while the others drain. Global: it gets groups of the
-    pooled samples (moved to it), IDLE only where fewer groups than ranks are left."""
-    case = Case(world_size=4, lengths=[30, 200, 90], planning=planning)
+    pooled samples (moved to it), IDLE only where fewer groups than ranks are left. Ranks 0-2 hold 20 samples
+    each (their own samplers), rank 3 none."""
+    samplers = {str(rank): {"sampler": list(range(rank, 60, 3)) if rank < 3 else []} for rank in range(4)}
+    case = Case(world_size=4, lengths=mixed_lengths(60), planning=planning, options_by_rank=samplers)
     records = _run(case, "env", tmp_path)
     _check_epochs(case, records)
-    empty = _epoch(records, 0)[3]
+    ranks = _epoch(records, 0)
+    empty = ranks[3]
     assert empty["sampler"] == [] and empty["steps"], "rank 3 has no data but must still step with the others"
     if planning == "local":
         assert all(s["is_idle"] for s in empty["steps"])
     else:
-        assert emitted(empty) or all(s["is_idle"] for s in empty["steps"])
+        assert emitted(empty), "global planning gave the empty rank none of the pooled samples"
+        assert sum(r["moved_samples"] for r in ranks) > 0
+        assert all(not s["is_idle"] for s in empty["steps"][:-1]), "the empty rank went IDLE before the last step"
 
 
 def test_rank_without_data_ends_the_non_join_epoch_with_everything_reported(tmp_path):

@@ -38,24 +38,27 @@ class RankDependent(LengthDataset):
 
 
 def _run(grow: int | None, move: str, timeout_s: float = 3.0):
+    """Per rank: (padded size and cost of each batch, the error the epoch ended with, the indices trained, the
+    samples moved to the rank)."""
     def rank_run(rank, transport):
         loader = ODBDataLoader(RankDependent(rank, grow), token_budget=BUDGET, transport=transport, move=move,
                                window=32)
-        costs = []
+        costs, trained = [], []
         try:
             for batch in loader:
                 rows, width = batch["input_ids"].shape
                 costs.append((rows * width, batch.info.cost))
+                trained.extend(batch.info.indices)
         except (SampleError, DatasetFetchError, PeerError) as exc:
-            return costs, exc
+            return costs, exc, trained, loader.metrics.moved_samples
         finally:
             loader.close()
-        return costs, None
+        return costs, None, trained, loader.metrics.moved_samples
     return run_virtual_ranks(rank_run, 2, timeout_s=timeout_s)  # short: a failing rank's peer waits this long
 
 
 def test_a_re_read_sample_that_changed_is_refused_naming_the_index_and_the_move():
-    (costs0, error0), (costs1, error1) = _run(grow=400, move="fetch")
+    (costs0, error0, _, _), (costs1, error1, _, _) = _run(grow=400, move="fetch")
     assert isinstance(error1, SampleError), error1
     assert error1.index in RANK0
     message = str(error1)
@@ -67,7 +70,7 @@ def test_a_re_read_sample_that_changed_is_refused_naming_the_index_and_the_move(
 
 
 def test_a_re_read_that_fails_names_the_index_and_the_move():
-    (_, error0), (_, error1) = _run(grow=None, move="fetch")
+    (_, error0, _, _), (_, error1, _, _) = _run(grow=None, move="fetch")
     assert isinstance(error1, DatasetFetchError), error1
     message = str(error1)
     assert "moved from rank 0 to rank 1 (move='fetch') and re-read there" in message
@@ -76,6 +79,9 @@ def test_a_re_read_that_fails_names_the_index_and_the_move():
 
 
 def test_send_moves_the_sample_its_owner_processed_so_a_rank_dependent_dataset_trains_within_the_budget():
-    (costs0, error0), (costs1, error1) = _run(grow=400, move="send", timeout_s=60.0)
+    (costs0, error0, trained0, moved0), (costs1, error1, trained1, moved1) = _run(grow=400, move="send",
+                                                                                  timeout_s=60.0)
     assert error0 is None and error1 is None
     assert all(padded <= BUDGET for padded, _ in costs0 + costs1)
+    assert sorted(trained0 + trained1) == list(range(len(LENGTHS)))  # every sample once
+    assert moved1 > 0 and RANK0 & set(trained1), "no sample of rank 0's shard moved to rank 1: the case is moot"

@@ -178,7 +178,10 @@ def test_a_checkpoint_after_a_longer_epoch_resumes_every_epoch_left(chat_data, t
 
 
 def global_rng_states() -> tuple:
-    return torch.get_rng_state(), np.random.get_state()[1].copy(), random.getstate()
+    """torch's, numpy's and Python's global RNG states; numpy's whole (the key array changes only once every 624
+    draws: the position and the cached Gaussian tell a single draw)."""
+    kind, key, position, has_gauss, gauss = np.random.get_state()
+    return torch.get_rng_state(), (kind, key.tolist(), position, has_gauss, gauss), random.getstate()
 
 
 @pytest.mark.parametrize("num_workers,prefetch_steps", [(0, 0), (0, 2), (2, 2)])
@@ -206,4 +209,5 @@ def test_iterating_planning_and_resuming_leave_the_global_rngs_alone(num_workers
     after = global_rng_states()
     assert steps > 0
     assert torch.equal(before[0], after[0]), "ODB drew from the global torch RNG"
-    assert np.array_equal(before[1], after[1]) and before[2] == after[2], "ODB drew from numpy's or Python's RNG"
+    assert before[1] == after[1], "ODB drew from numpy's global RNG"
+    assert before[2] == after[2], "ODB drew from Python's global RNG"

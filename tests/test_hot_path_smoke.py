@@ -31,10 +31,9 @@ def test_hot_path_benchmark_reports_every_loader_with_and_without_a_step(tmp_pat
         # arrow: a plain loader reading the same arrays; trivial (no workers): the floor of a length-sorting loader
         extra = {"plain_arrays"} if row["dataset"] == "arrow" else {"length_sorted"}
         assert set(row["trainer_cpu_us_per_sample"]) == {"plain", "odb", "odb_thread"} | extra
-        assert row.get("ratio_vs_plain_arrays", 1.0) > 0 and row.get("length_sorted_ratio", 1.0) > 0
+        assert row["ratio_vs_plain_arrays" if row["dataset"] == "arrow" else "length_sorted_ratio"] > 0
         assert row["cost"] == "padded"
         assert set(row["full_collections_per_epoch"]) == set(row["trainer_cpu_us_per_sample"])
-        assert all(count >= 0 for count in row["full_collections_per_epoch"].values())
 
 
 @pytest.mark.parametrize("loader", ["none", "plain", "odb", "length_sorted"])

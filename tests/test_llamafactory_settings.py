@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import warnings
 
 import pytest
@@ -75,14 +76,16 @@ def test_llamafactory_settings_that_bypass_odb_are_refused(conflict):
         check_compatible({**BASE, **conflict}, settings)
 
 
-def test_budget_below_cutoff_len_is_left_to_the_loaders_one_warning():
+def test_budget_below_cutoff_len_is_left_to_the_loaders_one_warning(odb_log, caplog):
     """A cutoff_len above the budget is a possibility, not a fact: nothing is warned before training. The loader
     warns once when a sample does run alone over the budget (tests/test_llamafactory.py), so the LLaMA-Factory
     path does not warn twice."""
     settings = pop_odb_settings({"odb": True, "odb_token_budget": 512})
-    with warnings.catch_warnings():
+    assert BASE["cutoff_len"] > 512  # the premise
+    with warnings.catch_warnings(), caplog.at_level(logging.DEBUG):
         warnings.simplefilter("error")
         check_compatible(BASE, settings)
+    assert [r for r in caplog.records if r.levelno >= logging.WARNING] == []  # nor through a logger (odb's too)
 
 
 def test_torchrun_relaunch_targets_this_module_in_every_rank():

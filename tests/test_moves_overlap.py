@@ -162,21 +162,24 @@ def test_a_rounds_steps_are_released_before_its_move_ends(overlap):
         assert first_release > last_arrival, "in line, a round's steps come after its move"
 
 
-def _gloo_steps(tmp_path, name: str, **options) -> dict[int, list]:
+def _gloo_steps(tmp_path, name: str, **options) -> tuple[dict[int, list], int]:
+    """Each rank's epochs and the bytes both ranks' move lanes sent."""
     case = Case(world_size=2, lengths=mixed_lengths(300), window=32, shuffle=True, first_image=150,
                 options_by_rank={"0": options, "1": options})
     result = run_job(case, "env", tmp_path / name, timeout_s=240)
-    assert not result.timed_out, result.output[-4000:]
-    return {rank: record["epochs"] for rank, record in result.records.items()}
+    assert not result.timed_out and result.returncodes == [0, 0], result.output[-4000:]
+    lane_bytes = sum(record["lane_bytes_sent"] or 0 for record in result.records.values())
+    return {rank: record["epochs"] for rank, record in result.records.items()}, lane_bytes
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_gloo_ranks_with_the_lane_run_the_batches_of_moving_in_line(tmp_path):
-    lane = _gloo_steps(tmp_path, "lane", overlap_moves=True)
-    inline = _gloo_steps(tmp_path, "inline", overlap_moves=False)
+    lane, lane_bytes = _gloo_steps(tmp_path, "lane", overlap_moves=True)
+    inline, inline_bytes = _gloo_steps(tmp_path, "inline", overlap_moves=False)
     assert sorted(lane) == [0, 1] and lane == inline
     assert sum(e["moved_samples"] for r in lane.values() for e in r) > 0
+    assert lane_bytes > 0 and inline_bytes == 0, (lane_bytes, inline_bytes)  # the moves went by the lane, or not
 
 
 def test_a_moved_sample_is_freed_with_its_step_not_kept_by_the_round():

@@ -2,8 +2,9 @@
 step is complete ] in odb_core/resume/round_log.py): every rank saves the same position, whatever its threads'
 timing, and a resume from it goes on with the next epoch's batches.
 
-Real virtual ranks (`run_virtual_ranks`: threads over a real Gloo group), pooled quota rounds (`join=False`,
-global planning) whose last round cannot fill a band of W groups, so the epoch's end comes after its last step."""
+Virtual ranks (`run_virtual_ranks`: real loaders on threads, their collectives over an in-process `VirtualHub`,
+not Gloo; the threads' timing is what varies), pooled quota rounds (`join=False`, global planning) whose last
+round cannot fill a band of W groups, so the epoch's end comes after its last step."""
 
 from __future__ import annotations
 

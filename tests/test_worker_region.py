@@ -141,7 +141,8 @@ def test_gloo_ranks_that_use_moved_spans_in_place_give_every_span_back_epoch_aft
                 num_workers=2, context="fork", image_width=512, persistent_workers=True, record_carried=True,
                 options_by_rank={"0": options, "1": options})
     result = run_job(case, "env", tmp_path, timeout_s=300)
-    assert not result.timed_out and sorted(result.records) == [0, 1], result.output[-4000:]
+    assert not result.timed_out and result.returncodes == [0, 0], result.output[-4000:]
+    assert sorted(result.records) == [0, 1], result.output[-4000:]
     moved = sum(e["moved_samples"] for r in (0, 1) for e in result.records[r]["epochs"])
     assert moved > 5 * 40  # of 5 x 120 images, about half move
     lane = sum(result.records[r]["lane_bytes_sent"] for r in (0, 1))
