@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 from dataclasses import dataclass
@@ -575,3 +576,123 @@ def test_a_loader_dropped_without_close_ends_its_threads_and_groups():
         # and a courier thread and its group for each refused one
         assert [threads for threads, _ in seen] == [[]] * 5, (rank, seen)
         assert max(fds for _, fds in seen) <= 3, (rank, seen)  # a descriptor or two come and go (the store's)
+
+
+CLOSED_BY_A_HANDLER = textwrap.dedent("""
+    import os, signal, sys, time
+    import torch.distributed as dist
+    from conftest import LengthDataset, lognormal_lengths
+    from odb_core import ODBDataLoader
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    loader = ODBDataLoader(LengthDataset(lognormal_lengths(200, 1.0, 96, seed=3, hi=700)), token_budget=700,
+                           window=16, seed=1, sync_timeout_s=30.0)
+
+    def handler(signum, frame):  # a preemption handler: close the loader, then end
+        started = time.monotonic()
+        loader.close()
+        print(f"rank {rank}: close() returned after {time.monotonic() - started:.1f}s", flush=True)
+        sys.exit(3)
+
+    signal.signal(signal.SIGALRM, handler)
+    for epoch in range(2):
+        if epoch == 1 and rank == 0:
+            signal.setitimer(signal.ITIMER_REAL, 1.0)  # rank 0 then waits in epoch 1's first round for rank 1
+        if epoch == 1 and rank == 1:
+            time.sleep(4)
+        try:
+            steps = sum(1 for _ in loader)
+        except Exception as error:
+            print(f"rank {rank}: {type(error).__name__}: {error}", flush=True)
+            sys.exit(1)
+""")
+
+
+@pytest.mark.timeout(120)
+def test_a_close_from_a_signal_handler_inside_the_rounds_own_exchange_ends_both_ranks_promptly(tmp_path):
+    """NOTE [ A failed epoch is not left ]: rank 0's handler closes the loader while its main thread waits in the
+    first round's exchange of epoch 1 (its default plan_ahead runs an epoch's first round inline). Leaving there
+    queued the leaving exchange behind the one in flight, which then paired with rank 1's next exchange: Gloo
+    aborted rank 0 ("op.preamble.length <= op.nbytes", SIGABRT) in a review's runs, or both ranks waited out
+    sync_timeout_s. Now the epoch is not left there: rank 0's handler finishes, rank 1 gets a PeerError."""
+    from dist_cases import free_port
+
+    script = tmp_path / "closed_by_a_handler.py"
+    script.write_text(CLOSED_BY_A_HANDLER)
+    port = free_port()
+    ranks = []
+    for rank in range(2):
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
+               "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), str(TESTS_DIR), os.environ.get("PYTHONPATH", "")])}
+        ranks.append(subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
+    started = time.monotonic()
+    outputs = [process.communicate(timeout=90)[0] for process in ranks]
+    elapsed = time.monotonic() - started
+    assert [process.returncode for process in ranks] == [3, 1], outputs  # not SIGABRT (-6), not a hang
+    assert "rank 0: close() returned" in outputs[0], outputs[0][-3000:]
+    assert "rank 1: PeerError" in outputs[1], outputs[1][-3000:]
+    assert elapsed < 25, f"{elapsed:.1f}s: the ranks waited for the 30 s sync timeout"
+
+
+def test_a_persistent_worker_that_died_between_epochs_is_replaced_with_a_warning(odb_log):
+    """No sample was in flight, so nothing is lost: the next epoch starts new workers and runs whole, with a
+    warning naming the worker and how it ended. Before, every later `iter()` failed with torch's bare "DataLoader
+    worker (pid ...) exited unexpectedly" after 5 s, a retry too (a review's run)."""
+    import multiprocessing
+
+    before = set(multiprocessing.active_children())
+    loader = ODBDataLoader(LengthDataset(mixed_lengths(120)), token_budget=700, window=16, num_workers=2,
+                           persistent_workers=True)
+    try:
+        first = [batch.info.indices for batch in loader]
+        workers = set(multiprocessing.active_children()) - before
+        assert len(workers) == 2  # the premise: persistent workers alive between epochs
+        victim = workers.pop()
+        os.kill(victim.pid, signal.SIGKILL)
+        victim.join(5)
+        second = [i for batch in loader for i in batch.info.indices]
+    finally:
+        loader.close()
+    assert sorted(second) == sorted(i for indices in first for i in indices) == list(range(120))
+    warned = [r.getMessage() for r in odb_log.caplog.records if "died between epochs" in r.getMessage()]
+    assert len(warned) == 1 and f"pid {victim.pid}" in warned[0] and "SIGKILL" in warned[0], warned
+
+
+def test_a_signal_handler_reading_the_position_inside_consume_does_not_deadlock():
+    """`state_dict()` from a signal handler that interrupts `RoundLog.consume` on the same thread takes the
+    log's lock again (a review's trace-driven run hung there for good): the lock is re-entrant."""
+    log = RoundLog(None)
+    done = threading.Event()
+
+    def handler_inside_consume() -> None:
+        with log._lock:  # where the interrupted consume() stands
+            assert log.position is None  # the handler's state_dict()
+        done.set()
+
+    thread = threading.Thread(target=handler_inside_consume, daemon=True)
+    thread.start()
+    thread.join(5)
+    assert done.is_set(), "the position deadlocked on the log's own lock"
+
+
+def test_closing_a_producer_without_leaving_waits_seconds_not_the_sync_timeout():
+    """An error's close (or a finalizer's) leaves no epoch, so it awaits no peer: the producer stuck in a collective
+    gets `EXIT_TIMEOUT_S`, not `sync_timeout_s + 5` (a review's Ctrl-C with prefetch_steps=1: 37.7 s, 10 s
+    without a producer); with leave it still waits as asked."""
+    from odb_core.epoch.prefetch import EXIT_TIMEOUT_S, BackgroundIterator
+
+    released = threading.Event()
+
+    def stuck():  # a round's exchange whose peer never comes (until the test ends)
+        released.wait(60)
+        yield 1
+
+    producer = BackgroundIterator(stuck(), depth=1)
+    started = time.monotonic()
+    producer.close(leave=False, timeout_s=35.0)
+    waited = time.monotonic() - started
+    released.set()
+    assert EXIT_TIMEOUT_S - 0.5 <= waited <= EXIT_TIMEOUT_S + 2.0, waited

@@ -94,14 +94,14 @@ class EpochRun(Iterator[ODBBatch]):
     NOTE [ Exact resume ]
     At the start of every round the run records a `RoundStart` in its `RoundLog`: the stream position (samples
     admitted so far), the dataset indices still buffered, the step count, the open accumulation window carried in
-    from earlier rounds (its step count and supervised tokens) and the index of the sample used for IDLE dummies.
-    A new process that re-fetches those indices, skips the stream to the same position and replays the round runs
-    the same pure plan and the same collectives, so it yields the same batches; steps already consumed are
-    dropped; the replayed round must reach the consumed step, or the position is refused (`StateError`: a
-    version-2 state has no digest, so this is what catches an edited step count there). The loader's metrics are
-    snapshotted at the same point and the replayed round records all its steps
-    again, so resumed counters equal the uninterrupted ones. The epoch's step count reaches the log before the
-    final round's steps are released, so the consumer can tell that it took the last step.
+    from earlier rounds (its step count and supervised tokens) and the index of the sample used for IDLE dummies. A
+    new process that re-fetches those indices, skips the stream to the same position and replays the round runs the
+    same pure plan and the same collectives, so it yields the same batches; steps already consumed are dropped; the
+    replayed round must reach the consumed step, or the position is refused (`StateError`: a version-2 state has no
+    digest, so this is what catches an edited step count there). The loader's metrics are snapshotted at the same
+    point and the replayed round records all its steps again, so resumed counters equal the uninterrupted ones. The
+    epoch's step count reaches the log before the final round's steps are released, so the consumer can tell that it
+    took the last step.
     """
 
     def __init__(self, ctx: RunContext, epoch: int, chunks: Iterator[Chunk], log: RoundLog,
@@ -161,41 +161,44 @@ class EpochRun(Iterator[ODBBatch]):
         return ODBBatch(batch, info)
 
     def close(self) -> None:
-        """Release the worker iterator (and with it the worker processes) and the collating thread; called on
-        errors and on shutdown; a round run ahead gets `CLOSE_WAIT_S` to end (NOTE [ Planning the next round
-        ahead ])."""
+        """Release the worker iterator (and with it the worker processes) and the collating thread; called on errors and
+        on shutdown; a round run ahead gets `CLOSE_WAIT_S` to end (NOTE [ Planning the next round ahead ])."""
         self.round_ahead.close()
         self.reader.close()
         self.collating.close()
 
     def leave(self) -> None:
         """NOTE [ Leaving an epoch ]
-        A consumer that stops iterating an epoch before its end (a `break`, `set_epoch`, a new `iter()`) must not
-        leave its peers inside a collective that it never joins, nor let the next epoch's first collective pair
-        up with a peer's last one of this epoch. So the rank that leaves takes part in exactly one more state
-        exchange, flagged `leaving`, at the position of the next round, instead of that round; every rank that
-        sees the flag ends its epoch right after the steps it already planned (`EpochReport.abandoned`), and runs
-        no more collectives for it. The rounds are lockstep, so a peer is either in that same exchange (as a
-        normal round or leaving too) or reaches it when its own consumer takes the next step or leaves. Called
-        once, on the thread that runs the rounds, between rounds; a finished epoch needs nothing.
+        A consumer that stops iterating an epoch before its end (a `break`, `set_epoch`, a new `iter()`) must not leave
+        its peers inside a collective that it never joins, nor let the next epoch's first collective pair up with a
+        peer's last one of this epoch. So the rank that leaves takes part in exactly one more state exchange, flagged
+        `leaving`, at the position of the next round, instead of that round; every rank that sees the flag ends its
+        epoch right after the steps it already planned (`EpochReport.abandoned`), and runs no more collectives for it.
+        The rounds are lockstep, so a peer is either in that same exchange (as a normal round or leaving too) or reaches
+        it when its own consumer takes the next step or leaves. Called once, on the thread that runs the rounds, between
+        rounds; a finished epoch needs nothing.
 
         NOTE [ A failed epoch is not left ]
-        Leaving says that this rank stopped on purpose, and the others end the epoch as if it were over. An epoch
-        whose `next()` raised (a bad sample, a failed fetch, a dead worker or peer) did not: a consumer that closed
-        the loader or called `iter()` after the error (a `finally:`, a context manager) used to leave it all the
-        same, and the healthy ranks ended the epoch without this rank's samples and without an error. So the
-        loader's iterator stops a failed epoch without this exchange (`_EpochIterator.close`): the other ranks meet
-        the error at their next collective, as for a rank that dies (`PeerError` once this rank's Gloo group or
-        process is gone, or after `sync_timeout_s`; `DesyncError` if it starts another epoch first). The same holds
-        for an error outside the loader (the training step, a callback): `ODBDataLoader.close()` called while an
-        exception propagates (an `except` block, a `finally:` it passes through; `unwinding` in prefetch.py) does
-        not leave the epoch either. `iter()`, `set_epoch()` and `load_state_dict()` still leave it there: a loop
-        that goes on after an error every rank met (a rollback to a saved state) needs its ranks in step.
-        A round run ahead ends first (NOTE [ Planning the next round ahead ]); one that failed inside its
-        collectives leaves the peers there, so the epoch is not left: `RoundAheadError` from its error."""
+        Leaving says that this rank stopped on purpose, and the others end the epoch as if it were over. An epoch whose
+        `next()` raised (a bad sample, a failed fetch, a dead worker or peer) did not: a consumer that closed the loader
+        or called `iter()` after the error (a `finally:`, a context manager) used to leave it all the same, and the
+        healthy ranks ended the epoch without this rank's samples and without an error. So the loader's iterator stops a
+        failed epoch without this exchange (`_EpochIterator.close`): the other ranks meet the error at their next
+        collective, as for a rank that dies (`PeerError` once this rank's Gloo group or process is gone, or after
+        `sync_timeout_s`; `DesyncError` if it starts another epoch first). The same holds for an error outside the
+        loader (the training step, a callback): `ODBDataLoader.close()` called while an exception propagates (an
+        `except` block, a `finally:` it passes through; `unwinding` in prefetch.py) does not leave the epoch either.
+        `iter()`, `set_epoch()` and `load_state_dict()` still leave it there: a loop that goes on after an error every
+        rank met (a rollback to a saved state) needs its ranks in step. A round run ahead ends first (NOTE [ Planning
+        the next round ahead ]); one that failed inside its collectives leaves the peers there, so the epoch is not
+        left: `RoundAheadError` from its error. Nor is it left by a `close()` from a signal handler inside this thread's
+        own round exchange (its leaving would pair with a peer's next exchange: Gloo aborted, or both waited
+        `sync_timeout_s`)."""
         ended, error = self.round_ahead.settle(self._ahead_wait_s())
         if not ended:
             raise TimeoutError("the round run ahead did not end; the epoch is not left")
+        if error is None and self.exchanging:  # this thread inside its own round's exchange (NOTE [ A failed ... ])
+            raise RuntimeError("close() inside this rank's own round exchange (a signal handler?): epoch not left")
         if error is not None and self.exchanging:
             raise RoundAheadError(f"the round run ahead failed inside its exchanges ({type(error).__name__}: "
                                   f"{error}), so the epoch cannot be left in step with the other ranks") from error
@@ -275,14 +278,13 @@ class EpochRun(Iterator[ODBBatch]):
 
     def _warn_oversize(self) -> None:
         """NOTE [ Samples over the budget ]
-        A sample whose cost alone exceeds the budget (or `max_patches`) runs in a micro-batch of its own under
-        `oversize="alone"`. The budget is the user's memory bound, so that micro-batch is the out-of-memory they
-        will meet on an accelerator, while the only other trace is a budget utilization above 1. The planner counts
-        such samples as it admits them (`BufferEngine.admit`, pure: an `Oversize` tally); here, after the fill and
-        before any step of the round is released, the first round of a loader that admitted one logs one warning
-        through the `odb` logger (`warn_oversize`: the budget, the longest sample, the fix). Once per loader (its
-        epochs share the `RunContext`), on each rank that reads such a sample; the adapters add none of their own,
-        so every path (HF Trainer, TRL, DeepSpeed, LLaMA-Factory) warns once. A resumed run warns again."""
+        A sample whose cost alone exceeds the budget (or `max_patches`) runs alone under `oversize="alone"`: the
+        out-of-memory an accelerator will meet, whose only other trace is a budget utilization above 1. The planner
+        counts such samples as it admits them (`BufferEngine.admit`, pure: an `Oversize` tally); after the fill,
+        before any step of the round is released, a loader's first such round logs one warning (`warn_oversize`,
+        the `odb` logger: the budget, the longest sample, the fix). Once per loader (its epochs share the
+        `RunContext`), on each rank that reads one; no adapter adds its own, so every path (HF Trainer, TRL,
+        DeepSpeed, LLaMA-Factory) warns once. A resumed run warns again."""
         once = self.ctx.oversize_warning
         if self.engine.oversize.count and not once.given:
             once.given = True
@@ -292,13 +294,10 @@ class EpochRun(Iterator[ODBBatch]):
     def _plan_step(self, slot: Slot, planned: RankRound) -> PlannedStep:
         if slot is None:
             return self.collation.idle(self.reader.dummy_sample())
+        take, rank = self.reader.take, self.ctx.transport.rank
         if planned.arrivals is None:  # rank-local planning: every sample is this rank's own (once per step)
-            take = self.reader.take
-            samples = [take(item.index) for item in slot.items]
-        else:
-            rank = self.ctx.transport.rank
-            samples = [sample_of(item, planned, rank, self.reader.take) for item in slot.items]
-        return self.collation.plan(slot, samples)
+            return self.collation.plan(slot, [take(item.index) for item in slot.items])
+        return self.collation.plan(slot, [sample_of(item, planned, rank, take) for item in slot.items])
 
     def _stage(self, planned: PlannedStep, totals: list[int], round_index: int, step: int) -> None:
         g_samples, g_tokens, g_input, g_cost, g_cost_sq, g_patches = totals

@@ -122,8 +122,8 @@ class BackgroundIterator(Iterator[T]):
                 self._queue.get_nowait()
             except queue.Empty:
                 break
-        if threading.current_thread() is not self._thread:
-            self._thread.join(timeout=timeout_s)
+        if threading.current_thread() is not self._thread:  # without leaving, no peer is awaited: an error's close
+            self._thread.join(timeout=timeout_s if leave else min(timeout_s, EXIT_TIMEOUT_S))  # or a finalizer's
             if self._thread.is_alive() and leave:
                 logger.warning("ODB: the producer did not leave the epoch within %.0fs (a peer rank neither "
                                "continued nor left it)", timeout_s)

@@ -58,10 +58,9 @@ def worker_seed(seed: int, epoch: int, rank: int = 0) -> int:
     the resumed epoch's `iter()`, while the uninterrupted run drew before the save: one draw more, other dropout
     masks (G8a). So the worker DataLoader draws from ODB's own generator, seeded with this function of (seed,
     epoch, rank) at every `iter()`: iterating, resuming and planning leave the global torch, Python and numpy RNGs
-    alone. A user's `generator=` option replaces ODB's.
-    The rank is in it so that the ranks' workers draw apart, as the HF Trainer's `seed_worker` makes them (it adds
-    `num_workers * rank`): before, a dataset's random crops or templates in `__getitem__` followed the same
-    sequence on every rank (a review's 2 ranks: 32 of 32 draws equal). Rank 0 keeps the seed it had."""
+    alone. A user's `generator=` option replaces ODB's. The rank is in it so that the ranks' workers draw apart,
+    as the HF Trainer's `seed_worker` makes them (it adds `num_workers * rank`): before, random crops or templates
+    in `__getitem__` drew the same on every rank (a review's 2 ranks: 32 of 32 draws). Rank 0 keeps its seed."""
     return random.Random(f"odb-workers:{seed}:{epoch}" + (f":{rank}" if rank else "")).getrandbits(63)
 
 
@@ -225,12 +224,23 @@ class SampleStream:
         """`iter()` of the worker DataLoader, watched when there are workers (a new DataLoader after one died)."""
         if self._watch is None:
             return iter(self._workers)
-        if self._watch.failed:  # persistent workers would resume the broken iterator
+        if self._watch.failed or self._lost_persistent():  # persistent workers would resume the broken iterator
             self._workers, self._watch.failed = self._build_workers(), False
         chunks = self._watch.start(self._workers)
         direct = not self._reader_thread and direct_reads_rescued(self._workers)
         return WatchedChunks(chunks, self._watch, direct=direct, prepare=functools.partial(read_chunk,
                                                                                            files=self._watch.inbox))
+
+    def _lost_persistent(self) -> bool:
+        """A persistent worker dead since the last epoch, when none read (nothing is lost): a new DataLoader, with a
+        warning. Before, every later `iter()` failed with torch's bare error after 5 s (a review's run)."""
+        if not self._workers.persistent_workers or (dead := self._watch.dead()) is None:
+            return False
+        LOGGER.warning(f"ODB: DataLoader worker (pid {dead.pid}) of rank {self._watch.rank} died between epochs: "
+                       f"{dead.how()}; the workers are started anew (a SIGKILL usually comes from the kernel's "
+                       "out-of-memory killer: see `dmesg`)")
+        self._watch.kill_survivors()
+        return True
 
     def close_files(self) -> None:
         """Close the workers' socket pairs for shared files (the loader's `close()`; workers later go torch's way)."""

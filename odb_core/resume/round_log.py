@@ -53,7 +53,7 @@ class RoundLog:
     """Round starts of one epoch (producer side) and the consumer's last position (consumer side)."""
 
     def __init__(self, resumed: SavedPosition | None) -> None:
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # re-entered by a signal handler's `state_dict()` inside `consume`
         self._starts: dict[int, tuple[RoundStart, Metrics]] = {}
         self._final: tuple[int, Metrics, int] | None = None  # steps, metrics, the round the epoch ended in
         self._last_round = -1
