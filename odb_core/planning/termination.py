@@ -123,9 +123,10 @@ def check_same_progress(states: Sequence[RankState], round_index: int, epoch: in
     config, same epoch, states saved after the same step (NOTE [ A state proves itself ])."""
     resumed = [s.resumed_at for s in states]
     if len(set(resumed)) != 1:
-        raise DesyncError(f"ranks resumed at different steps {resumed} of epoch {epoch}: their states were saved "
-                          "after different steps; save every rank's state after the same step (or load one "
-                          "merge_states() of all of them, which checks it)")
+        raise DesyncError(f"ranks resumed at different steps {resumed} of epochs {[s.epoch for s in states]} (by "
+                          "rank; a state saved at an epoch's last step resumes at step 0 of the next): their states "
+                          "were saved after different steps; save every rank's state after the same step (or load "
+                          "one merge_states() of all of them, which checks it)")
     where = [(s.epoch, s.round, s.steps_done) for s in states]
     if len(set(where)) != 1 or where[0][:2] != (epoch, round_index):
         raise DesyncError(f"ranks are at different points of the epoch (epoch, round, step per rank: {where}; this "
