@@ -244,12 +244,10 @@ class EpochView:
             except StopIteration:
                 self.finished = True
             else:
-                if self.plan.exact:  # NOTE [ Lengths that change between reads ]
-                    raise RuntimeError(f"ODB epoch {self.loader.epoch - 1} has more than the {len(self)} steps the "
-                                       f"exact schedule planned: {CHANGED_LENGTHS}")
-                raise RuntimeError(f"ODB epoch {self.loader.epoch - 1} has more than the {len(self)} steps the "
-                                   f"trainer planned (estimate {self.plan.estimate}); raise length_slack "
-                                   "(ODBCallback(length_slack=...), odb_length_slack) or set max_steps")
+                why = (f"exact schedule planned: {CHANGED_LENGTHS}" if self.plan.exact  # NOTE [ Lengths that ... ]
+                       else f"trainer planned (estimate {self.plan.estimate}); raise length_slack "
+                            "(ODBCallback(length_slack=...), odb_length_slack) or set max_steps")
+                raise RuntimeError(f"ODB epoch {self.loader.epoch - 1} has more than the {len(self)} steps the {why}")
         self._check_plan()
         return float(self.loader.epoch)
 

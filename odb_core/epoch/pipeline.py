@@ -197,9 +197,9 @@ class EpochRun(Iterator[ODBBatch]):
         ended, error = self.round_ahead.settle(self._ahead_wait_s())
         if not ended:
             raise TimeoutError("the round run ahead did not end; the epoch is not left")
-        if error is None and self.exchanging:  # this thread inside its own round's exchange (NOTE [ A failed ... ])
+        if self.exchanging and error is None:  # this thread inside its own round's exchange (NOTE [ A failed ... ])
             raise RuntimeError("close() inside this rank's own round exchange (a signal handler?): epoch not left")
-        if error is not None and self.exchanging:
+        if self.exchanging:
             raise RoundAheadError(f"the round run ahead failed inside its exchanges ({type(error).__name__}: "
                                   f"{error}), so the epoch cannot be left in step with the other ranks") from error
         if error is not None:

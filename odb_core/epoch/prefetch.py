@@ -110,8 +110,9 @@ class BackgroundIterator(Iterator[T]):
         raise AssertionError(f"unexpected message {message!r}")
 
     def close(self, leave: bool = False, timeout_s: float = 5.0) -> None:
-        """Stop the producer and wait up to `timeout_s` for it; safe to call more than once. With `leave`, the
-        producer first finishes its current work and calls the source's `leave()` (NOTE [ Leaving an epoch ])."""
+        """Stop the producer and wait up to `timeout_s` for it, and without `leave` at most `EXIT_TIMEOUT_S` (no peer
+        is awaited then: an error's close, a finalizer's); safe to call more than once. With `leave`, the producer
+        first finishes its current work and calls the source's `leave()` (NOTE [ Leaving an epoch ])."""
         if leave:
             self._leave.set()
         self._done = True
@@ -122,8 +123,8 @@ class BackgroundIterator(Iterator[T]):
                 self._queue.get_nowait()
             except queue.Empty:
                 break
-        if threading.current_thread() is not self._thread:  # without leaving, no peer is awaited: an error's close
-            self._thread.join(timeout=timeout_s if leave else min(timeout_s, EXIT_TIMEOUT_S))  # or a finalizer's
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=timeout_s if leave else min(timeout_s, EXIT_TIMEOUT_S))
             if self._thread.is_alive() and leave:
                 logger.warning("ODB: the producer did not leave the epoch within %.0fs (a peer rank neither "
                                "continued nor left it)", timeout_s)
