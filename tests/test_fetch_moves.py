@@ -14,7 +14,7 @@ import torch
 
 from conftest import LengthDataset
 from odb_core import DatasetFetchError, ODBDataLoader, PeerError, SampleError, run_virtual_ranks
-from odb_core.data.sources import ShardedSampler
+from odb_core.data.samplers import ShardedSampler
 
 BUDGET = 2048
 LENGTHS = [40 + (i * 53) % 300 for i in range(240)]

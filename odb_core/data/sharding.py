@@ -1,4 +1,4 @@
-"""How a dataset is dealt over ranks, beside the samplers of sources.py.
+"""How a dataset is dealt over ranks, beside the samplers of samplers.py.
 
 `shard` is every rank's stream of a dataset's lengths, dealt exactly as the loader's own sampler deals the samples:
 the input `simulate_epoch` takes, so `odb plan` (cli.py) and the benchmarks plan whole epochs from lengths alone, on
@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from odb_core.data.sources import ShardedSampler
+from odb_core.data.samplers import ShardedSampler
 from odb_core.data.stream_epoch import from_datasets
 from odb_core.planning.budget import Item
 from odb_core.settings.console import LOGGER

@@ -1,4 +1,4 @@
-"""Which indices a rank reads, and how a sample keeps its index: rank sharding, index tagging and chunked fetches.
+"""How a sample keeps its index: index tagging and chunked fetches (which indices a rank reads: samplers.py).
 
 NOTE [ Workers emit tagged samples ]
 Workers are an ordinary `torch.utils.data.DataLoader`. Every fetch returns a list of `(index, sample)` pairs
@@ -11,15 +11,13 @@ the batches, do not depend on `num_workers` or on worker timing.
 from __future__ import annotations
 
 import itertools
-import math
 from collections.abc import Iterable, Iterator, Sized
 from concurrent.futures import Future, wait
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import torch
-from torch.utils.data import Dataset, IterableDataset, Sampler, get_worker_info
+from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 from odb_core.data.feeder import WorkerChunk
 from odb_core.data.sample import ID_DTYPE, ID_FIELDS, ID_KEYS, compact_ids
@@ -32,71 +30,6 @@ from odb_core.data.worker_region import placed, settled
 class DatasetFetchError(RuntimeError):
     """`dataset[index]` raised (in a worker, or re-read by index); the message names the index and keeps the
     original error."""
-
-
-class ShardedSampler(Sampler[int]):
-    """ODB's own rank sharding: rank r takes positions r, r+W, r+2W, ... of the (optionally shuffled) order.
-
-    Unlike `DistributedSampler` it neither pads nor drops: ranks may get counts that differ by one, or a rank may
-    get none. ODB's alignment makes the step counts equal anyway. The shuffle is a function of (seed, epoch).
-    """
-
-    def __init__(self, size: int, *, rank: int, world_size: int, shuffle: bool, seed: int) -> None:
-        self.size, self.rank, self.world_size = size, rank, world_size
-        self.shuffle, self.seed, self.epoch = shuffle, seed, 0
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    def with_epoch(self, epoch: int) -> list[int]:
-        """This rank's indices for `epoch` (without changing the sampler's own epoch)."""
-        saved, self.epoch = self.epoch, epoch
-        try:
-            return list(iter(self))
-        finally:
-            self.epoch = saved
-
-    def __iter__(self) -> Iterator[int]:
-        if self.shuffle:
-            generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
-            order = torch.randperm(self.size, generator=generator).tolist()
-        else:
-            order = list(range(self.size))
-        return iter(order[self.rank :: self.world_size])
-
-    def __len__(self) -> int:
-        return len(range(self.rank, self.size, self.world_size))
-
-
-class IndexListSampler(Sampler[int]):
-    """A fixed list of this rank's indices, in order: the remainder of an epoch after an elastic resume (see
-    NOTE [ Elastic resume ] in `resume.py`). It has no `set_epoch`: it serves exactly one epoch."""
-
-    def __init__(self, indices: list[int]) -> None:
-        self.indices = list(indices)
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self.indices)
-
-    def __len__(self) -> int:
-        return len(self.indices)
-
-
-class ChunkSampler(Sampler[list[int]]):
-    """Cuts a sampler's indices into chunks of `chunk`, after skipping the first `start` indices (resume)."""
-
-    def __init__(self, sampler: Sampler[int], chunk: int) -> None:
-        self.sampler, self.chunk, self.start = sampler, chunk, 0
-        self.order: list[int] = []  # this epoch's indices: lets a non-join report name the never-read ones
-
-    def __iter__(self) -> Iterator[list[int]]:
-        """The order is drawn at `iter()`: a `set_epoch` before the first chunk must not change it (G7)."""
-        self.order = [int(i) for i in self.sampler]
-        indices = iter(self.order[self.start :])
-        return iter(lambda: list(itertools.islice(indices, self.chunk)), [])
-
-    def __len__(self) -> int:
-        return math.ceil(max(len(self.sampler) - self.start, 0) / self.chunk)  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True, slots=True)

@@ -36,7 +36,7 @@ from odb_core.ranks.sync import Transport, default_transport
 from odb_core.resume.cursor import EpochCursor
 from odb_core.resume.resume import restore
 from odb_core.resume.round_log import RoundLog
-from odb_core.resume.source_state import RemainderSource, ShardedSource, source_to_dict
+from odb_core.resume.source_state import CustomSource, RemainderSource, ShardedSource, source_to_dict
 from odb_core.resume.state import LoaderIdentity, LoaderState
 from odb_core.settings.config import ODBConfig, fingerprint, given_config
 from odb_core.settings.settings import PASSED_ON, SettingsSource, split_keys
@@ -155,9 +155,9 @@ class ODBDataLoader:
         if self._worker_seeds is not None:  # NOTE [ ODB draws nothing from the global RNG ]
             self._worker_seeds.manual_seed(worker_seed(self.config.seed, start.epoch, self.transport.rank))
         start_metrics = self.metrics.snapshot()
-        log = RoundLog(start.position)
         try:  # re-fetches the resume point's samples
             chunks = self._stream.open(start.epoch, start.plan, start.point)
+            log = RoundLog(start.position, self._stream.drawn_order())
             run = EpochRun(self._ctx, start.epoch, chunks, log, start.point, stream_length=self._stream.length())
         except BaseException:  # nothing of the epoch was taken: a loaded position stays pending (and in state_dict)
             self._cursor.load(start.epoch, start.position, start.plan)
@@ -224,12 +224,13 @@ class ODBDataLoader:
         self._cursor.load(restored.epoch, restored.position, restored.plan)
 
     def _shard_order(self, loaded: LoaderState) -> list[int] | None:
-        """This rank's index order of the loaded epoch (its remainder after an elastic resume); None: a stream."""
+        """This rank's index order of the loaded epoch (its remainder after an elastic resume); None: a stream, or a
+        user sampler, checked as `iter()` draws it (NOTE [ A resume reads what the save read ] in replay.py)."""
         if self._stream.size is None or loaded.position is None:
             return None
         if loaded.plan is not None:
             return loaded.plan.indices(self.transport.rank, loaded.epoch)
-        return self._stream.epoch_indices(loaded.epoch)
+        return None if isinstance(self._stream.source(), CustomSource) else self._stream.epoch_indices(loaded.epoch)
 
     # -- length ---------------------------------------------------------------------------------------------
     def estimate_steps(self, sample_size: int = 512, epoch: int | None = None) -> int:
@@ -310,8 +311,7 @@ class _EpochIterator(Iterator[ODBBatch]):
         self.start_metrics, self.waits = start_metrics, loader._advisor.epoch_waits(loader.metrics, run.reader.reads)
         depth = loader.config.prefetch_steps
         self.source: Iterator[ODBBatch] = BackgroundIterator(run, depth) if depth > 0 else run
-        self.finished = False
-        self.failed = False  # a next() raised: the epoch is not left in step with the others (see `close`)
+        self.finished = self.failed = False  # failed: a next() raised, the epoch is not left in step (see `close`)
 
     def __next__(self) -> ODBBatch:
         asked = time.perf_counter()

@@ -238,6 +238,7 @@ class EpochRun(Iterator[ODBBatch]):
         stats = self.ctx.transport.stats
         bytes_before, seconds_before = stats.bytes_sent, stats.seconds
         active = self.reader.fill(self.engine)
+        self.log.filled(self.engine.round, list(self.engine.items), self.epoch)  # NOTE [ A resume reads what ... ]
         self._warn_oversize()
         first_step = self.engine.steps_done
         self.exchanging = True

@@ -20,7 +20,6 @@ this project's machines have no accelerator to run it on.
 from __future__ import annotations
 
 import functools
-import itertools
 import os
 import random
 import weakref
@@ -36,14 +35,14 @@ from odb_core.data.sharding import rank_sharding
 from odb_core.data.stream_epoch import SharedEpoch
 from odb_core.data.worker_files import FileInbox
 from odb_core.data.worker_region import region_size
-from odb_core.data.sources import (ChunkSampler, DatasetFetchError, Handover, IndexedDataset, IndexedIterable,
-                                   IndexListSampler, ShardedSampler, integer_columns, keep_chunk, map_style_size,
-                                   worker_parts)
+from odb_core.data.samplers import ChunkSampler, IndexListSampler, ShardedSampler
+from odb_core.data.sources import (DatasetFetchError, Handover, IndexedDataset, IndexedIterable, integer_columns,
+                                   keep_chunk, map_style_size, worker_parts)
 from odb_core.epoch.lifeline import Lifeline
 from odb_core.epoch.child_signal import direct_reads_rescued
 from odb_core.epoch.watch import WatchedChunks, WorkerWatch
-from odb_core.resume.fields import StateError
 from odb_core.resume.source_state import CustomSource, RemainderSource, ShardedSource, Source, StreamSource
+from odb_core.resume.replay import check_drawn_order, skip_stream
 from odb_core.resume.state import ResumePoint
 from odb_core.settings.console import LOGGER
 
@@ -126,26 +125,6 @@ def read_chunk(chunk: Chunk, packed: bool = True, files: FileInbox | None = None
     out.sizes = [payload_bytes(sample) for _, sample in out]
     out.nbytes = sum(out.sizes)
     return out
-
-
-def skip_stream(chunks: Iterator[Chunk], consumed: int, needed: set[int]) -> tuple[dict[int, Any], Iterator[Chunk]]:
-    """Read the first `consumed` samples of a tagged chunk stream, keeping those whose tag is `needed`; returns
-    them and the rest of the stream (resume of an iterable dataset: it can only be re-read from its start)."""
-    kept: dict[int, Any] = {}
-    seen = 0
-    rest: Chunk = []
-    while seen < consumed:
-        chunk = next(chunks, None)
-        if chunk is None:
-            raise RuntimeError(f"the resumed stream ended after {seen} samples, but the saved position is at "
-                               f"{consumed}: the IterableDataset does not replay the same samples")
-        take = min(len(chunk), consumed - seen)
-        for index, sample in chunk[:take]:
-            if index in needed:
-                kept[index] = unpack_sample(sample)
-        seen += take
-        rest = chunk[take:]
-    return kept, itertools.chain([rest] if rest else [], chunks)
 
 
 class LoaderCall:
@@ -282,14 +261,7 @@ class SampleStream:
             chunks = self._start_workers()
             if point is None:
                 return chunks
-            start = point.start
-            needed = set(start.buffer) | ({start.dummy_index} if start.dummy_index is not None else set())
-            self._replayed, rest = skip_stream(chunks, consumed, needed)
-            missing = sorted(needed - set(self._replayed))
-            if missing:
-                raise StateError(f"state.position.start names stream positions {missing[:8]} that the stream's first "
-                                 f"{consumed} samples do not hold: the state is corrupt, or the IterableDataset "
-                                 "does not replay the same samples")
+            self._replayed, rest = skip_stream(chunks, point.start)
             return rest
         if plan is not None:
             self._chunks.sampler = IndexListSampler(plan.indices(self.rank, epoch))
@@ -299,6 +271,9 @@ class SampleStream:
                 self.sampler.set_epoch(epoch)
         self._chunks.start = consumed
         self._indexed.refresh()  # the dataset as it is now (NOTE [ Arrow ids read as arrays ])
+        order = self._chunks.draw()  # before the workers start: NOTE [ A resume reads what the save read ]
+        if point is not None:
+            check_drawn_order(point, order, epoch)
         return self._start_workers()
 
     def length(self) -> int | None:
@@ -328,6 +303,10 @@ class SampleStream:
         if hasattr(self.sampler, "set_epoch"):
             self.sampler.set_epoch(epoch)
         return list(iter(self.sampler))  # type: ignore[arg-type]
+
+    def drawn_order(self) -> list[int] | None:
+        """The open epoch's index order on this rank (map-style; None for a stream)."""
+        return self._chunks.order if self.size is not None else None
 
     def unread(self, position: int) -> tuple[int, ...]:
         """The indices of the open epoch's source past `position` (map-style; empty for a stream)."""

@@ -30,10 +30,13 @@ epoch: NOTE [ Resuming at an epoch's end ] in odb_core/epoch/epoch_length.py).
 
 from __future__ import annotations
 
+import dataclasses
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
+from odb_core.planning.budget import Item
+from odb_core.resume.replay import check_replayed_round, lengths_digest, order_digest
 from odb_core.resume.state import ResumePoint, RoundStart, SavedPosition
 from odb_core.steps.step_info import StepInfo
 
@@ -52,9 +55,12 @@ class _Held(NamedTuple):
 class RoundLog:
     """Round starts of one epoch (producer side) and the consumer's last position (consumer side)."""
 
-    def __init__(self, resumed: SavedPosition | None) -> None:
+    def __init__(self, resumed: SavedPosition | None, order: Sequence[int] | None = None) -> None:
         self._lock = threading.RLock()  # re-entered by a signal handler's `state_dict()` inside `consume`
         self._starts: dict[int, tuple[RoundStart, Metrics]] = {}
+        self._fills: dict[int, list[Item]] = {}  # a round's buffered samples once filled: their digest when saved
+        self._order, self._order_digest = order, None  # the epoch's, digested when saved: NOTE [ A resume reads ... ]
+        self._replayed = resumed.point.start if resumed is not None else None  # the saved round, checked at its fill
         self._final: tuple[int, Metrics, int] | None = None  # steps, metrics, the round the epoch ended in
         self._last_round = -1
         self._owned: dict[int, tuple[int, ...]] = {}  # step -> own indices emitted by any rank (global planning)
@@ -66,6 +72,16 @@ class RoundLog:
         with self._lock:
             self._starts[start.round] = (start, dict(metrics))
             self._last_round = max(self._last_round, start.round)
+
+    def filled(self, round_: int, items: list[Item], epoch: int) -> None:
+        """The round's buffered samples once its fill ended, before its plan (a copy of the buffer's list: their
+        digest is taken only when a position is saved). A resumed epoch's first round, the saved one read again, is
+        refused where they are not the saved run's (NOTE [ A resume reads what the save read ] in replay.py)."""
+        replayed, self._replayed = self._replayed, None
+        if replayed is not None:
+            check_replayed_round(replayed, items, epoch)
+        with self._lock:
+            self._fills[round_] = items
 
     def record_owned(self, first_step: int, owned_by_step: tuple[tuple[int, ...], ...]) -> None:
         """Global planning: the indices of this rank's samples that each step of the round emits on any rank
@@ -100,6 +116,7 @@ class RoundLog:
             self._held = _Held(position, emitted, len(emitted))  # the commit
             for stale in [r for r in self._starts if r < info.round]:
                 del self._starts[stale]
+                self._fills.pop(stale, None)
             for stale in [step for step in self._owned if step <= info.step]:
                 del self._owned[stale]
 
@@ -110,11 +127,18 @@ class RoundLog:
             position, emitted, count = self._held
             if position is None:
                 return None
-            point = position.point
-            return SavedPosition(point=ResumePoint(start=point.start, steps_consumed=point.steps_consumed,
+            point, items = position.point, self._fills.get(position.point.start.round)
+            start = point.start if items is None else dataclasses.replace(  # None: a loaded one, not read again yet
+                point.start, order_digest=self._digest_of_order(), lengths_digest=lengths_digest(items))
+            return SavedPosition(point=ResumePoint(start=start, steps_consumed=point.steps_consumed,
                                                    round_emitted=tuple(emitted[:count])),
                                  complete=position.complete, metrics=position.metrics,
                                  window_open=position.window_open)
+
+    def _digest_of_order(self) -> str | None:
+        if self._order is not None and self._order_digest is None:
+            self._order_digest = order_digest(self._order)
+        return self._order_digest
 
     @property
     def complete(self) -> bool:

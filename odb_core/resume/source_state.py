@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from odb_core.data.sources import ShardedSampler
+from odb_core.data.samplers import ShardedSampler
 from odb_core.resume.fields import ElasticResumeError, StateError, int_list, no_leftovers, pop_field
 
 

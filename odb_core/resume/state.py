@@ -11,16 +11,17 @@ source, no remainder, no emitted list) is still read. Sources are typed (`Sharde
 what elastic resume needs (NOTE [ Elastic resume ] in resume.py).
 
 NOTE [ A state proves itself ]
-A state is trusted only after it proved itself. Version 3 carries a `digest`: the sha256 of its canonical JSON,
-so a truncated or hand-edited state is refused. `from_dict` checks every field's type and range (no negative
-position, a carried accumulation window shorter than G and with no tokens or samples when it holds no
-micro-batch, a consumed step inside the saved round). Before a rank
-resumes, `check_against_shard` checks the position against the rank's own index order for the epoch: the
-samples admitted before the round (`consumed`) are a prefix of it, the buffered ones are among them, and the
-ones the round already emitted are among the buffered and the unread ones; what was emitted, buffered and
-unread then partitions the shard exactly. Ranks that resume at different points fail at their first exchange
-(`RankState.resumed_at`, `check_same_progress`). Every refusal names the field and what to do. Versions 1 and 2
-(no digest) are still read, with the same range and shard checks.
+A state is trusted only after it proved itself. Version 3 carries a `digest`: the sha256 of its canonical JSON, so a
+truncated or hand-edited state is refused. `from_dict` checks every field's type and range (no negative position, a
+carried accumulation window shorter than G and with no tokens or samples when it holds no micro-batch, a consumed
+step inside the saved round). Before a rank resumes, `check_against_shard` checks the position against the rank's
+own index order for the epoch: the samples admitted before the round (`consumed`) are a prefix of it, the buffered
+ones and the IDLE dummy are among them, and the ones the round already emitted are among the buffered and the unread
+ones; what was emitted, buffered and unread then partitions the shard exactly (a user sampler's order is checked as
+`iter()` draws it, and the order and the replayed round's lengths against digests the state records: NOTE [ A resume
+reads what the save read ] in replay.py). Ranks that resume at different points fail at their first exchange
+(`RankState.resumed_at`, `check_same_progress`). Every refusal names the field and what to do. Versions 1 and 2 (no
+digest) are still read, with the same range and shard checks.
 """
 
 from __future__ import annotations
@@ -58,6 +59,8 @@ class RoundStart:
     carry_tokens: int
     dummy_index: int | None
     carry_samples: int = 0  # global samples of the open window (a step target in samples needs them)
+    order_digest: str | None = None  # NOTE [ A resume reads what the save read ] in replay.py (None: not recorded)
+    lengths_digest: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,7 +87,8 @@ class SavedPosition:
 
     def to_dict(self) -> dict[str, Any]:
         start = self.point.start
-        start_dict = {name: getattr(start, name) for name in RoundStart.__slots__}
+        start_dict = {name: getattr(start, name) for name in RoundStart.__slots__  # a digest not recorded: absent
+                      if getattr(start, name) is not None or not name.endswith("_digest")}
         start_dict["buffer"] = list(start.buffer)
         return {"start": start_dict, "steps_consumed": self.point.steps_consumed,
                 "round_emitted": list(self.point.round_emitted), "epoch_complete": self.complete,
@@ -102,8 +106,10 @@ class SavedPosition:
         values["carry_samples"] = pop_field(start, "carry_samples", int, f"{where}.start") if has_samples else 0
         dummy = pop_field(start, "dummy_index", (int, type(None)), f"{where}.start")
         buffer = int_list(pop_field(start, "buffer", list, f"{where}.start"), f"{where}.start.buffer")
+        digests = {name: pop_field(start, name, (str, type(None)), f"{where}.start")  # absent: saved before them
+                   for name in ("order_digest", "lengths_digest") if name in start}
         no_leftovers(start, f"{where}.start")
-        point = ResumePoint(start=RoundStart(**values, buffer=buffer, dummy_index=dummy),
+        point = ResumePoint(start=RoundStart(**values, buffer=buffer, dummy_index=dummy, **digests),
                             steps_consumed=pop_field(data, "steps_consumed", int, where),
                             round_emitted=int_list(data.pop("round_emitted", []), f"{where}.round_emitted"))
         window_open = data.pop("window_open", 0)
@@ -212,9 +218,9 @@ class LoaderState:
                    metrics=metrics, version=version)
 
     def check_against_shard(self, order: Sequence[int] | None, window: int, accumulation: int | None) -> None:
-        """The saved position within this rank's index `order` for the epoch (None: a stream, unknown here):
-        see NOTE [ A state proves itself ]. `accumulation` None: optimizer steps have a target size, so a carried
-        window has no bound in micro-batches."""
+        """The saved position within this rank's index `order` for the epoch (None: a stream or a user sampler,
+        whose order `iter()` checks as drawn): see NOTE [ A state proves itself ]. `accumulation` None: optimizer
+        steps have a target size, so a carried window has no bound in micro-batches."""
         if self.position is None:
             return
         point, where = self.position.point, "state.position"
@@ -228,20 +234,8 @@ class LoaderState:
         if len(start.buffer) > window:
             raise StateError(f"{where}.start.buffer holds {len(start.buffer)} samples, more than the window of "
                              f"{window}; the state is corrupt")
-        if order is None:
-            return
-        if start.consumed > len(order):
-            raise StateError(f"{where}.start.consumed={start.consumed} is past the end of this rank's "
-                             f"{len(order)} samples of epoch {self.epoch}; the state is corrupt or from other data")
-        extra = Counter(start.buffer) - Counter(order[: start.consumed])
-        if extra:
-            raise StateError(f"{where}.start.buffer holds {sorted(extra)[:8]} that this rank had not read by sample "
-                             f"{start.consumed} of epoch {self.epoch} (or more often than read); the state is "
-                             "corrupt or from other data")
-        stray = Counter(point.round_emitted) - Counter(start.buffer) - Counter(order[start.consumed:])
-        if stray:
-            raise StateError(f"{where}.round_emitted holds {sorted(stray)[:8]} that were neither buffered nor unread "
-                             "at the round's start; the state is corrupt or from other data")
+        if order is not None:
+            check_in_order(point, order, self.epoch)
 
     def check_resumable_by(self, loader: LoaderIdentity) -> None:
         """Refuse a state that an exact resume on `loader` cannot honour, naming what differs."""
@@ -279,6 +273,30 @@ class LoaderState:
                 raise ValueError(f"loader state was saved with {key}={saved!r} but this loader has {mine!r}; "
                                  "exact resume needs the same world size, rank, dataset, sampler and batching config"
                                  + each)
+
+
+def check_in_order(point: ResumePoint, order: Sequence[int], epoch: int) -> None:
+    """The position within this rank's index `order` for `epoch`: the samples admitted before the round
+    (`consumed`) are a prefix of it, the buffered ones and the IDLE dummy among them, and the ones the round
+    already emitted among the buffered and the unread ones (NOTE [ A state proves itself ] in state.py)."""
+    start, where = point.start, "state.position"
+    if start.consumed > len(order):
+        raise StateError(f"{where}.start.consumed={start.consumed} is past the end of this rank's "
+                         f"{len(order)} samples of epoch {epoch}; the state is corrupt or from other data")
+    read = Counter(order[: start.consumed])
+    extra = Counter(start.buffer) - read
+    if extra:
+        raise StateError(f"{where}.start.buffer holds {sorted(extra)[:8]} that this rank had not read by sample "
+                         f"{start.consumed} of epoch {epoch} (or more often than read); the state is "
+                         "corrupt or from other data")
+    if start.dummy_index is not None and start.dummy_index not in read:
+        raise StateError(f"{where}.start.dummy_index={start.dummy_index} is not a sample this rank had read by sample "
+                         f"{start.consumed} of epoch {epoch}; the state is corrupt or from other data")
+    stray = Counter(point.round_emitted) - Counter(start.buffer) - Counter(order[start.consumed:])
+    if stray:
+        raise StateError(f"{where}.round_emitted holds {sorted(stray)[:8]} that were neither buffered nor unread "
+                         "at the round's start; the state is corrupt or from other data")
+
 
 
 def describe_layout(per_node: int | None, world: int) -> str:
