@@ -1,10 +1,10 @@
 """The loader's hot path: ODB against a plain DataLoader, side by side in one process, on three real shapes.
 
     python -m benchmarks.hot_path [--workers 0,2,4] [--repeats 5] [--samples 4000] [--rss] [--step-ms 0,4]
-                                  [--cost padded]
+                                  [--cost padded] [--trivial-samples 20000]
 
 Datasets (map-style, what trainers feed):
-  * `trivial`: 20,000 in-memory samples of 64 tokens (`torch.full`): the loader machinery alone;
+  * `trivial`: 20,000 in-memory samples of 64 tokens (`torch.full`; `--trivial-samples`): the loader machinery alone;
   * `arrow`: a pre-tokenized HF `datasets.Dataset` of ChitChat conversations (DeepSeek tokenizer, lists of ids),
     what LLaMA-Factory and TRL users load; read with `__getitems__` by both loaders;
   * `tokenize`: the same conversations as raw turns, templated and tokenized in `__getitem__`.
@@ -49,8 +49,9 @@ def median_ratio(rates: list[float], baseline: list[float]) -> float:
     return round(statistics.median([r / b for r, b in zip(rates, baseline, strict=True)]), 3)
 
 
-def compare(name: str, workers: int, repeats: int, samples: int, step_ms: float = 0.0, cost: str = "padded") -> dict:
-    dataset, mean = build(name, samples)
+def compare(name: str, workers: int, repeats: int, samples: int, step_ms: float = 0.0, cost: str = "padded",
+            trivial_samples: int = 20_000) -> dict:
+    dataset, mean = build(name, samples, trivial_samples)
     step = Step(step_ms) if step_ms else None
     plain, odb = loaders(name, dataset, mean, workers, cost=cost)
     _, thread = loaders(name, dataset, mean, workers, prefetch_steps=2, cost=cost)
@@ -121,6 +122,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--workers", default="0,2,4")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--samples", type=int, default=4000, help="conversations for arrow/tokenize")
+    parser.add_argument("--trivial-samples", type=int, default=20_000, help="samples of `trivial`")
     parser.add_argument("--rss", action="store_true")
     parser.add_argument("--cost", default="padded", choices=["padded", "tokens"], help="ODB's cost model")
     parser.add_argument("--step-ms", default="0", help="comma-separated simulated step lengths (see `Step`)")
@@ -131,7 +133,8 @@ def main(argv: list[str] | None = None) -> None:
     for name in filter(None, args.datasets.split(",")):  # --datasets "": the --rss part alone
         for workers in (int(w) for w in args.workers.split(",")):
             for step_ms in (float(ms) for ms in args.step_ms.split(",")):
-                rows.append(compare(name, workers, args.repeats, args.samples, step_ms, args.cost))
+                rows.append(compare(name, workers, args.repeats, args.samples, step_ms, args.cost,
+                                    args.trivial_samples))
                 print(json.dumps(rows[-1]), flush=True)
     result = {"rows": rows, "command": " ".join(["python -m benchmarks.hot_path", *(argv or sys.argv[1:])])}
     if args.rss:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -259,8 +260,12 @@ def _leave(loader: Any, case: Case, rank: int, out_dir: Path) -> None:
         time.sleep(0.2)
     if case.fault in ("kill-rank", "kill-worker-then-rank"):
         os.kill(os.getpid(), signal.SIGKILL)
-    if case.fault == "freeze":  # frozen with its sockets open (SIGSTOP), killed by a sidecar once stall_s passed
-        subprocess.Popen(["sh", "-c", f"kill -STOP {os.getpid()}; sleep {case.stall_s}; kill -KILL {os.getpid()}"])
+    if case.fault == "freeze":  # frozen with its sockets open (SIGSTOP), killed by a sidecar once every survivor
+        # reported (each raised while it was still frozen), or once stall_s passed
+        reported = " && ".join(f"[ -e {shlex.quote(str(out_dir / f'rank{r}.json'))} ]"
+                               for r in range(case.world_size) if r != rank)
+        subprocess.Popen(["sh", "-c", f"kill -STOP {os.getpid()}; i=0; while [ $i -lt {int(case.stall_s * 10)} ] && "
+                                      f"! ( {reported} ); do sleep 0.1; i=$((i+1)); done; kill -KILL {os.getpid()}"])
         time.sleep(case.stall_s + 5)
     _stay_until_reported(case, rank, out_dir)
 

@@ -123,11 +123,17 @@ def test_a_node_that_leaves_the_epoch_ends_it_for_every_node_and_the_next_epoch_
     assert len({c[1] for c in counts}) == 1 and counts[2][0] == 2
 
 
+@pytest.fixture(scope="module")
+def two_nodes(tmp_path_factory) -> dict:
+    """One job of 4 Gloo processes on two nodes of two ranks, which the tests below only read."""
+    return run_job(tmp_path_factory.mktemp("two_nodes"), timeout_s=90)
+
+
 @pytest.mark.slow
-def test_gloo_two_nodes_of_two_ranks_align_move_within_nodes_and_resume(tmp_path):
+def test_gloo_two_nodes_of_two_ranks_align_move_within_nodes_and_resume(two_nodes):
     """The real thing: 4 Gloo processes, `LOCAL_WORLD_SIZE=2` as torchrun sets it on two nodes of two ranks; and a
     rank that leaves an epoch early under node-aware rounds."""
-    result = run_job(tmp_path, timeout_s=90)
+    result = two_nodes
     for name in scenario_names():
         ranks = [result[rank][name] for rank in range(WORLD)]
         assert_node_epoch(name, ranks)
@@ -142,9 +148,10 @@ def test_gloo_two_nodes_of_two_ranks_align_move_within_nodes_and_resume(tmp_path
 
 @pytest.mark.slow
 @pytest.mark.parametrize("per_node", [4, 1])
-def test_gloo_merged_states_of_two_nodes_resume_on_another_layout_emitting_each_sample_once(tmp_path, per_node):
+def test_gloo_merged_states_of_two_nodes_resume_on_another_layout_emitting_each_sample_once(two_nodes, tmp_path,
+                                                                                           per_node):
     """2 x 2 Gloo ranks save after 3 steps; their merged states resume on one node of 4 and on 4 nodes of 1."""
-    first = run_job(tmp_path / "saved", timeout_s=90)
+    first = two_nodes
     ranks = [first[rank]["map-join"] for rank in range(WORLD)]
     merged = tmp_path / "merged.json"
     merged.write_text(json.dumps(merge_states([r["state"] for r in ranks])))

@@ -39,16 +39,26 @@ def indices(steps) -> list[list[int]]:
     return [list(batch.info.indices) for batch in steps]
 
 
+def epoch(loader: ODBDataLoader) -> list[list[int]]:
+    """The indices of one epoch's steps, the loader closed after it (persistent workers outlive an epoch, and
+    a collected loader's wait for them costs seconds per worker)."""
+    try:
+        return indices(loader)
+    finally:
+        loader.close()
+
+
 def save_after(loader: ODBDataLoader, steps: int) -> tuple[list[list[int]], dict]:
     it = iter(loader)
     before = indices(next(it) for _ in range(steps))
     state = json.loads(json.dumps(loader.state_dict()))
+    loader.close()  # its workers stop now (a collected one's wait for them: seconds per worker)
     assert state["position"]["start"]["buffer"] == [] and state["position"]["start"]["consumed"] == 0
     return before, state
 
 
 def test_a_user_sampler_drawn_with_another_seed_is_refused_and_the_same_seed_resumes_exactly():
-    whole = indices(make(sampler=seeded(1)))
+    whole = epoch(make(sampler=seeded(1)))
     before, state = save_after(make(sampler=seeded(1)), SAVED_AFTER)
     assert before == whole[:SAVED_AFTER]
 
@@ -59,7 +69,7 @@ def test_a_user_sampler_drawn_with_another_seed_is_refused_and_the_same_seed_res
 
     same = make(sampler=seeded(1))
     same.load_state_dict(state)
-    assert before + indices(same) == whole
+    assert before + epoch(same) == whole
 
 
 def test_an_unseeded_random_sampler_is_refused():
@@ -82,12 +92,12 @@ def test_a_sampler_holding_a_seeded_generator_resumes_exactly_and_reads_the_same
     depended on `num_workers` and the order checked was not the one read (a review's runs: refused every time
     with 2 workers). ODB draws each epoch's order once (`ChunkSampler.draw`)."""
     options = WORKERS[workers]
-    whole = indices(make(sampler=seeded(7)))
-    assert indices(make(sampler=seeded(7), **options)) == whole  # the same order whatever the workers
+    whole = epoch(make(sampler=seeded(7)))
+    assert epoch(make(sampler=seeded(7), **options)) == whole  # the same order whatever the workers
     before, state = save_after(make(sampler=seeded(7), **options), SAVED_AFTER)
     resumed = make(sampler=seeded(7), **options)
     resumed.load_state_dict(state)
-    after = indices(resumed)
+    after = epoch(resumed)
     assert before + after == whole
     assert Counter(i for step in before + after for i in step) == Counter(range(N))  # each sample once
 
@@ -101,9 +111,10 @@ def test_a_dataset_whose_lengths_changed_is_refused_naming_the_round(num_workers
     round_ = state["position"]["start"]["round"]
     with pytest.raises(StateError, match=rf"round {round_} of epoch 0, which the resume replays.*lengths_digest"):
         next(iter(resumed))
+    resumed.close()
     unchanged = make(shuffle=True, num_workers=num_workers)
     unchanged.load_state_dict(state)
-    assert len(indices(unchanged)) > 0
+    assert len(epoch(unchanged)) > 0
 
 
 class Stream(IterableDataset):
@@ -125,11 +136,11 @@ def test_a_stream_whose_lengths_changed_is_refused():
 
 def test_a_state_saved_before_the_digests_resumes_unchecked_as_before():
     """States written by an odb without the digests carry none: resumed as they were (the same data: exact)."""
-    whole = indices(make(shuffle=True))
+    whole = epoch(make(shuffle=True))
     before, state = save_after(make(shuffle=True), SAVED_AFTER)
     start = state["position"]["start"]
     del start["order_digest"], start["lengths_digest"], state["digest"]
     old = {**state, "digest": digest_of(state)}
     resumed = make(shuffle=True)
     resumed.load_state_dict(old)
-    assert before + indices(resumed) == whole
+    assert before + epoch(resumed) == whole

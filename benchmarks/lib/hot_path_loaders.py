@@ -54,10 +54,10 @@ class Tokenizing(torch.utils.data.Dataset):
         return chat_data.tokenize(self.conversations[index], self.tokenizer, self.max_len)
 
 
-def build(name: str, samples: int):
-    """(dataset, mean length) of a named shape."""
+def build(name: str, samples: int, trivial_samples: int = 20_000):
+    """(dataset, mean length) of a named shape (`trivial_samples`: the size of `trivial`, whatever `samples`)."""
     if name == "trivial":
-        return Trivial(), SEQ
+        return Trivial(trivial_samples), SEQ
     from benchmarks.data import chat_data
 
     conversations = chat_data.conversations()[:samples]
