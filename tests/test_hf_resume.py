@@ -26,6 +26,7 @@ import hf_support
 from conftest import LengthDataset, lognormal_lengths
 from odb_core import ODBDataLoader
 from odb_core.data.collate import PadCollator
+from odb_core.resume.fields import StateError
 from odb_hf import ODBCallback
 
 pytest_plugins = ["hf_fixtures"]
@@ -211,3 +212,17 @@ def test_iterating_planning_and_resuming_leave_the_global_rngs_alone(num_workers
     assert torch.equal(before[0], after[0]), "ODB drew from the global torch RNG"
     assert before[1] == after[1], "ODB drew from numpy's global RNG"
     assert before[2] == after[2], "ODB drew from Python's global RNG"
+
+
+@pytest.mark.slow
+def test_a_resume_on_re_tokenized_data_is_refused_naming_the_replayed_round(runs):
+    """The same checkpoint resumed on the same samples cut to 24 tokens (a lower `cutoff_len` between the runs): the
+    replayed round's fill is not the saved one's, and the Trainer's resume stops with a `StateError` before its
+    first step (NOTE [ A resume reads what the save read ]); before, it trained the rest of the epoch on other
+    batches, repeating and skipping samples."""
+    full, saved = runs.full("ga1"), checkpoints(runs.root / "ga1")
+    step = next(k for k, state in saved.items() if position(state, k, full.global_step) == "inside an epoch")
+    cut = [{key: value[:24] for key, value in sample.items()} for sample in runs.samples]
+    assert any(len(a["input_ids"]) != len(b["input_ids"]) for a, b in zip(cut, runs.samples, strict=True))
+    with pytest.raises(StateError, match="which the resume replays, are not the ones the saved run planned"):
+        train(runs.root / f"ga1-cut-{step}", CASES["ga1"], cut, resume=runs.root / "ga1" / f"checkpoint-{step}")
