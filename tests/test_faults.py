@@ -578,30 +578,6 @@ def test_a_loader_dropped_without_close_ends_its_threads_and_groups():
         assert max(fds for _, fds in seen) <= 3, (rank, seen)  # a descriptor or two come and go (the store's)
 
 
-@pytest.mark.parametrize("left", [0, 2], ids=["after-the-epoch", "two-steps-before-its-end"])
-def test_a_loader_with_persistent_workers_dropped_after_an_epoch_stops_them_at_once(left):
-    """NOTE [ A dropped loader's workers stop at once ] in odb_core/epoch/stream.py: dropped without `close()`, a
-    loader with 2 persistent workers took 10 s to collect (torch waited 5 s for each worker, whose shutdown went
-    into queues the collector had already stopped); a plain DataLoader's drop takes a tenth of a second."""
-    baseline = Baseline.now()
-    loader = ODBDataLoader(LengthDataset(mixed_lengths(240)), token_budget=1024, window=32, num_workers=2,
-                           persistent_workers=True, multiprocessing_context="fork")
-    steps = sum(1 for _ in loader)
-    it = iter(loader)
-    for _ in range(steps - left if left else 0):
-        next(it)
-    workers = baseline.new_children()
-    assert len(workers) == 2, workers
-    del it
-    started = time.monotonic()
-    del loader
-    gc.collect()
-    elapsed = time.monotonic() - started
-    assert elapsed <= 3.0, f"dropping the loader took {elapsed:.1f}s"  # before: 10.2 s
-    assert wait_until(lambda: not any(is_alive(pid) for pid in workers), timeout_s=5.0), workers
-    assert_no_leftovers(baseline)
-
-
 CLOSED_BY_A_HANDLER = textwrap.dedent("""
     import os, signal, sys, time
     import torch.distributed as dist

@@ -127,11 +127,6 @@ def read_chunk(chunk: Chunk, packed: bool = True, files: FileInbox | None = None
     return out
 
 
-def _let_go(workers: DataLoader) -> None:
-    """The finalizer of a `SampleStream` that holds its worker DataLoader (NOTE [ A dropped loader's workers stop at
-    once ]): returning drops the last reference to it."""
-
-
 class LoaderCall:
     """Calls a method of the loader's parts through a weak reference. The producer thread holds the epoch's
     `RunContext`; a bound method there would keep a deleted loader, and so its thread and workers, alive forever."""
@@ -184,24 +179,9 @@ class SampleStream:
         self._workers = self._build_workers()
 
     def _build_workers(self) -> DataLoader:
-        """NOTE [ A dropped loader's workers stop at once ]
-        A loader and its epoch iterator hold each other, so a loader dropped without `close()` is freed by the cyclic
-        collector, with everything only it reaches: the worker DataLoader, a persistent one's torch iterator and that
-        iterator's index queues. The collector runs weakref callbacks before any `__del__`, and each queue's is its
-        `Finalize`, which stops the queue's feeder thread; torch's `__del__` then put its workers' shutdown `None`
-        into queues that nothing sent any more, and waited 5 s for each worker to end (10 s to drop a loader with 2
-        persistent workers; a plain DataLoader, in no cycle, 0.14 s). So the DataLoader is held by a finalizer of
-        the stream too, outside the cycle: it is not the cycle's garbage, and the stream's finalizer lets it go once
-        the stream is collected; torch's `__del__` then runs with live queues (0.13 s; `tests/test_faults.py::
-        test_a_loader_with_persistent_workers_dropped_after_an_epoch_stops_them_at_once`)."""
         if self.size is None:
-            workers = DataLoader(self._iterable, batch_size=None, **self._loader_options)
-        else:
-            workers = DataLoader(self._indexed, batch_sampler=self._chunks, **self._loader_options)
-        if getattr(self, "_holder", None) is not None:  # the DataLoader it replaces is freed as usual
-            self._holder.detach()
-        self._holder = weakref.finalize(self, _let_go, workers)
-        return workers
+            return DataLoader(self._iterable, batch_size=None, **self._loader_options)
+        return DataLoader(self._indexed, batch_sampler=self._chunks, **self._loader_options)
 
     def named_failure(self, exc: BaseException) -> BaseException:
         """torch's error for a dead worker, which its SIGCHLD handler raises wherever the main thread runs (ODB's
