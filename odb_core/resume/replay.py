@@ -70,8 +70,11 @@ def check_drawn_order(point: ResumePoint, order: Sequence[int], epoch: int) -> N
     if start.order_digest is not None and order_digest(order) != start.order_digest:
         raise StateError(f"this rank's sampler drew another order of indices for epoch {epoch} than the run that "
                          f"saved the state (state.position.start.order_digest): a sampler seeded otherwise, an "
-                         f"unseeded RandomSampler, or a dataset of another size. Replaying the saved round on it "
-                         f"would repeat some samples and skip others; {_SAME_DATA}")
+                         f"unseeded RandomSampler, a generator drawn another number of times before this epoch (one "
+                         f"seeded once and drawn at every epoch resumes only in its first: use a sampler whose order "
+                         f"is a function of set_epoch, as DistributedSampler or ODB's own, without sampler=), or a "
+                         f"dataset of another size. Replaying the saved round on it would repeat some samples and "
+                         f"skip others; {_SAME_DATA}")
     check_in_order(point, order, epoch)
 
 
